@@ -1,0 +1,30 @@
+"""sgpu_magic: run distributed PyTorch from a notebook.
+
+``%load_ext sgpu_magic`` adds the ``%%distributed`` cell magic; ``from sgpu_magic import
+distributed`` gives the decorator, call-compatible with the Databricks serverless GPU API.
+Ranks are fresh processes started by torch.distributed.elastic in a per-kernel launch
+host; with no GPU they run on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+from . import runtime
+from .decorator import DistributedFunction, distributed
+from .errors import (CaptureError, JobTimeoutError, LauncherError, RankFailedError, ResourceError, SgpuError,
+                     SpecError, UnpicklableGlobalError)
+from .job import Job, JobState
+
+__all__ = ["distributed", "DistributedFunction", "Job", "JobState", "runtime", "SgpuError", "SpecError",
+           "ResourceError", "CaptureError", "LauncherError", "RankFailedError", "JobTimeoutError",
+           "UnpicklableGlobalError", "load_ipython_extension"]
+
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext sgpu_magic``: register ``%%distributed`` and start the launch host in the background."""
+    from .launcher import get_host
+    from .magics import DistributedMagics
+
+    ipython.register_magics(DistributedMagics)
+    get_host()

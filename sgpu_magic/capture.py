@@ -1,0 +1,270 @@
+"""Capture what a cell or function needs from the notebook into a payload for the ranks.
+
+Only the globals the code reads are captured. Modules go by reference (the rank imports
+them); functions, classes and values defined in the notebook go by value with cloudpickle.
+A global larger than ``max_bytes`` gets a warning; one that cannot be pickled gets a
+warning and is replaced in the ranks by a placeholder that raises
+:class:`~sgpu_magic.errors.UnpicklableGlobalError` with the same explanation on first use.
+Arguments that cannot be pickled are refused with :class:`~sgpu_magic.errors.CaptureError`
+before anything starts.
+
+Non-goal (as in cloudpickle): every rank runs the same interpreter and library versions
+as the kernel.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import dis
+import inspect
+import linecache
+import pickle
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import cloudpickle
+
+from .errors import CaptureError, UnpicklableGlobalError
+
+DEFAULT_MAX_BYTES = 100 * 2**20
+_GLOBAL_OPS = {"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME", "DELETE_NAME"}
+_MAX_LINECACHE_CHARS = 2_000_000
+
+
+def type_name(value: object) -> str:
+    """``_thread.lock``, ``torch.Tensor``, ``list``: the qualified name of ``type(value)``."""
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def format_bytes(n: int) -> str:
+    """``1.0 GiB``, ``12.3 MiB``, ``512 B``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def estimate_nbytes(value: object) -> int | None:
+    """Cheap size estimate for arrays, tensors and byte strings, without pickling; ``None`` if unknown."""
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        return len(value)
+    nbytes = getattr(value, "nbytes", None)  # numpy arrays, torch tensors (>= 2.1)
+    if isinstance(nbytes, int):
+        return nbytes
+    if type(value).__module__.startswith("torch") and hasattr(value, "element_size"):
+        return int(value.element_size() * value.nelement())
+    return None
+
+
+class Unpicklable:
+    """Stands in a rank for a notebook global that could not be sent; any use raises."""
+
+    def __init__(self, name: str, type_name: str, reason: str) -> None:
+        object.__setattr__(self, "_sgpu_info", (name, type_name, reason))
+
+    def _fail(self, *args: Any, **kwargs: Any) -> Any:
+        name, tname, reason = object.__getattribute__(self, "_sgpu_info")
+        raise UnpicklableGlobalError(unpicklable_message(name, tname, reason))
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        self._fail()
+
+    def __reduce__(self) -> tuple:
+        return (Unpicklable, object.__getattribute__(self, "_sgpu_info"))
+
+    def __repr__(self) -> str:
+        return f"<sgpu_magic: global {object.__getattribute__(self, '_sgpu_info')[0]!r} was not sent to the ranks>"
+
+    __call__ = __enter__ = __exit__ = __iter__ = __len__ = __getitem__ = __setitem__ = _fail
+    __bool__ = __contains__ = __add__ = __float__ = __int__ = __setattr__ = _fail
+
+
+def unpicklable_message(name: str, tname: str, reason: str) -> str:
+    return (f"global '{name}' ({tname}) cannot be pickled ({reason}), so it is not sent to the ranks. "
+            f"Create it inside the cell or function that runs on the ranks instead.")
+
+
+def large_message(name: str, tname: str, nbytes: int, max_bytes: int) -> str:
+    return (f"global '{name}' ({tname}, {format_bytes(nbytes)}) is larger than {format_bytes(max_bytes)}; "
+            f"it is pickled and copied to every rank. Load or create it inside the cell or function instead.")
+
+
+@dataclass
+class Captured:
+    """Captured globals: name -> entry, plus the warnings to show before launch."""
+
+    entries: dict[str, tuple] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _capture_one(name: str, value: object, max_bytes: int, out: Captured) -> None:
+    if isinstance(value, types.ModuleType) and getattr(value, "__spec__", None) is not None:
+        out.entries[name] = ("module", value.__name__)
+        return
+    nbytes = estimate_nbytes(value)
+    if nbytes is not None and nbytes > max_bytes:
+        out.warnings.append(large_message(name, type_name(value), nbytes, max_bytes))
+    try:
+        data = cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is reported, not raised
+        reason = f"{type(exc).__name__}: {exc}"
+        out.warnings.append(unpicklable_message(name, type_name(value), reason))
+        out.entries[name] = ("unpicklable", name, type_name(value), reason)
+        return
+    if nbytes is None and len(data) > max_bytes:
+        out.warnings.append(large_message(name, type_name(value), len(data), max_bytes))
+    out.entries[name] = ("value", data)
+
+
+def capture_names(names: set[str], namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES) -> Captured:
+    """Capture ``names`` that exist in ``namespace`` (builtins and dunders skipped)."""
+    out = Captured()
+    for name in sorted(names):
+        if name.startswith("__") or name not in namespace:
+            continue
+        value = namespace[name]
+        if name in vars(builtins) and value is vars(builtins)[name]:
+            continue
+        _capture_one(name, value, max_bytes, out)
+    return out
+
+
+def cell_global_names(source: str) -> set[str]:
+    """Names a cell (plain Python, after IPython's transforms) reads, at any depth."""
+    tree = ast.parse(source)
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    return names - set(dir(builtins))
+
+
+def code_global_names(code: types.CodeType) -> set[str]:
+    """Global names a code object and its nested code objects load or store."""
+    names: set[str] = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in _GLOBAL_OPS:
+            names.add(ins.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= code_global_names(const)
+    return names
+
+
+def _importable_reference(fn: Callable) -> tuple[str, str] | None:
+    """``(module, qualname)`` when ``fn`` lives in an importable module, else ``None``."""
+    module = getattr(fn, "__module__", None)
+    if not module or module == "__main__" or module not in sys.modules or "<locals>" in fn.__qualname__:
+        return None
+    obj: Any = sys.modules[module]
+    for part in fn.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    if obj is fn or getattr(obj, "__wrapped__", None) is fn:
+        return module, fn.__qualname__
+    return None
+
+
+def _source_cache(filenames: set[str]) -> dict[str, str]:
+    """Source text of notebook cells named in ``filenames``, so rank tracebacks show lines."""
+    out, total = {}, 0
+    for filename in filenames:
+        entry = linecache.cache.get(filename)
+        if entry and entry[2]:
+            text = "".join(entry[2])
+            total += len(text)
+            if total > _MAX_LINECACHE_CHARS:
+                break
+            out[filename] = text
+    return out
+
+
+def _code_filenames(code: types.CodeType) -> set[str]:
+    names = {code.co_filename}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_filenames(const)
+    return names
+
+
+def capture_function(fn: Callable, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
+    """Payload part for a function: a reference, or its code plus captured globals.
+
+    Raises:
+        CaptureError: when the function's defaults or closure cannot be pickled.
+    """
+    ref = _importable_reference(fn)
+    if ref is not None:
+        return {"kind": "ref", "module": ref[0], "qualname": ref[1], "globals": {}, "warnings": [], "sources": {}}
+    code = fn.__code__
+    captured = capture_names(code_global_names(code), fn.__globals__, max_bytes)
+    closure = [c.cell_contents for c in (fn.__closure__ or ())]
+    shell = {"code": code, "name": fn.__name__, "qualname": fn.__qualname__, "defaults": fn.__defaults__,
+             "kwdefaults": fn.__kwdefaults__, "closure": closure}
+    try:
+        shell_bytes = cloudpickle.dumps(shell, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise CaptureError(f"{fn.__qualname__}'s default arguments or closure cannot be pickled "
+                           f"({type(exc).__name__}: {exc}); pass such values as arguments or create them inside the function") from exc
+    filenames = _code_filenames(code) | _notebook_filenames(fn.__globals__, captured)
+    return {"kind": "code", "shell": shell_bytes, "globals": captured.entries, "warnings": captured.warnings,
+            "sources": _source_cache(filenames)}
+
+
+def _notebook_filenames(namespace: dict, captured: Captured) -> set[str]:
+    """Cell filenames of the notebook functions and classes among the captured globals."""
+    out = set()
+    for name in captured.entries:
+        value = namespace.get(name)
+        code = getattr(value, "__code__", None) or getattr(getattr(value, "__init__", None), "__code__", None)
+        if isinstance(code, types.CodeType):
+            out |= _code_filenames(code)
+    return out
+
+
+def capture_cell(source: str, namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
+    """Payload part for a cell: its source plus the globals it reads from ``namespace``.
+
+    Raises:
+        SyntaxError: when the cell is not valid Python.
+    """
+    captured = capture_names(cell_global_names(source), namespace, max_bytes)
+    return {"kind": "cell", "source": source, "globals": captured.entries, "warnings": captured.warnings,
+            "sources": _source_cache(_notebook_filenames(namespace, captured))}
+
+
+def _argument_error(label: str, call: str, value: object, exc: Exception) -> CaptureError:
+    tname = type_name(value)
+    if inspect.isgenerator(value) or inspect.isasyncgen(value):
+        remedy = "pass a list (e.g. list(gen)) or build the generator inside the function"
+    else:
+        remedy = "pass something picklable, or create this object inside the function"
+    return CaptureError(f"{label} of {call} is a {tname}, which cannot be sent to the ranks "
+                        f"({type(exc).__name__}: {exc}); {remedy}. Nothing was started.")
+
+
+def _dumps_argument(label: str, call: str, value: object) -> bytes:
+    try:
+        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise _argument_error(label, call, value, exc) from None
+
+
+def capture_arguments(call: str, args: tuple, kwargs: dict) -> tuple[list[bytes], dict[str, bytes]]:
+    """Pickle each of the call's arguments, refusing any that cannot be sent, naming it.
+
+    Args:
+        call: how the user called it, e.g. ``"g.distributed"``, for messages.
+
+    Returns:
+        ``(args, kwargs)`` with each value pickled on its own.
+
+    Raises:
+        CaptureError: naming ``argument <i>`` or ``keyword argument '<k>'`` and its type.
+    """
+    return ([_dumps_argument(f"argument {i}", call, v) for i, v in enumerate(args)],
+            {k: _dumps_argument(f"keyword argument '{k}'", call, v) for k, v in kwargs.items()})

@@ -1,0 +1,121 @@
+"""The ``@distributed`` decorator, call-compatible with the serverless GPU API.
+
+Example::
+
+    from sgpu_magic import distributed
+
+    @distributed(gpus=2)
+    def train(num_epochs: int) -> float:
+        ...
+
+    results = train.distributed(num_epochs=3)   # one value per rank, in rank order
+    train(1)                                    # still a plain local call
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from . import capture
+from .job import Job, submit
+from .launcher import get_host
+from .panel import TextView
+from .resources import check_port_free, plan_devices
+from .spec import DEFAULT_TIMEOUT_S, LaunchSpec, make_spec
+from .errors import SpecError
+
+
+def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | None = None) -> Job:
+    """Shared by both front doors: check the machine, capture, warn, then start the ranks.
+
+    Everything that can be refused is refused before any process starts.
+    """
+    view = view or TextView()
+    plan = plan_devices(spec)
+    if spec.port is not None:
+        check_port_free(spec.port)
+    payload = build_payload()
+    for text in payload.get("warnings", ()):
+        view.warn(text)
+    if plan.note:
+        view.note(plan.note)
+    return submit(spec, plan, payload, get_host(), view.lines)
+
+
+class DistributedFunction:
+    """A function that runs once per rank through :meth:`distributed`; calling it runs it locally.
+
+    Attributes:
+        spec: the :class:`~sgpu_magic.spec.LaunchSpec` from the decorator.
+        last_job: the :class:`~sgpu_magic.job.Job` of the latest ``.distributed`` call, or ``None``.
+    """
+
+    def __init__(self, fn: Callable, spec: LaunchSpec, max_capture_bytes: int) -> None:
+        functools.update_wrapper(self, fn)
+        self.__sgpu_function__ = fn
+        self.spec = spec
+        self.max_capture_bytes = max_capture_bytes
+        self.last_job: Job | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__sgpu_function__(*args, **kwargs)
+
+    def _payload(self, args: tuple, kwargs: dict) -> dict:
+        call = f"{self.__sgpu_function__.__name__}.distributed"
+        args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
+        payload = capture.capture_function(self.__sgpu_function__, self.max_capture_bytes)
+        payload.update(args=args_bytes, kwargs=kwargs_bytes)
+        return payload
+
+    def distributed(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; block until all end.
+
+        Returns:
+            list of length ``gpus``: each rank's return value, in global-rank order; tensors
+            come back on the CPU.
+
+        Raises:
+            CaptureError: an argument cannot be pickled (nothing is started).
+            ResourceError: the GPUs asked for are not there (nothing is started).
+            RankFailedError: a rank failed; the others were stopped.
+            JobTimeoutError: the job ran past ``timeout``.
+            KeyboardInterrupt: the kernel was interrupted; every rank was stopped.
+        """
+        self.last_job = start(self.spec, lambda: self._payload(args, kwargs))
+        return self.last_job.result()
+
+    def __repr__(self) -> str:
+        return f"<distributed function {self.__qualname__} gpus={self.spec.gpus}>"
+
+
+def distributed(gpus: int, gpu_type: str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S, *,
+                port: int | None = None, max_capture_bytes: int = capture.DEFAULT_MAX_BYTES
+                ) -> Callable[[Callable], DistributedFunction]:
+    """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
+
+    Follows the serverless GPU API's ``@distributed(gpus, gpu_type, remote=False)`` shape.
+
+    Args:
+        gpus: number of ranks, one GPU each; on a machine with no GPU, CPU ranks with gloo.
+        gpu_type: GPU model to require, e.g. ``"H100"`` (case-insensitive substring of the
+            device name); ``None`` (default) takes any. Ignored, with a note, on a machine without GPUs.
+        timeout: seconds before every rank is stopped and ``TimeoutError`` raised; default
+            10800 (3 h); ``None`` for no limit.
+        port: MASTER_PORT for the ranks' rendezvous; default picks a free port.
+        max_capture_bytes: captured globals above this size get a warning (default 100 MiB).
+
+    Raises:
+        SpecError: invalid ``gpus``, ``gpu_type``, ``timeout`` or ``port`` (at decoration time).
+    """
+    if callable(gpus):
+        raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
+
+    def wrap(fn: Callable) -> DistributedFunction:
+        if not callable(fn):
+            raise SpecError(f"@distributed(...) decorates a function, got {type(fn).__name__}")
+        spec = make_spec(gpus, gpu_type, timeout, port, name=getattr(fn, "__qualname__", "function"))
+        return DistributedFunction(fn, spec, max_capture_bytes)
+
+    make_spec(gpus, gpu_type, timeout, port)  # fail at the decorator line, not later
+    return wrap

@@ -1,0 +1,127 @@
+"""Exception tree of sgpu_magic.
+
+Every error sgpu_magic raises derives from :class:`SgpuError`, grouped by cause.
+Bad magic input raises :class:`IPython.core.error.UsageError` instead (the magic layer
+converts :class:`SpecError`), so IPython prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+
+
+class SgpuError(Exception):
+    """Root of every sgpu_magic error."""
+
+
+class SpecError(SgpuError, ValueError):
+    """A launch option (gpus, gpu_type, timeout, port, ...) is invalid. Raised before anything starts."""
+
+
+class ResourceError(SgpuError, RuntimeError):
+    """The machine cannot provide what the job asks for (GPUs, GPU type, port)."""
+
+
+class CaptureError(SgpuError, TypeError):
+    """An argument or captured value cannot be sent to the ranks. Raised before anything starts."""
+
+
+class LauncherError(SgpuError, RuntimeError):
+    """The launch host process failed or could not be started."""
+
+
+class UnpicklableGlobalError(SgpuError, RuntimeError):
+    """Raised inside a rank on first use of a notebook global that could not be sent."""
+
+
+class JobTimeoutError(SgpuError, TimeoutError):
+    """The job ran longer than its ``timeout``; every rank was stopped."""
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """Render a process exit code as a phrase: ``exit code 3`` or ``killed by signal SIGKILL (9)``."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by signal {name} ({-exitcode})"
+    return f"exit code {exitcode}"
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one failed rank left behind.
+
+    Attributes:
+        rank: global rank.
+        exitcode: process exit code; negative for a signal (``-9`` = SIGKILL).
+        exc_type: exception type name raised by the rank code, or ``None`` if it left none.
+        message: the exception message (``""`` when none).
+        traceback: the rank's formatted traceback text, with notebook cell lines.
+        log_path: the rank's log file.
+        time_s: when the failure happened (epoch seconds); the earliest one is the root cause.
+    """
+
+    rank: int
+    exitcode: int | None
+    exc_type: str | None = None
+    message: str = ""
+    traceback: str = ""
+    log_path: str = ""
+    time_s: float = 0.0
+
+    def summary(self) -> str:
+        """One line: ``rank 1: ValueError: bad batch (exit code 1)``."""
+        what = f"{self.exc_type}: {self.message}" if self.exc_type else "exited without a Python exception"
+        return f"rank {self.rank}: {what} ({describe_exit(self.exitcode)})"
+
+
+@dataclass(eq=False)
+class RankFailedError(SgpuError, RuntimeError):
+    """A rank failed, and the job was stopped.
+
+    The root cause is the earliest failure (torch elastic's rule); the other ranks are
+    listed as stopped because of it. In IPython only the root-cause rank's own traceback is
+    shown (``_render_traceback_``), once, tagged with its rank.
+
+    Attributes:
+        root_cause: the :class:`RankFailure` that ended the job.
+        others: other failed ranks (secondary failures).
+        stopped_ranks: ranks that were still running and were stopped by sgpu_magic.
+        run_dir: the job's run directory, where every rank's log stays.
+    """
+
+    root_cause: RankFailure
+    others: list[RankFailure] = field(default_factory=list)
+    stopped_ranks: list[int] = field(default_factory=list)
+    run_dir: str = ""
+
+    def __post_init__(self) -> None:
+        super().__init__(self._message())
+
+    def __str__(self) -> str:
+        return self._message()
+
+    def _message(self) -> str:
+        rc = self.root_cause
+        lines = [f"rank {rc.rank} failed (root cause): {rc.summary().split(': ', 1)[1]}"]
+        lines += [f"  then {f.summary()}" for f in self.others]
+        if self.stopped_ranks:
+            ranks = ", ".join(str(r) for r in self.stopped_ranks)
+            lines.append(f"  rank {ranks} stopped by sgpu_magic because rank {rc.rank} failed")
+        lines.append(f"  log of rank {rc.rank}: {rc.log_path}")
+        return "\n".join(lines)
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython hook: the root-cause rank's traceback, then the summary."""
+        out = [f"--- traceback from rank {self.root_cause.rank} (root cause) ---"]
+        if self.root_cause.traceback:
+            out += self.root_cause.traceback.rstrip("\n").splitlines()
+        out.append("---")
+        out += [f"{type(self).__name__}: " + self._message().splitlines()[0]]
+        out += self._message().splitlines()[1:]
+        return out

@@ -1,0 +1,234 @@
+"""The launch host: one process per kernel that starts and watches ranks with torch elastic.
+
+Started by :mod:`sgpu_magic.launcher` as ``python -m sgpu_magic.host <log> <kernel_pid>``.
+It detaches (its own session, not a child of the kernel, so Jupyter's interrupt does not
+reach it), answers ``ready <pid>`` on stdout, then reads JSON commands from stdin:
+
+- ``{"op": "launch", "run_dir": ..., "env": {...}}``: start the job's ranks.
+- ``{"op": "cancel", "run_dir": ..., "reason": "cancelled" | "timed_out" | "interrupted"}``.
+
+Ranks are started through torch.distributed.elastic's ``SubprocessContext`` with torchrun's
+environment contract; the first failure stops the others (SIGTERM, then SIGKILL after
+``GRACE_S``). The host reports through each RunDir's ``status.json``. It exits, stopping
+every rank, when stdin reaches EOF or the kernel process is gone: so no rank outlives the
+kernel, however it ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+import psutil
+
+from .rundir import RunDir, atomic_write_json, read_json
+
+GRACE_S = 3.0
+POLL_S = 0.02
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _rank_env(launch: dict, rank: int, port: int, env: dict) -> dict[str, str]:
+    world = launch["world_size"]
+    out = dict(env)
+    out.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+        "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": launch["job_id"], "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "PYTHONUNBUFFERED": "1", "SGPU_MAGIC_HOST_PID": str(os.getpid()), "SGPU_MAGIC_JOB_ID": launch["job_id"],
+    })
+    if launch.get("cuda_visible_devices"):
+        out["CUDA_VISIBLE_DEVICES"] = launch["cuda_visible_devices"]
+    if "OMP_NUM_THREADS" not in env:  # torchrun sets it too; in a rank it is read at torch start-up
+        out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world) if launch["backend"] == "gloo" else 1)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict):
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SubprocessContext
+
+    class Context(SubprocessContext):
+        """SubprocessContext that remembers which ranks failed before it stopped the rest."""
+
+        def close(self, death_sig=None, timeout: float = GRACE_S) -> None:
+            if not getattr(self, "first_failures", None):
+                self.first_failures = dict(self._failures)
+            super().close(death_sig, timeout)
+
+    world = launch["world_size"]
+    args = {r: ("-u", "-m", "sgpu_magic.worker", str(run_dir.path)) for r in range(world)}
+    envs = {r: _rank_env(launch, r, port, env) for r in range(world)}
+    return Context(name=launch["job_id"], entrypoint=sys.executable, args=args, envs=envs,
+                   logs_specs=DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir)))
+
+
+class HostJob:
+    """One job's ranks inside the host: start, poll, stop, report."""
+
+    def __init__(self, run_dir: RunDir, env: dict) -> None:
+        self.run_dir = run_dir
+        self.launch = read_json(run_dir.launch_file)
+        self.port = self.launch.get("port") or _free_port()
+        self.started_s = time.time()
+        timeout_s = self.launch.get("timeout_s")
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.status = {"state": "starting", "port": self.port, "started_s": self.started_s, "host_pid": os.getpid()}
+        self._write()
+        os.environ.clear()
+        os.environ.update(env)
+        self.ctx = _make_context(run_dir, self.launch, self.port, env)
+        self.ctx.start()
+        self.pids = self.ctx.pids()
+        self.status.update(state="running", pids={str(k): v for k, v in self.pids.items()})
+        self._write()
+        self.done = False
+
+    def _write(self) -> None:
+        atomic_write_json(self.run_dir.status_file, self.status)
+
+    def poll(self) -> None:
+        """Check the ranks once; finish the job when they are done, failed, or past the timeout."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.stop("timed_out")
+            return
+        result = self.ctx.wait(0)
+        if result is None:
+            return
+        failures = getattr(self.ctx, "first_failures", None) or result.failures
+        now = time.time()
+        self.status["failures"] = [{"rank": r, "exitcode": f.exitcode, "time_s": now} for r, f in sorted(failures.items())]
+        self._finish("failed" if failures else "succeeded")
+
+    def stop(self, state: str) -> None:
+        """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end in ``state``."""
+        self.ctx.close(timeout=GRACE_S)
+        self._finish(state)
+
+    def _finish(self, state: str) -> None:
+        kill_leftovers(set(self.pids.values()))
+        self.status.update(state=state, ended_s=time.time(),
+                           exitcodes={str(r): self.ctx.subprocess_handlers[r].proc.returncode for r in self.pids})
+        self._write()
+        try:
+            self.run_dir.payload_file.unlink()
+        except FileNotFoundError:
+            pass
+        self.done = True
+
+
+def kill_leftovers(rank_pids: set[int]) -> None:
+    """SIGKILL what the ranks left behind (their sessions' processes, adopted by this subreaper) and reap it."""
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.pid in rank_pids or os.getsid(child.pid) in rank_pids:
+                if child.status() != psutil.STATUS_ZOMBIE and child.pid not in rank_pids:
+                    child.kill()
+        except (psutil.Error, ProcessLookupError):
+            continue
+    for child in psutil.Process().children():
+        if child.pid not in rank_pids:
+            try:
+                os.waitpid(child.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def _detach(kernel_pid: int, log_path: str) -> None:
+    """Leave the kernel's process tree (fork; the parent exits), say ready, log to ``log_path``."""
+    if os.fork() > 0:
+        os._exit(0)
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    except (OSError, AttributeError):
+        pass
+    sys.stdout.write(f"ready {os.getpid()}\n")
+    sys.stdout.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+class Host:
+    """The host's loop: commands from stdin, polling of running jobs, shutdown with the kernel."""
+
+    def __init__(self, kernel_pid: int) -> None:
+        self.kernel = psutil.Process(kernel_pid)
+        self.jobs: dict[str, HostJob] = {}
+        self.buffer = b""
+
+    def kernel_alive(self) -> bool:
+        try:
+            return self.kernel.is_running() and self.kernel.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def handle(self, cmd: dict) -> None:
+        run_dir = RunDir(cmd["run_dir"])
+        if cmd["op"] == "launch":
+            try:
+                self.jobs[run_dir.job_id] = HostJob(run_dir, cmd["env"])
+            except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
+                atomic_write_json(run_dir.status_file, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
+        elif cmd["op"] == "cancel" and run_dir.job_id in self.jobs:
+            self.jobs.pop(run_dir.job_id).stop(cmd.get("reason", "cancelled"))
+
+    def read_commands(self) -> bool:
+        """Handle every complete command line waiting on stdin; ``False`` at EOF."""
+        ready, _, _ = select.select([0], [], [], POLL_S)
+        if not ready:
+            return True
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return False
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            if line.strip():
+                self.handle(json.loads(line))
+        return True
+
+    def run(self) -> None:
+        last_check = 0.0
+        try:
+            while self.read_commands():
+                for job_id, job in list(self.jobs.items()):
+                    job.poll()
+                    if job.done:
+                        del self.jobs[job_id]
+                if time.monotonic() - last_check > 0.5:
+                    last_check = time.monotonic()
+                    if not self.kernel_alive():
+                        break
+        finally:
+            for job in self.jobs.values():
+                job.stop("cancelled")
+
+
+def main(argv: list[str]) -> None:
+    log_path, kernel_pid = argv[1], int(argv[2])
+    _detach(kernel_pid, log_path)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401 - warm import before the first launch
+
+    Host(kernel_pid).run()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,266 @@
+"""The kernel-side :class:`Job` handle: state, log following, results, cancel.
+
+A job is followed through its RunDir: the host's ``status.json``, each rank's log file
+(read by byte offset) and the ranks' result and error files.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import JobTimeoutError, LauncherError, RankFailedError, RankFailure, SgpuError
+from .launcher import LaunchHost
+from .resources import DevicePlan
+from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
+from .spec import LaunchSpec
+
+POLL_INTERVAL_S = 0.05
+CANCEL_WAIT_S = 15.0
+
+
+class JobState(enum.Enum):
+    """Life cycle of a job. Final states: SUCCEEDED, FAILED, CANCELLED, TIMED_OUT."""
+
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def final(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT)
+
+
+def _to_state(status: dict) -> JobState:
+    """The host writes JobState values, plus ``interrupted`` (a cancel caused by a kernel interrupt)."""
+    raw = status.get("state", "pending")
+    return JobState.CANCELLED if raw == "interrupted" else JobState(raw)
+
+
+class LogFollower:
+    """Follows one rank's log file by byte offset and yields complete lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self, final: bool = False) -> list[str]:
+        """New complete lines since the last call; with ``final`` also the unterminated tail."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            chunk = b""
+        self.offset += len(chunk)
+        data = self.partial + chunk
+        *lines, self.partial = data.split(b"\n")
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = b""
+        return [line.decode(errors="replace") for line in lines]
+
+
+class Job:
+    """A running or finished distributed job (future-like).
+
+    Attributes:
+        job_id: unique id, also the run directory's name.
+        spec: the :class:`~sgpu_magic.spec.LaunchSpec` it was started with.
+        plan: where its ranks run (:class:`~sgpu_magic.resources.DevicePlan`).
+        run_dir: path of its run directory (logs stay there after the job).
+    """
+
+    def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, host: LaunchHost,
+                 on_lines: Callable[[int, list[str]], None] | None = None) -> None:
+        self._rd = run_dir
+        self.spec = spec
+        self.plan = plan
+        self._host = host
+        self._on_lines = on_lines
+        self._followers = [LogFollower(run_dir.log_file(r)) for r in range(plan.world_size)]
+        self._results: list[Any] | None = None
+        self._error: BaseException | None = None
+        self._final_status: dict | None = None
+        self.submitted_s = time.time()
+
+    job_id = property(lambda self: self._rd.job_id)
+    run_dir = property(lambda self: self._rd.path)
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def log_paths(self) -> list[Path]:
+        """One log file per rank, in rank order."""
+        return [self._rd.log_file(r) for r in range(self.world_size)]
+
+    def logs(self, rank: int) -> str:
+        """Everything rank ``rank`` wrote to stdout and stderr so far."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} is not in this job (world_size={self.world_size})")
+        path = self._rd.log_file(rank)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def _status(self) -> dict:
+        return self._final_status or read_json(self._rd.status_file) or {"state": "pending"}
+
+    @property
+    def state(self) -> JobState:
+        """The current :class:`JobState`."""
+        return _to_state(self._status())
+
+    def done(self) -> bool:
+        return self.state.final
+
+    def _pump(self, final: bool = False) -> None:
+        for rank, follower in enumerate(self._followers):
+            lines = follower.read(final)
+            if lines and self._on_lines is not None:
+                self._on_lines(rank, lines)
+
+    def _poll_once(self) -> bool:
+        self._pump()
+        status = read_json(self._rd.status_file) or {}
+        if _to_state(status).final:
+            self._final_status = status
+            self._pump(final=True)
+            return True
+        if not self._host.alive():
+            raise LauncherError(f"the launch host died while job {self.job_id} ran; see {self._host.log_path} "
+                                f"and the rank logs in {self._rd.path / 'logs'}")
+        return False
+
+    def wait(self, timeout_s: float | None = None) -> JobState:
+        """Block until the job ends (or ``timeout_s`` seconds pass); stream its logs meanwhile.
+
+        Interrupting (KeyboardInterrupt) cancels the job, waits for its ranks to stop, and re-raises.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while not self._poll_once():
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                time.sleep(POLL_INTERVAL_S)
+        except KeyboardInterrupt:
+            self.cancel(_reason="interrupted")
+            raise
+        return self.state
+
+    def cancel(self, _reason: str = "cancelled") -> None:
+        """Stop every rank (SIGTERM, then SIGKILL) and wait until they are gone; state becomes CANCELLED."""
+        if self.done():
+            return
+        try:
+            self._host.cancel(self._rd, _reason)
+        except LauncherError:
+            return
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while not self._poll_once() and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S)
+
+    def exception(self) -> BaseException | None:
+        """Wait for the job; return its error (``None`` on success)."""
+        self.wait()
+        if self._error is None and self.state is not JobState.SUCCEEDED:
+            self._error = self._build_error()
+        return self._error
+
+    def result(self) -> list[Any]:
+        """Wait for the job; return one value per rank, in rank order (tensors on CPU).
+
+        Raises:
+            RankFailedError: a rank failed; shows the root-cause rank's traceback and log path.
+            JobTimeoutError: the job ran past its timeout.
+            KeyboardInterrupt: the job was interrupted or cancelled.
+        """
+        error = self.exception()
+        if error is not None:
+            raise error
+        if self._results is None:
+            self._results = [self._load_result(r) for r in range(self.world_size)]
+        return self._results
+
+    @property
+    def results(self) -> list[Any] | None:
+        """Per-rank values once the job succeeded, else ``None``."""
+        if self.state is JobState.SUCCEEDED:
+            return self.result()
+        return None
+
+    def _load_result(self, rank: int) -> Any:
+        path = self._rd.result_file(rank)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise SgpuError(f"rank {rank} exited 0 but left no result; see {self._rd.log_file(rank)}") from None
+        try:
+            return pickle.loads(data)
+        except Exception as exc:
+            raise SgpuError(f"the result of rank {rank} cannot be unpickled in the kernel "
+                            f"({type(exc).__name__}: {exc}); return plain Python, numpy or torch values") from exc
+
+    def _build_error(self) -> BaseException:
+        status = self._status()
+        state = self.state
+        if state is JobState.TIMED_OUT:
+            return JobTimeoutError(f"job {self.job_id} ran longer than its timeout of {self.spec.timeout_s:g} s; "
+                                   f"every rank was stopped. Logs: {self._rd.path / 'logs'}")
+        if state is JobState.CANCELLED:
+            how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
+            return KeyboardInterrupt(f"job {self.job_id} was {how}; every rank was stopped")
+        if status.get("launch_error"):
+            return LauncherError(f"job {self.job_id} could not start: {status['launch_error']}")
+        return failure_from_status(self._rd, status, self.world_size)
+
+    def __repr__(self) -> str:
+        return f"<Job {self.job_id} {self.state.value} world_size={self.world_size} run_dir={str(self.run_dir)!r}>"
+
+
+def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailedError:
+    """Build the :class:`RankFailedError` for a failed job: the earliest failure is the root cause."""
+    exitcodes = {int(k): v for k, v in (status.get("exitcodes") or {}).items()}
+    observed = {f["rank"]: f for f in status.get("failures", [])}
+    failures = []
+    for rank in range(world_size):
+        err = read_json(rd.error_file(rank))
+        if rank not in observed and err is None:
+            continue
+        seen = observed.get(rank, {})
+        failures.append(RankFailure(
+            rank=rank, exitcode=seen.get("exitcode", exitcodes.get(rank)),
+            exc_type=err and err["exc_type"], message=(err or {}).get("message", ""),
+            traceback=(err or {}).get("traceback", ""), log_path=str(rd.log_file(rank)),
+            time_s=err["time_s"] if err else seen.get("time_s", float("inf"))))
+    if not failures:
+        failures.append(RankFailure(rank=0, exitcode=exitcodes.get(0), log_path=str(rd.log_file(0))))
+    failures.sort(key=lambda f: (f.time_s, f.rank))
+    failed = {f.rank for f in failures}
+    stopped = [r for r in range(world_size) if r not in failed and not rd.result_file(r).exists()]
+    return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))
+
+
+def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, host: LaunchHost,
+           on_lines: Callable[[int, list[str]], None] | None = None, root: Path | None = None) -> Job:
+    """Write the payload into a new RunDir and hand it to the launch host; return the :class:`Job` at once."""
+    rd = RunDir.create(root)
+    atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    atomic_write_json(rd.launch_file, {
+        "job_id": rd.job_id, "name": spec.name, "world_size": plan.world_size, "backend": plan.backend,
+        "cuda_visible_devices": plan.cuda_visible_devices, "timeout_s": spec.timeout_s, "port": spec.port,
+        "cwd": os.getcwd(), "sys_path": list(sys.path)})
+    for rank in range(plan.world_size):
+        rd.log_file(rank).touch(mode=0o600)
+    host.launch(rd)
+    return Job(rd, spec, plan, host, on_lines)

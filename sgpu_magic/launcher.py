@@ -1,0 +1,126 @@
+"""Kernel-side client of the launch host (see :mod:`sgpu_magic.host`).
+
+One host per kernel process, started in the background on first need (the extension
+starts it when it loads). It is detached from the kernel's process group, so Jupyter's
+interrupt does not reach it, and it stops every rank and exits when the kernel ends.
+If it dies, the next launch starts a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from .errors import LauncherError
+from .rundir import RunDir, default_root, make_private_dir
+
+_HANDSHAKE_TIMEOUT_S = 30.0
+
+
+class LaunchHost:
+    """Handle on a running launch host process.
+
+    Attributes:
+        pid: the host's process id.
+        log_path: where the host writes its own diagnostics.
+    """
+
+    def __init__(self, root: Path | None = None) -> None:
+        hosts = make_private_dir((root or default_root()) / "hosts")
+        self.log_path = hosts / f"host-{os.getpid()}-{os.urandom(3).hex()}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sgpu_magic.host", str(self.log_path), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            start_new_session=True, cwd=os.getcwd(), env=_host_env())
+        self.pid = self._handshake(proc)
+        self._stdin = proc.stdin
+        self._lock = threading.Lock()
+
+    def _handshake(self, proc: subprocess.Popen) -> int:
+        ready, _, _ = select.select([proc.stdout], [], [], _HANDSHAKE_TIMEOUT_S)
+        line = proc.stdout.readline().decode() if ready else ""
+        proc.stdout.close()
+        proc.wait()
+        if not line.startswith("ready "):
+            proc.stdin.close()
+            raise LauncherError(f"the sgpu_magic launch host did not start (see {self.log_path})")
+        return int(line.split()[1])
+
+    def alive(self) -> bool:
+        """Whether the host process still exists."""
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not self._stdin.closed
+
+    def send(self, cmd: dict) -> None:
+        """Send one command; raises :class:`LauncherError` if the host is gone."""
+        data = (json.dumps(cmd) + "\n").encode()
+        with self._lock:
+            try:
+                self._stdin.write(data)
+                self._stdin.flush()
+            except (BrokenPipeError, ValueError, OSError) as exc:
+                raise LauncherError(f"the sgpu_magic launch host (pid {self.pid}) is gone: {exc}; "
+                                    f"see {self.log_path}") from None
+
+    def launch(self, run_dir: RunDir) -> None:
+        """Ask the host to start the ranks of ``run_dir`` with the kernel's current environment."""
+        self.send({"op": "launch", "run_dir": str(run_dir.path), "env": _rank_base_env()})
+
+    def cancel(self, run_dir: RunDir, reason: str) -> None:
+        """Ask the host to stop a job; ``reason`` is its final state (cancelled, timed_out, interrupted)."""
+        self.send({"op": "cancel", "run_dir": str(run_dir.path), "reason": reason})
+
+    def close(self) -> None:
+        """Close the command pipe: the host stops its jobs and exits."""
+        with self._lock:
+            if not self._stdin.closed:
+                self._stdin.close()
+
+
+def _host_env() -> dict[str, str]:
+    env = dict(os.environ)
+    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM"
+    return env
+
+
+def _rank_base_env() -> dict[str, str]:
+    """The kernel's environment as ranks should see it (inline matplotlib backend dropped)."""
+    env = _host_env()
+    env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+    if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
+        env.pop("MPLBACKEND")
+    return env
+
+
+_host: LaunchHost | None = None
+_host_lock = threading.Lock()
+
+
+def get_host() -> LaunchHost:
+    """This kernel's launch host, started (again) if it is not running."""
+    global _host
+    with _host_lock:
+        if _host is None or not _host.alive():
+            _host = LaunchHost()
+        return _host
+
+
+def shutdown_host() -> None:
+    """Stop this kernel's launch host and every job it runs (the kernel's end does this too)."""
+    global _host
+    with _host_lock:
+        if _host is not None:
+            _host.close()
+            _host = None

@@ -1,0 +1,69 @@
+"""The ``%%distributed`` cell magic."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Float, Int
+
+from . import capture
+from .decorator import start
+from .errors import SpecError
+from .spec import DEFAULT_TIMEOUT_S, make_spec
+
+
+def _parse_timeout(text: str | None, default: float | None) -> float | None | str:
+    if text is None:
+        return default
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"--timeout takes seconds or 'none', got {text!r}") from None
+
+
+@magics_class
+class DistributedMagics(Magics):
+    """Run a cell on N ranks. Defaults can be set with ``%config DistributedMagics.<name> = ...``."""
+
+    timeout_s = Float(DEFAULT_TIMEOUT_S, allow_none=True,
+                      help="Default job timeout in seconds when --timeout is not given; None = no limit.").tag(config=True)
+    max_capture_bytes = Int(capture.DEFAULT_MAX_BYTES,
+                            help="Captured globals larger than this many bytes get a warning before launch.").tag(config=True)
+
+    @magic_arguments()
+    @argument("--gpus", type=int, required=True, help="Number of ranks, one GPU each (CPU ranks with gloo when the machine has no GPU).")
+    @argument("--gpu-type", default=None, help="GPU model to require, e.g. H100 (case-insensitive match of the device name).")
+    @argument("--timeout", default=None, help="Seconds before every rank is stopped, or 'none'. Default: DistributedMagics.timeout_s (3 h).")
+    @argument("--port", type=int, default=None, help="MASTER_PORT for the rendezvous; default: a free port.")
+    @argument("-o", "--output", default=None, metavar="NAME", help="Store the Job handle (per-rank results, log paths) in this variable.")
+    @cell_magic
+    def distributed(self, line: str, cell: str):
+        """Run the cell on every rank; its last expression's value on rank 0 is the output.
+
+        The names the cell reads from the notebook are captured: functions, classes and
+        values by value, modules by reference. Each rank gets torchrun's environment
+        (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). Output streams
+        live, prefixed [rank N]; a failed rank raises its traceback here.
+        """
+        args = parse_argstring(self.distributed, line)
+        try:
+            spec = make_spec(args.gpus, args.gpu_type, _parse_timeout(args.timeout, self.timeout_s), args.port,
+                             name=f"cell In[{self.shell.execution_count}]")
+        except SpecError as exc:
+            raise UsageError(str(exc)) from None
+        source = self.shell.transform_cell(cell)
+        filename = f"<distributed cell In[{self.shell.execution_count}]>"
+
+        def payload() -> dict:
+            part = capture.capture_cell(source, self.shell.user_ns, self.max_capture_bytes)
+            part["filename"] = filename
+            return part
+
+        compile(source, filename, "exec")  # a SyntaxError stops here, before anything starts
+        job = start(spec, payload)
+        if args.output:
+            self.shell.user_ns[args.output] = job
+        return job.result()[0]

@@ -1,0 +1,84 @@
+"""The frozen :class:`LaunchSpec` and its validation.
+
+Both front doors (``@distributed`` and ``%%distributed``) turn their input into one
+``LaunchSpec`` before anything starts; invalid input raises :class:`~sgpu_magic.errors.SpecError`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from .errors import SpecError
+
+DEFAULT_TIMEOUT_S: float = 3 * 3600.0
+"""Default job timeout, 3 hours, as in the serverless GPU API."""
+
+MAX_RANKS = 1024
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What one launch asks for.
+
+    Attributes:
+        gpus: number of ranks, one GPU each (CPU ranks when the machine has no GPU). int >= 1.
+        gpu_type: requested GPU model, matched case-insensitively as a substring of the
+            device name ("H100" matches "NVIDIA H100 80GB HBM3"); ``None`` = any.
+        timeout_s: wall-clock limit in seconds; ``None`` = no limit. Default 3 h.
+        port: rendezvous (MASTER_PORT) to use; ``None`` = pick a free port.
+        name: the function or cell name, for messages and logs.
+    """
+
+    gpus: int
+    gpu_type: str | None = None
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    port: int | None = None
+    name: str = "job"
+
+
+def _check_gpus(gpus: object) -> int:
+    if isinstance(gpus, bool) or not isinstance(gpus, numbers.Integral):
+        raise SpecError(f"gpus must be an int >= 1 (the number of ranks), got {gpus!r} of type {type(gpus).__name__}")
+    if not 1 <= int(gpus) <= MAX_RANKS:
+        raise SpecError(f"gpus must be between 1 and {MAX_RANKS}, got {gpus}")
+    return int(gpus)
+
+
+def _check_gpu_type(gpu_type: object) -> str | None:
+    if gpu_type is None:
+        return None
+    if not isinstance(gpu_type, str) or not gpu_type.strip():
+        raise SpecError(f"gpu_type must be a non-empty string such as 'H100', or None for any GPU; got {gpu_type!r}")
+    return gpu_type.strip()
+
+
+def _check_timeout(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise SpecError(f"timeout must be a number of seconds > 0, or None for no limit; got {timeout!r}")
+    value = float(timeout)
+    if math.isnan(value) or value <= 0:
+        raise SpecError(f"timeout must be a number of seconds > 0, or None for no limit; got {timeout!r}")
+    return None if math.isinf(value) else value
+
+
+def _check_port(port: object) -> int | None:
+    if port is None:
+        return None
+    if isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 1 <= int(port) <= 65535:
+        raise SpecError(f"port must be an int between 1 and 65535, or None to pick a free port; got {port!r}")
+    return int(port)
+
+
+def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S,
+              port: object = None, name: str = "job") -> LaunchSpec:
+    """Validate user input into a :class:`LaunchSpec`.
+
+    Raises:
+        SpecError: naming the bad option, the value given and what is allowed.
+    """
+    return LaunchSpec(gpus=_check_gpus(gpus), gpu_type=_check_gpu_type(gpu_type),
+                      timeout_s=_check_timeout(timeout), port=_check_port(port), name=name)

@@ -1,0 +1,212 @@
+"""Entry point of one rank: ``python -m sgpu_magic.worker <run_dir>``.
+
+Started by the launch host through torch.distributed.elastic with torchrun's environment
+contract (RANK, LOCAL_RANK, WORLD_SIZE, ...). It sends its stdout and stderr (file
+descriptors 1 and 2, so native code and child processes too) to its log file, applies the
+kernel's cwd and sys.path, loads the payload, runs it, and writes its result or its error
+into the RunDir atomically. It imports nothing from IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import ctypes
+import gc
+import importlib
+import linecache
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+import types
+
+import cloudpickle
+
+from .capture import Unpicklable
+from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _redirect_output(log_file) -> None:
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _die_with_parent() -> None:
+    """Exit when the launch host dies (PR_SET_PDEATHSIG), even if it is SIGKILLed."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    expected = os.environ.get("SGPU_MAGIC_HOST_PID")
+    if expected and os.getppid() != int(expected):
+        os._exit(signal.SIGKILL + 128)
+
+
+def _check_private(run_dir: RunDir) -> None:
+    st = run_dir.path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"refusing to load a payload from {run_dir.path}: it must be owned by you with mode 0700")
+
+
+def _apply_kernel_context(launch: dict) -> None:
+    try:
+        os.chdir(launch["cwd"])
+    except OSError as exc:
+        print(f"sgpu_magic: could not enter the kernel's cwd {launch['cwd']!r}: {exc}", file=sys.stderr)
+    sys.path[:] = list(launch["sys_path"])
+
+
+def _load_global(entry: tuple):
+    kind = entry[0]
+    if kind == "module":
+        return importlib.import_module(entry[1])
+    if kind == "value":
+        return cloudpickle.loads(entry[1])
+    return Unpicklable(*entry[1:])
+
+
+def _build_namespace(payload: dict) -> dict:
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    ns = main.__dict__
+    ns["__builtins__"] = builtins
+    for filename, text in payload.get("sources", {}).items():
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    for name, entry in payload["globals"].items():
+        try:
+            ns[name] = _load_global(entry)
+        except Exception as exc:  # noqa: BLE001 - reported on use, like an unpicklable global
+            ns[name] = Unpicklable(name, str(entry[0]), f"could not be loaded in the rank: {type(exc).__name__}: {exc}")
+    return ns
+
+
+def _run_cell(source: str, filename: str, ns: dict):
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    tree = ast.parse(source, filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, filename, "exec"), ns)
+    return eval(compile(last, filename, "eval"), ns) if last is not None else None
+
+
+def _resolve_function(payload: dict, ns: dict):
+    if payload["kind"] == "ref":
+        obj = importlib.import_module(payload["module"])
+        for part in payload["qualname"].split("."):
+            obj = getattr(obj, part)
+        return getattr(obj, "__sgpu_function__", obj)
+    shell = cloudpickle.loads(payload["shell"])
+    closure = tuple(types.CellType(v) for v in shell["closure"]) or None
+    fn = types.FunctionType(shell["code"], ns, shell["name"], shell["defaults"], closure)
+    fn.__kwdefaults__ = shell["kwdefaults"]
+    fn.__qualname__ = shell["qualname"]
+    return fn
+
+
+def run_payload(payload: dict, ns: dict):
+    """Run the captured cell or function in ``ns``; return its value."""
+    if payload["kind"] == "cell":
+        return _run_cell(payload["source"], payload["filename"], ns)
+    fn = _resolve_function(payload, ns)
+    args = [cloudpickle.loads(b) for b in payload["args"]]
+    kwargs = {k: cloudpickle.loads(b) for k, b in payload["kwargs"].items()}
+    return fn(*args, **kwargs)
+
+
+class _ResultPickler(cloudpickle.Pickler):
+    """cloudpickle that moves tensors to the CPU, so the kernel never touches a GPU."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return super().reducer_override(obj)
+
+
+def _dump_result(value) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    _ResultPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buf.getvalue()
+
+
+def _user_traceback(exc: BaseException) -> str:
+    tb = exc.__traceback__
+    here = os.path.abspath(__file__)
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == here:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _write_error(run_dir: RunDir, rank: int, exc: BaseException) -> None:
+    text = _user_traceback(exc)
+    sys.stderr.write(text)
+    atomic_write_json(run_dir.error_file(rank), {
+        "rank": rank, "exc_type": type(exc).__name__, "message": str(exc), "traceback": text, "time_s": time.time()})
+
+
+def _teardown(ns: dict) -> None:
+    """Drop user objects, then destroy the process group (avoids DDP's teardown deadlock, pytorch#56297)."""
+    ns.clear()
+    gc.collect()
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown must not turn success into failure
+        pass
+
+
+def _execute(run_dir: RunDir, rank: int) -> int:
+    _check_private(run_dir)
+    with open(run_dir.payload_file, "rb") as f:
+        payload = pickle.load(f)
+    ns = _build_namespace(payload)
+    try:
+        value = run_payload(payload, ns)
+        atomic_write_bytes(run_dir.result_file(rank), _dump_result(value))
+        return 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code:
+            _write_error(run_dir, rank, exc)
+        else:
+            atomic_write_bytes(run_dir.result_file(rank), _dump_result(None))
+        return code
+    except BaseException as exc:  # noqa: BLE001 - every rank failure is recorded
+        _write_error(run_dir, rank, exc)
+        return 1
+    finally:
+        _teardown(ns)
+
+
+def main(argv: list[str]) -> None:
+    run_dir = RunDir(argv[1])
+    rank = int(os.environ["RANK"])
+    _redirect_output(run_dir.log_file(rank))
+    _die_with_parent()
+    code = 1
+    try:
+        _apply_kernel_context(read_json(run_dir.launch_file))
+        code = _execute(run_dir, rank)
+    except BaseException as exc:  # noqa: BLE001 - payload could not even be loaded
+        _write_error(run_dir, rank, exc)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
