@@ -18,7 +18,9 @@ import ast
 import builtins
 import dis
 import inspect
+import io
 import linecache
+import marshal
 import pickle
 import sys
 import types
@@ -32,6 +34,22 @@ from .errors import CaptureError, UnpicklableGlobalError
 DEFAULT_MAX_BYTES = 100 * 2**20
 _GLOBAL_OPS = {"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME", "DELETE_NAME"}
 _MAX_LINECACHE_CHARS = 2_000_000
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle that keeps code objects whole (with their file names), so rank tracebacks show notebook lines."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.CodeType):
+            return marshal.loads, (marshal.dumps(obj),)
+        return super().reducer_override(obj)
+
+
+def dumps(value: object) -> bytes:
+    """Pickle ``value`` for the ranks (cloudpickle, code objects kept whole)."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buf.getvalue()
 
 
 def type_name(value: object) -> str:
@@ -113,7 +131,7 @@ def _capture_one(name: str, value: object, max_bytes: int, out: Captured) -> Non
     if nbytes is not None and nbytes > max_bytes:
         out.warnings.append(large_message(name, type_name(value), nbytes, max_bytes))
     try:
-        data = cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        data = dumps(value)
     except Exception as exc:  # noqa: BLE001 - any pickling failure is reported, not raised
         reason = f"{type(exc).__name__}: {exc}"
         out.warnings.append(unpicklable_message(name, type_name(value), reason))
@@ -206,7 +224,7 @@ def capture_function(fn: Callable, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
     shell = {"code": code, "name": fn.__name__, "qualname": fn.__qualname__, "defaults": fn.__defaults__,
              "kwdefaults": fn.__kwdefaults__, "closure": closure}
     try:
-        shell_bytes = cloudpickle.dumps(shell, protocol=pickle.HIGHEST_PROTOCOL)
+        shell_bytes = dumps(shell)
     except Exception as exc:
         raise CaptureError(f"{fn.__qualname__}'s default arguments or closure cannot be pickled "
                            f"({type(exc).__name__}: {exc}); pass such values as arguments or create them inside the function") from exc
@@ -249,7 +267,7 @@ def _argument_error(label: str, call: str, value: object, exc: Exception) -> Cap
 
 def _dumps_argument(label: str, call: str, value: object) -> bytes:
     try:
-        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        return dumps(value)
     except Exception as exc:
         raise _argument_error(label, call, value, exc) from None
 

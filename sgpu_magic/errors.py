@@ -38,6 +38,10 @@ class UnpicklableGlobalError(SgpuError, RuntimeError):
 class JobTimeoutError(SgpuError, TimeoutError):
     """The job ran longer than its ``timeout``; every rank was stopped."""
 
+    def _render_traceback_(self) -> list[str]:
+        """IPython hook: the message alone; the kernel-side frames say nothing useful."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 def describe_exit(exitcode: int | None) -> str:
     """Render a process exit code as a phrase: ``exit code 3`` or ``killed by signal SIGKILL (9)``."""
@@ -76,7 +80,9 @@ class RankFailure:
 
     def summary(self) -> str:
         """One line: ``rank 1: ValueError: bad batch (exit code 1)``."""
-        what = f"{self.exc_type}: {self.message}" if self.exc_type else "exited without a Python exception"
+        message = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        message = message if len(message) <= 200 else message[:197] + "..."
+        what = f"{self.exc_type}: {message}" if self.exc_type else "exited without a Python exception"
         return f"rank {self.rank}: {what} ({describe_exit(self.exitcode)})"
 
 

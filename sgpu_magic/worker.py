@@ -142,11 +142,12 @@ def _dump_result(value) -> bytes:
 
 
 def _user_traceback(exc: BaseException) -> str:
-    tb = exc.__traceback__
-    here = os.path.abspath(__file__)
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == here:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    """The traceback without sgpu_magic's own frames (the worker around the user code, the placeholder)."""
+    te = traceback.TracebackException.from_exception(exc)
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    user = [f for f in te.stack if not os.path.abspath(f.filename).startswith(package)]
+    te.stack = traceback.StackSummary.from_list(user or list(te.stack))
+    return "".join(te.format())
 
 
 def _write_error(run_dir: RunDir, rank: int, exc: BaseException) -> None:

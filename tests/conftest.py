@@ -1,0 +1,46 @@
+"""Shared fixtures: one private sgpu_magic home per test session, one real IPython shell."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sgpu_home(tmp_path_factory):
+    """Run dirs and host logs of the whole session go to a private temporary directory."""
+    home = tmp_path_factory.mktemp("sgpu_home")
+    old = os.environ.get("SGPU_MAGIC_HOME")
+    os.environ["SGPU_MAGIC_HOME"] = str(home)
+    yield home
+    from sgpu_magic.launcher import shutdown_host
+
+    shutdown_host()
+    if old is None:
+        os.environ.pop("SGPU_MAGIC_HOME", None)
+    else:
+        os.environ["SGPU_MAGIC_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def ip(sgpu_home):
+    """A real IPython shell with ``%load_ext sgpu_magic`` done (shared: it is warm)."""
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "sgpu_magic")
+    return shell
+
+
+@pytest.fixture
+def run_cell(ip, capsys):
+    """Run a cell in the shared shell; return (ExecutionResult, stdout, stderr)."""
+
+    def run(code: str):
+        capsys.readouterr()
+        result = ip.run_cell(code)
+        out, err = capsys.readouterr()
+        return result, out, err
+
+    return run

@@ -1,0 +1,41 @@
+"""Drive a real Jupyter kernel through jupyter_client, as a notebook frontend does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CellOutput:
+    """What one executed cell produced."""
+
+    stdout: str = ""
+    stderr: str = ""
+    results: list[str] = field(default_factory=list)
+    error: dict | None = None
+
+
+def collect(kc, msg_id: str, timeout_s: float = 180.0) -> CellOutput:
+    """Gather the iopub messages of one execute request until the kernel is idle again."""
+    out = CellOutput()
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout_s)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            if content["name"] == "stdout":
+                out.stdout += content["text"]
+            else:
+                out.stderr += content["text"]
+        elif kind in ("execute_result", "display_data"):
+            out.results.append(content["data"].get("text/plain", ""))
+        elif kind == "error":
+            out.error = content
+        elif kind == "status" and content["execution_state"] == "idle":
+            return out
+
+
+def execute(kc, code: str, timeout_s: float = 180.0) -> CellOutput:
+    """Execute ``code`` in the kernel and wait for it to finish."""
+    return collect(kc, kc.execute(code), timeout_s)
