@@ -1,0 +1,30 @@
+"""Rendering of rank failures: root cause first, one traceback, exit codes and signals named."""
+
+from sgpu_magic.errors import RankFailedError, RankFailure, describe_exit
+
+
+def test_describe_exit():
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(-9) == "killed by signal SIGKILL (9)"
+    assert describe_exit(-11) == "killed by signal SIGSEGV (11)"
+
+
+def test_rank_failed_error_renders_root_cause_once():
+    root = RankFailure(rank=1, exitcode=1, exc_type="ValueError", message="bad batch", time_s=1.0,
+                       traceback="Traceback (most recent call last):\n  File \"<cell>\", line 3\nValueError: bad batch\n",
+                       log_path="/runs/x/logs/rank_1.log")
+    other = RankFailure(rank=0, exitcode=-15, exc_type="RuntimeError", message="Connection closed by peer\nmore", time_s=2.0)
+    err = RankFailedError(root, [other], [2, 3], "/runs/x")
+    text = str(err)
+    assert text.splitlines()[0] == "rank 1 failed (root cause): ValueError: bad batch (exit code 1)"
+    assert "then rank 0: RuntimeError: Connection closed by peer (killed by signal SIGTERM (15))" in text
+    assert "rank 2, 3 stopped by sgpu_magic because rank 1 failed" in text
+    assert "log of rank 1: /runs/x/logs/rank_1.log" in text
+    rendered = "\n".join(err._render_traceback_())
+    assert rendered.count("Traceback (most recent call last)") == 1
+    assert "traceback from rank 1 (root cause)" in rendered
+
+
+def test_signal_death_without_exception():
+    err = RankFailedError(RankFailure(rank=0, exitcode=-9, log_path="l"))
+    assert str(err).startswith("rank 0 failed (root cause): exited without a Python exception (killed by signal SIGKILL (9))")
