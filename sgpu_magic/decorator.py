@@ -40,7 +40,7 @@ def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | 
         view.warn(text)
     if plan.note:
         view.note(plan.note)
-    return submit(spec, plan, payload, get_host(), view.lines)
+    return submit(spec, plan, payload, get_host, view.lines)
 
 
 class DistributedFunction:

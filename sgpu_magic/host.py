@@ -30,6 +30,7 @@ from .rundir import RunDir, atomic_write_json, read_json
 
 GRACE_S = 3.0
 POLL_S = 0.02
+IDLE_POLL_S = 0.5
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -190,7 +191,7 @@ class Host:
 
     def read_commands(self) -> bool:
         """Handle every complete command line waiting on stdin; ``False`` at EOF."""
-        ready, _, _ = select.select([0], [], [], POLL_S)
+        ready, _, _ = select.select([0], [], [], POLL_S if self.jobs else IDLE_POLL_S)
         if not ready:
             return True
         chunk = os.read(0, 1 << 16)
@@ -203,12 +204,20 @@ class Host:
                 self.handle(json.loads(line))
         return True
 
+    @staticmethod
+    def _poll(job: HostJob) -> None:
+        try:
+            job.poll()
+        except Exception as exc:  # noqa: BLE001 - one broken job must not take the host down
+            job.status["launch_error"] = f"the launch host lost this job: {type(exc).__name__}: {exc}"
+            job.stop("failed")
+
     def run(self) -> None:
         last_check = 0.0
         try:
             while self.read_commands():
                 for job_id, job in list(self.jobs.items()):
-                    job.poll()
+                    self._poll(job)
                     if job.done:
                         del self.jobs[job_id]
                 if time.monotonic() - last_check > 0.5:

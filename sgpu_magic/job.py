@@ -251,9 +251,13 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
     return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))
 
 
-def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, host: LaunchHost,
+def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable[[], LaunchHost],
            on_lines: Callable[[int, list[str]], None] | None = None, root: Path | None = None) -> Job:
-    """Write the payload into a new RunDir and hand it to the launch host; return the :class:`Job` at once."""
+    """Write the payload into a new RunDir and hand it to the launch host; return the :class:`Job` at once.
+
+    ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
+    one is asked once more, so a dead host never fails a launch.
+    """
     rd = RunDir.create(root)
     atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
     atomic_write_json(rd.launch_file, {
@@ -262,5 +266,10 @@ def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, host: LaunchHost,
         "cwd": os.getcwd(), "sys_path": list(sys.path)})
     for rank in range(plan.world_size):
         rd.log_file(rank).touch(mode=0o600)
-    host.launch(rd)
+    host = get_host()
+    try:
+        host.launch(rd)
+    except LauncherError:
+        host = get_host()
+        host.launch(rd)
     return Job(rd, spec, plan, host, on_lines)

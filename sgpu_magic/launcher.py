@@ -16,6 +16,8 @@ import sys
 import threading
 from pathlib import Path
 
+import psutil
+
 from .errors import LauncherError
 from .rundir import RunDir, default_root, make_private_dir
 
@@ -52,14 +54,13 @@ class LaunchHost:
         return int(line.split()[1])
 
     def alive(self) -> bool:
-        """Whether the host process still exists."""
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
+        """Whether the host process still runs and its command pipe is open."""
+        if self._stdin.closed:
             return False
-        except PermissionError:
-            return True
-        return not self._stdin.closed
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     def send(self, cmd: dict) -> None:
         """Send one command; raises :class:`LauncherError` if the host is gone."""
@@ -69,6 +70,7 @@ class LaunchHost:
                 self._stdin.write(data)
                 self._stdin.flush()
             except (BrokenPipeError, ValueError, OSError) as exc:
+                _close_quietly(self._stdin)
                 raise LauncherError(f"the sgpu_magic launch host (pid {self.pid}) is gone: {exc}; "
                                     f"see {self.log_path}") from None
 
@@ -83,8 +85,14 @@ class LaunchHost:
     def close(self) -> None:
         """Close the command pipe: the host stops its jobs and exits."""
         with self._lock:
-            if not self._stdin.closed:
-                self._stdin.close()
+            _close_quietly(self._stdin)
+
+
+def _close_quietly(pipe) -> None:
+    try:
+        pipe.close()
+    except OSError:  # a broken pipe may fail to flush; it is closed all the same
+        pass
 
 
 def _host_env() -> dict[str, str]:

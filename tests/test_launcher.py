@@ -1,0 +1,68 @@
+"""The launch host: detached from the kernel, recovers from its own death, leaves nothing behind."""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from sgpu_magic import distributed
+from sgpu_magic.errors import LauncherError
+from sgpu_magic.launcher import get_host
+
+
+def _wait_gone(pids, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return alive
+
+
+@distributed(gpus=2)
+def pid_of_rank():
+    import os
+
+    return os.getpid()
+
+
+def test_host_is_not_a_child_nor_in_the_kernel_process_group():
+    host = get_host()
+    assert host.pid not in [c.pid for c in psutil.Process().children(recursive=True)]
+    assert os.getpgid(host.pid) != os.getpgid(0)
+
+
+def test_a_killed_host_is_replaced_at_the_next_launch():
+    old = get_host()
+    os.kill(old.pid, signal.SIGKILL)
+    assert _wait_gone([old.pid]) == []
+    pids = pid_of_rank.distributed()
+    assert len(pids) == 2
+    assert get_host().pid != old.pid
+    assert _wait_gone(pids) == []
+
+
+def test_host_killed_during_a_job_raises_and_takes_its_ranks_along(tmp_path):
+    @distributed(gpus=2, timeout=120)
+    def sleeper(piddir):
+        import os
+        import time
+
+        open(os.path.join(piddir, str(os.getpid())), "w").close()
+        time.sleep(600)
+
+    from sgpu_magic.decorator import start
+
+    job = start(sleeper.spec, lambda: sleeper._payload((str(tmp_path),), {}))
+    deadline = time.monotonic() + 60
+    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p) for p in os.listdir(tmp_path)]
+    os.kill(get_host().pid, signal.SIGKILL)
+    with pytest.raises(LauncherError, match=r"the launch host died while job .* ran; see .*host-.*\.log"):
+        job.wait(timeout_s=30)
+    assert _wait_gone(pids) == []
+    assert len(pid_of_rank.distributed()) == 2
