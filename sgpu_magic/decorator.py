@@ -36,11 +36,30 @@ def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | 
     if spec.port is not None:
         check_port_free(spec.port)
     payload = build_payload()
+    payload["display_names"] = _cell_labels(payload.get("sources", {}))
     for text in payload.get("warnings", ()):
         view.warn(text)
     if plan.note:
         view.note(plan.note)
     return submit(spec, plan, payload, get_host, view.lines)
+
+
+def _cell_labels(filenames) -> dict[str, str]:
+    """``{cell file name: "Cell In[3]"}``, as IPython labels cells in its own tracebacks."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return {}
+    shell = get_ipython()
+    compiler = getattr(shell, "compile", None)
+    if compiler is None or not hasattr(compiler, "format_code_name"):
+        return {}
+    labels = {}
+    for filename in filenames:
+        label = compiler.format_code_name(filename)
+        if label:
+            labels[filename] = " ".join(label)
+    return labels
 
 
 class DistributedFunction:

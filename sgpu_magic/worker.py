@@ -141,17 +141,19 @@ def _dump_result(value) -> bytes:
     return buf.getvalue()
 
 
-def _user_traceback(exc: BaseException) -> str:
-    """The traceback without sgpu_magic's own frames (the worker around the user code, the placeholder)."""
+def _user_traceback(exc: BaseException, labels: dict[str, str]) -> str:
+    """The traceback without sgpu_magic's own frames; notebook cells named as IPython does (``Cell In[3]``)."""
     te = traceback.TracebackException.from_exception(exc)
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     user = [f for f in te.stack if not os.path.abspath(f.filename).startswith(package)]
+    for frame in user:
+        frame.filename = labels.get(frame.filename, frame.filename)
     te.stack = traceback.StackSummary.from_list(user or list(te.stack))
     return "".join(te.format())
 
 
-def _write_error(run_dir: RunDir, rank: int, exc: BaseException) -> None:
-    text = _user_traceback(exc)
+def _write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[str, str] | None = None) -> None:
+    text = _user_traceback(exc, labels or {})
     sys.stderr.write(text)
     atomic_write_json(run_dir.error_file(rank), {
         "rank": rank, "exc_type": type(exc).__name__, "message": str(exc), "traceback": text, "time_s": time.time()})
@@ -181,12 +183,12 @@ def _execute(run_dir: RunDir, rank: int) -> int:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code:
-            _write_error(run_dir, rank, exc)
+            _write_error(run_dir, rank, exc, payload.get("display_names"))
         else:
             atomic_write_bytes(run_dir.result_file(rank), _dump_result(None))
         return code
     except BaseException as exc:  # noqa: BLE001 - every rank failure is recorded
-        _write_error(run_dir, rank, exc)
+        _write_error(run_dir, rank, exc, payload.get("display_names"))
         return 1
     finally:
         _teardown(ns)
