@@ -115,7 +115,8 @@ class RankFailedError(SgpuError, RuntimeError):
     def _message(self) -> str:
         rc = self.root_cause
         lines = [f"rank {rc.rank} failed (root cause): {rc.summary().split(': ', 1)[1]}"]
-        lines += [f"  then {f.summary()}" for f in self.others]
+        lines += [f"  rank {f.rank} stopped because rank {rc.rank} failed; it had {f.summary().split(': ', 1)[1]}"
+                  for f in self.others]
         if self.stopped_ranks:
             ranks = ", ".join(str(r) for r in self.stopped_ranks)
             lines.append(f"  rank {ranks} stopped by sgpu_magic because rank {rc.rank} failed")

@@ -134,15 +134,29 @@ class HostJob:
 
 def kill_leftovers(rank_pids: set[int]) -> None:
     """SIGKILL what the ranks left behind (their sessions' processes, adopted by this subreaper) and reap it."""
+    victims = []
     for child in psutil.Process().children(recursive=True):
         try:
             if child.pid in rank_pids or os.getsid(child.pid) in rank_pids:
                 if child.status() != psutil.STATUS_ZOMBIE and child.pid not in rank_pids:
                     child.kill()
+                    victims.append(child)
         except (psutil.Error, ProcessLookupError):
             continue
+    # A SIGKILLed process takes a moment to die: reaping at once with WNOHANG left it a zombie.
+    # psutil's wait reaps the victims that are already this process's children.
+    psutil.wait_procs(victims, timeout=1.0)
+    reap_adopted(rank_pids)
+
+
+def reap_adopted(keep: set[int]) -> None:
+    """Reap exited children of this subreaper, except ``keep`` (live ranks, which their Popen reaps).
+
+    Processes that ranks leave behind are adopted by the host whenever their parent dies (for
+    example DataLoader workers that exit after their rank), so this also runs periodically.
+    """
     for child in psutil.Process().children():
-        if child.pid not in rank_pids:
+        if child.pid not in keep:
             try:
                 os.waitpid(child.pid, os.WNOHANG)
             except ChildProcessError:
@@ -224,6 +238,7 @@ class Host:
                     last_check = time.monotonic()
                     if not self.kernel_alive():
                         break
+                    reap_adopted({pid for job in self.jobs.values() for pid in job.pids.values()})
         finally:
             for job in self.jobs.values():
                 job.stop("cancelled")

@@ -13,15 +13,18 @@ from .errors import SpecError
 from .spec import DEFAULT_TIMEOUT_S, make_spec
 
 
-def _parse_timeout(text: str | None, default: float | None) -> float | None | str:
+def _parse_timeout(text: str | None, default: float | None) -> float | None:
     if text is None:
         return default
     if text.strip().lower() == "none":
         return None
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise UsageError(f"--timeout takes seconds or 'none', got {text!r}") from None
+        value = float("nan")
+    if not value > 0:
+        raise UsageError(f"--timeout takes a number of seconds > 0, or 'none' for no limit; got {text!r}")
+    return value
 
 
 @magics_class
@@ -54,7 +57,7 @@ class DistributedMagics(Magics):
                              name=f"cell In[{self.shell.execution_count}]")
         except SpecError as exc:
             raise UsageError(str(exc)) from None
-        source = self.shell.transform_cell(cell)
+        source = "\n" + self.shell.transform_cell(cell)  # line numbers as in the notebook cell (line 1 is %%distributed)
         filename = f"<distributed cell In[{self.shell.execution_count}]>"
 
         def payload() -> dict:

@@ -111,6 +111,7 @@ def plan_devices(spec: LaunchSpec, gpus: list[Gpu] | None = None) -> DevicePlan:
 def check_port_free(port: int) -> None:
     """Raise :class:`ResourceError` when ``port`` cannot be bound on this machine (it is in use)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore: TIME_WAIT is not "in use"
         try:
             s.bind(("", port))
         except OSError as exc:

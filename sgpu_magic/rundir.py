@@ -73,6 +73,19 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+_TRACEBACK_MARK = "[sgpu_magic] rank {rank} raised {exc_type}; its traceback follows"
+
+
+def traceback_marker(rank: int, exc_type: str) -> str:
+    """The log line a rank writes just before its traceback (the view shows the line, not the traceback,
+    which the kernel shows once in the raised error)."""
+    return _TRACEBACK_MARK.format(rank=rank, exc_type=exc_type)
+
+
+def is_traceback_marker(line: str) -> bool:
+    return line.startswith("[sgpu_magic] rank ") and line.endswith("; its traceback follows")
+
+
 def new_job_id() -> str:
     """A sortable, unique job id: ``20261130-015715-3fa2c1``."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)

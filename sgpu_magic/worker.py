@@ -26,7 +26,7 @@ import types
 import cloudpickle
 
 from .capture import Unpicklable
-from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
+from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, traceback_marker
 
 _PR_SET_PDEATHSIG = 1
 
@@ -154,7 +154,7 @@ def _user_traceback(exc: BaseException, labels: dict[str, str]) -> str:
 
 def _write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[str, str] | None = None) -> None:
     text = _user_traceback(exc, labels or {})
-    sys.stderr.write(text)
+    sys.stderr.write(traceback_marker(rank, type(exc).__name__) + "\n" + text)
     atomic_write_json(run_dir.error_file(rank), {
         "rank": rank, "exc_type": type(exc).__name__, "message": str(exc), "traceback": text, "time_s": time.time()})
 

@@ -17,7 +17,8 @@ def test_rank_failed_error_renders_root_cause_once():
     err = RankFailedError(root, [other], [2, 3], "/runs/x")
     text = str(err)
     assert text.splitlines()[0] == "rank 1 failed (root cause): ValueError: bad batch (exit code 1)"
-    assert "then rank 0: RuntimeError: Connection closed by peer (killed by signal SIGTERM (15))" in text
+    assert ("rank 0 stopped because rank 1 failed; it had RuntimeError: Connection closed by peer "
+            "(killed by signal SIGTERM (15))") in text
     assert "rank 2, 3 stopped by sgpu_magic because rank 1 failed" in text
     assert "log of rank 1: /runs/x/logs/rank_1.log" in text
     rendered = "\n".join(err._render_traceback_())
