@@ -1,0 +1,322 @@
+"""sgpu_magic in real Jupyter kernels, driven the way a notebook frontend drives them.
+
+Every test starts a real ``python3`` kernel through jupyter_client (it inherits this process's
+environment, where conftest points SGPU_MAGIC_HOME at a private directory), and every job runs
+real rank processes. Nothing is mocked. Tests wait for conditions by polling with a deadline,
+never with a fixed sleep.
+
+- the quickstart notebook runs headless with nbclient;
+- a cell magic's last expression is the cell's execute_result, and rank lines stream as ``[rank N]``;
+- C11: an interrupt stops both ranks and their DataLoader workers, and the cell can run again;
+- C12: a graceful restart or a SIGKILL of the kernel leaves no rank and no launch host behind.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from jupyter_client.manager import start_new_kernel
+from kernel_utils import collect, execute
+from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_quickstart.ipynb"
+START_DEADLINE_S = 120.0  # rank start-up on a busy 2-core box: two fresh `import torch`
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05):
+    """Poll ``condition()`` until it returns something truthy; fail after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def kernel_eval(kc, expr: str):
+    """Evaluate ``expr`` in the kernel and return its value (it must have a literal repr)."""
+    out = execute(kc, f"print(repr({expr}))")
+    assert out.error is None, out.error
+    return ast.literal_eval(out.stdout.strip())
+
+
+def start_kernel():
+    """A fresh ``python3`` kernel with ``%load_ext sgpu_magic`` done; returns (km, kc)."""
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=90)
+    out = execute(kc, "%load_ext sgpu_magic")
+    assert out.error is None, out.error
+    return km, kc
+
+
+def stop_kernel(km, kc) -> None:
+    kc.stop_channels()
+    if km.has_kernel:
+        km.shutdown_kernel(now=True)
+
+
+def make_piddir(kc) -> Path:
+    """Cell 1 of cases C11/C12: a temporary directory in which the ranks record their pids."""
+    out = execute(kc, "import os, tempfile\npiddir = tempfile.mkdtemp()\nprint(piddir)")
+    assert out.error is None, out.error
+    return Path(out.stdout.strip())
+
+
+def recorded(piddir: Path, prefix: str = "") -> set[int]:
+    """The pids recorded in ``piddir``: ranks write ``<pid>``, DataLoader workers ``worker-<pid>``."""
+    names = os.listdir(piddir)
+    if prefix:
+        return {int(n[len(prefix):]) for n in names if n.startswith(prefix)}
+    return {int(n) for n in names if n.isdigit()}
+
+
+def new_pids(piddir: Path, n: int, known: set[int] = frozenset(), prefix: str = ""):
+    """A condition for :func:`wait_for`: the ``n`` pids recorded with ``prefix`` that are not in ``known``."""
+    def condition():
+        pids = recorded(piddir, prefix) - known
+        return pids if len(pids) >= n else None
+    return condition
+
+
+def existing(pids) -> list[int]:
+    """Which of ``pids`` are still in the process table (a zombie counts: nobody reaped it)."""
+    return sorted(p for p in pids if psutil.pid_exists(p))
+
+
+def assert_interrupted(kc, error: dict) -> None:
+    """The cell whose ``error`` reply this is ended with KeyboardInterrupt (or a product error subclassing it)."""
+    name, is_interrupt = kernel_eval(
+        kc, "(type(__import__('sys').last_value).__name__, isinstance(__import__('sys').last_value, KeyboardInterrupt))")
+    assert name == error["ename"] and is_interrupt, f"the cell ended with {error['ename']}: {error['evalue']}"
+
+
+def gpu_pids() -> set[int]:
+    """Pids that hold a CUDA context, from nvidia-smi; empty when there is no NVIDIA GPU."""
+    if shutil.which("nvidia-smi") is None:
+        return set()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return set()
+    return {int(line) for line in out.split() if line.strip().isdigit()}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """One kernel shared by the tests that leave it alive: (km, kc)."""
+    km, kc = start_kernel()
+    yield km, kc
+    stop_kernel(km, kc)
+
+
+# ----------------------------------------------------------------------------- quickstart notebook
+
+def _outputs(cell) -> tuple[str, list[str]]:
+    stream = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
+    results = [o.data.get("text/plain", "") for o in cell.outputs if o.output_type == "execute_result"]
+    return stream, results
+
+
+def _cell(nb, needle: str):
+    matches = [c for c in nb.cells if c.cell_type == "code" and needle in c.source]
+    assert len(matches) == 1, f"expected one code cell containing {needle!r}, found {len(matches)}"
+    return matches[0]
+
+
+def test_quickstart_notebook_runs_headless():
+    stored = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(stored)
+    code_cells = [c for c in stored.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code_cells), "the notebook is stored with outputs"
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # raises on any cell error
+
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    for needle in ("run_train.distributed(", "%%distributed --gpus 2 -o job"):
+        stream, results = _outputs(_cell(nb, needle))
+        for rank in (0, 1):
+            epochs = re.findall(rf"^\[rank {rank}\] rank {rank}: epoch (\d)/3 total loss (\d+\.\d+)$", stream, re.M)
+            assert [e for e, _ in epochs] == ["1", "2", "3"], f"{needle}: rank {rank} epoch lines missing:\n{stream}"
+            assert all(float(loss) > 0 for _, loss in epochs)
+        assert len(results) == 1, f"{needle}: expected one execute_result, got {results}"
+
+    _, (decorated,) = _outputs(_cell(nb, "run_train.distributed("))
+    per_rank = ast.literal_eval(decorated)
+    assert isinstance(per_rank, list) and len(per_rank) == 2
+    assert [r["rank"] for r in per_rank] == [0, 1]
+    assert all(r["world_size"] == 2 and r["backend"] in ("gloo", "nccl") and r["final_loss"] > 0 for r in per_rank)
+
+    _, (rank0,) = _outputs(_cell(nb, "%%distributed --gpus 2 -o job"))
+    assert ast.literal_eval(rank0)["rank"] == 0
+
+    stream, (job_results,) = _outputs(_cell(nb, "job.results"))
+    per_rank = ast.literal_eval(job_results)
+    assert [r["rank"] for r in per_rank] == [0, 1] and all(r["world_size"] == 2 for r in per_rank)
+    assert len(re.findall(r"^rank [01] log: .*rank_[01]\.log$", stream, re.M)) == 2
+
+
+# ----------------------------------------------------------------------------- execute_result and rank lines
+
+RESULT_CELL = """%%distributed --gpus 2
+import torch
+import torch.distributed as dist
+from sgpu_magic import runtime
+if not dist.is_initialized():
+    dist.init_process_group(runtime.backend())
+rank = runtime.get_global_rank()
+total = torch.tensor([rank + 1.0])
+dist.all_reduce(total)
+print(f"hello from rank {rank} of {runtime.get_world_size()}, sum {total.item():g}")
+dist.destroy_process_group()
+{"rank": rank, "sum": total.item()}
+"""
+
+
+def test_cell_magic_value_is_execute_result_and_rank_lines_stream(kernel):
+    km, kc = kernel
+    out = execute(kc, RESULT_CELL)
+    assert out.error is None, out.error
+    assert out.results == ["{'rank': 0, 'sum': 3.0}"]
+    assert kernel_eval(kc, "_") == {"rank": 0, "sum": 3.0}  # `_` is set by the displayhook: an execute_result
+    assert re.search(r"^\[rank 0\] hello from rank 0 of 2, sum 3$", out.stdout, re.M), out.stdout
+    assert re.search(r"^\[rank 1\] hello from rank 1 of 2, sum 3$", out.stdout, re.M), out.stdout
+
+
+# ----------------------------------------------------------------------------- C11: interrupt
+
+C11_CELL = """%%distributed --gpus 2
+import os, time
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+open(os.path.join(piddir, str(os.getpid())), "w").close()
+if not dist.is_initialized():
+    dist.init_process_group("gloo")
+
+def mark_worker(worker_id):
+    open(os.path.join(piddir, f"worker-{os.getpid()}"), "w").close()
+
+dl = DataLoader(list(range(10_000)), batch_size=1, num_workers=2, persistent_workers=True,
+                worker_init_fn=mark_worker)
+for epoch in range(1000):
+    for b in dl:
+        time.sleep(0.01)
+"""
+
+LEFTOVERS = """
+import psutil, time
+names = os.listdir(piddir)
+pids = [int(n) for n in names if n.isdigit()] + [int(n[7:]) for n in names if n.startswith("worker-")]
+deadline = time.monotonic() + {timeout_s}
+while True:
+    left = [p for p in pids if psutil.pid_exists(p)]
+    kids = [c.pid for c in psutil.Process().children(recursive=True)]
+    if (not left and not kids) or time.monotonic() > deadline:
+        break
+    time.sleep(0.1)
+print(repr((len(pids), left, kids)))
+"""
+
+
+def leftovers(kc, timeout_s: float = 10.0) -> tuple[int, list[int], list[int]]:
+    """Case C11's cell 3, polling up to ``timeout_s``: (pids recorded, those still existing, kernel children)."""
+    out = execute(kc, LEFTOVERS.format(timeout_s=timeout_s))
+    assert out.error is None, out.error
+    return ast.literal_eval(out.stdout.strip())
+
+
+def _start_c11_and_interrupt(km, kc, piddir: Path, known: set[int]) -> tuple[set[int], set[int], float]:
+    """Run the C11 cell, wait until 2 new ranks and 4 new workers recorded themselves, interrupt once.
+
+    Returns the new rank pids, the new worker pids and the seconds from interrupt to the cell's end.
+    """
+    msg_id = kc.execute(C11_CELL)
+    ranks = wait_for(new_pids(piddir, 2, known), START_DEADLINE_S, "both ranks to record their pid")
+    workers = wait_for(new_pids(piddir, 4, known, "worker-"), START_DEADLINE_S,
+                       "the 4 DataLoader workers (2 per rank) to start")
+    t0 = time.monotonic()
+    km.interrupt_kernel()
+    out = collect(kc, msg_id, timeout_s=60)
+    elapsed = time.monotonic() - t0
+    assert out.error is not None, f"the cell did not fail after the interrupt:\n{out.stdout}\n{out.stderr}"
+    assert_interrupted(kc, out.error)
+    return ranks, workers, elapsed
+
+
+def test_c11_interrupt_stops_ranks_and_their_dataloader_workers(kernel):
+    km, kc = kernel
+    piddir = make_piddir(kc)
+
+    ranks, workers, elapsed = _start_c11_and_interrupt(km, kc, piddir, set())
+    assert elapsed < 5.0, f"the interrupted cell took {elapsed:.1f} s to end"
+    n, left, kids = leftovers(kc)
+    assert (n, left, kids) == (6, [], []), f"left over: pids {left}, kernel children {kids} (ranks {ranks}, workers {workers})"
+    assert existing(ranks | workers) == []
+
+    # The same cell again, straight away: it starts (both ranks join a new process group).
+    ranks2, workers2, elapsed2 = _start_c11_and_interrupt(km, kc, piddir, ranks | workers)
+    assert not (ranks2 & ranks)
+    assert elapsed2 < 5.0, f"the second interrupted cell took {elapsed2:.1f} s to end"
+    n, left, kids = leftovers(kc)
+    assert (n, left, kids) == (12, [], [])
+    assert kernel_eval(kc, "1 + 1") == 2  # the kernel is alive and not blocked
+
+
+# ----------------------------------------------------------------------------- C12: restart / kill
+
+C12_CELL = """%%distributed --gpus 2
+import os, time, torch
+open(os.path.join(piddir, str(os.getpid())), "w").close()
+if torch.cuda.is_available():
+    hold = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")   # 256 MiB per rank
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("how", ["restart", "kill"])
+def test_c12_restart_or_kill_leaves_no_ranks_or_host(how):
+    """Round A: graceful restart; round B: SIGKILL of the kernel. Within 15 s no rank and no host exists.
+
+    The host is detached from the kernel (double fork), so once it exits it is reaped by init;
+    a rank is reaped by the host. A zombie counts as still existing.
+    """
+    km, kc = start_kernel()
+    try:
+        piddir = make_piddir(kc)
+        host_pid = kernel_eval(kc, "__import__('sgpu_magic.launcher').launcher.get_host().pid")
+        kc.execute(C12_CELL)
+        ranks = wait_for(new_pids(piddir, 2), START_DEADLINE_S, "both ranks to record their pid")
+        assert existing(ranks | {host_pid}) == sorted(ranks | {host_pid})
+
+        t0 = time.monotonic()
+        if how == "restart":
+            km.restart_kernel(now=False)   # round A: graceful restart
+        else:
+            km.shutdown_kernel(now=True)   # round B: SIGKILL, no cleanup code runs in the kernel
+
+        def all_gone():
+            return not existing(ranks | {host_pid}) and not (ranks & gpu_pids())
+
+        try:
+            wait_for(all_gone, 15.0 - (time.monotonic() - t0), "the ranks and the launch host to exit")
+        except AssertionError:
+            raise AssertionError(f"after {how}: still there after 15 s: {existing(ranks | {host_pid})} "
+                                 f"(ranks {sorted(ranks)}, host {host_pid})") from None
+    finally:
+        stop_kernel(km, kc)
