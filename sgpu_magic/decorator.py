@@ -108,8 +108,32 @@ class DistributedFunction:
         return f"<distributed function {self.__qualname__} gpus={self.spec.gpus}>"
 
 
-def distributed(gpus: int, gpu_type: str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S, *,
-                port: int | None = None, max_capture_bytes: int = capture.DEFAULT_MAX_BYTES
+class _FromConfig:
+    """Default that follows ``%config DistributedMagics.<trait>`` when the extension is loaded."""
+
+    def __init__(self, trait: str, fallback: Any) -> None:
+        self.trait, self.fallback = trait, fallback
+
+    def resolve(self) -> Any:
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return self.fallback
+        shell = get_ipython()
+        magics = shell.magics_manager.registry.get("DistributedMagics") if shell is not None else None
+        return getattr(magics, self.trait) if magics is not None else self.fallback
+
+    def __repr__(self) -> str:
+        return repr(self.fallback)
+
+
+def _resolve(value: Any) -> Any:
+    return value.resolve() if isinstance(value, _FromConfig) else value
+
+
+def distributed(gpus: int, gpu_type: str | None = None,
+                timeout: float | None = _FromConfig("timeout_s", DEFAULT_TIMEOUT_S), *, port: int | None = None,
+                max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES)
                 ) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
@@ -120,15 +144,17 @@ def distributed(gpus: int, gpu_type: str | None = None, timeout: float | None = 
         gpu_type: GPU model to require, e.g. ``"H100"`` (case-insensitive substring of the
             device name); ``None`` (default) takes any. Ignored, with a note, on a machine without GPUs.
         timeout: seconds before every rank is stopped and ``TimeoutError`` raised; default
-            10800 (3 h); ``None`` for no limit.
+            10800 (3 h), or ``%config DistributedMagics.timeout_s`` when set; ``None`` for no limit.
         port: MASTER_PORT for the ranks' rendezvous; default picks a free port.
-        max_capture_bytes: captured globals above this size get a warning (default 100 MiB).
+        max_capture_bytes: captured globals above this size get a warning (default 100 MiB, or
+            ``%config DistributedMagics.max_capture_bytes``).
 
     Raises:
         SpecError: invalid ``gpus``, ``gpu_type``, ``timeout`` or ``port`` (at decoration time).
     """
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
+    timeout, max_capture_bytes = _resolve(timeout), _resolve(max_capture_bytes)
 
     def wrap(fn: Callable) -> DistributedFunction:
         if not callable(fn):

@@ -380,3 +380,25 @@ def test_syntax_error_cell_is_refused_before_anything_starts(ip, run_cell, sgpu_
     assert kids() == kids_before
     assert run_dirs(sgpu_home) == runs_before
     assert "[rank" not in out
+
+
+def test_config_defaults_are_shared_by_the_decorator(ip):
+    from sgpu_magic import distributed
+
+    ip.run_line_magic("config", "DistributedMagics.timeout_s = 1234.0")
+    try:
+        assert distributed(gpus=1)(len).spec.timeout_s == 1234.0
+        assert distributed(gpus=1, timeout=None)(len).spec.timeout_s is None
+    finally:
+        ip.run_line_magic("config", "DistributedMagics.timeout_s = 10800.0")
+    assert distributed(gpus=1)(len).spec.timeout_s == 10800.0
+
+
+def test_bare_decorator_is_refused_with_the_remedy():
+    from sgpu_magic import distributed
+    from sgpu_magic.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"@distributed needs the number of GPUs: write @distributed\(gpus=N\)"):
+        @distributed
+        def f():
+            pass
