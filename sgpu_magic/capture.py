@@ -96,7 +96,7 @@ class Unpicklable:
         self._fail()
 
     def __reduce__(self) -> tuple:
-        return (Unpicklable, object.__getattribute__(self, "_sgpu_info"))
+        self._fail()  # e.g. returned from a rank: it cannot go back to the kernel either
 
     def __repr__(self) -> str:
         return f"<sgpu_magic: global {object.__getattribute__(self, '_sgpu_info')[0]!r} was not sent to the ranks>"

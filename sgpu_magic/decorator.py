@@ -99,7 +99,7 @@ class DistributedFunction:
             ResourceError: the GPUs asked for are not there (nothing is started).
             RankFailedError: a rank failed; the others were stopped.
             JobTimeoutError: the job ran past ``timeout``.
-            KeyboardInterrupt: the kernel was interrupted; every rank was stopped.
+            JobCancelledError: (a KeyboardInterrupt) the kernel was interrupted; every rank was stopped.
         """
         self.last_job = start(self.spec, lambda: self._payload(args, kwargs))
         return self.last_job.result()

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 class SgpuError(Exception):
     """Root of every sgpu_magic error."""
 
+    def _render_traceback_(self) -> list[str]:
+        """IPython hook: the message alone, as for a UsageError; sgpu_magic's own frames say nothing useful."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 class SpecError(SgpuError, ValueError):
     """A launch option (gpus, gpu_type, timeout, port, ...) is invalid. Raised before anything starts."""
@@ -38,8 +42,15 @@ class UnpicklableGlobalError(SgpuError, RuntimeError):
 class JobTimeoutError(SgpuError, TimeoutError):
     """The job ran longer than its ``timeout``; every rank was stopped."""
 
+
+class JobCancelledError(KeyboardInterrupt):
+    """The job was cancelled or the kernel interrupted; every rank was stopped.
+
+    A ``KeyboardInterrupt`` (not an ``Exception``), so ``except Exception`` in user code does
+    not swallow an interrupt.
+    """
+
     def _render_traceback_(self) -> list[str]:
-        """IPython hook: the message alone; the kernel-side frames say nothing useful."""
         return [f"{type(self).__name__}: {self}"]
 
 
@@ -78,12 +89,25 @@ class RankFailure:
     log_path: str = ""
     time_s: float = 0.0
 
-    def summary(self) -> str:
-        """One line: ``rank 1: ValueError: bad batch (exit code 1)``."""
+    def what(self) -> str:
+        """``ValueError: bad batch`` (first line, at most 200 characters), or that it left no exception."""
+        if not self.exc_type:
+            return "exited without a Python exception"
         message = self.message.strip().splitlines()[0] if self.message.strip() else ""
         message = message if len(message) <= 200 else message[:197] + "..."
-        what = f"{self.exc_type}: {message}" if self.exc_type else "exited without a Python exception"
-        return f"rank {self.rank}: {what} ({describe_exit(self.exitcode)})"
+        return f"{self.exc_type}: {message}"
+
+    def summary(self) -> str:
+        """One line: ``rank 1: ValueError: bad batch (exit code 1)``."""
+        return f"rank {self.rank}: {self.what()} ({describe_exit(self.exitcode)})"
+
+
+def _secondary(f: RankFailure, root_rank: int) -> str:
+    """How a rank that failed after the root cause is described."""
+    if f.exitcode is not None and f.exitcode < 0:
+        raised = f" (it had raised {f.what()})" if f.exc_type else ""
+        return f"rank {f.rank} stopped by sgpu_magic because rank {root_rank} failed{raised}"
+    return f"rank {f.rank} stopped because rank {root_rank} failed: {f.what()} ({describe_exit(f.exitcode)})"
 
 
 @dataclass(eq=False)
@@ -114,9 +138,8 @@ class RankFailedError(SgpuError, RuntimeError):
 
     def _message(self) -> str:
         rc = self.root_cause
-        lines = [f"rank {rc.rank} failed (root cause): {rc.summary().split(': ', 1)[1]}"]
-        lines += [f"  rank {f.rank} stopped because rank {rc.rank} failed; it had {f.summary().split(': ', 1)[1]}"
-                  for f in self.others]
+        lines = [f"rank {rc.rank} failed (root cause): {rc.what()} ({describe_exit(rc.exitcode)})"]
+        lines += [f"  {_secondary(f, rc.rank)}" for f in self.others]
         if self.stopped_ranks:
             ranks = ", ".join(str(r) for r in self.stopped_ranks)
             lines.append(f"  rank {ranks} stopped by sgpu_magic because rank {rc.rank} failed")
@@ -124,11 +147,12 @@ class RankFailedError(SgpuError, RuntimeError):
         return "\n".join(lines)
 
     def _render_traceback_(self) -> list[str]:
-        """IPython hook: the root-cause rank's traceback, then the summary."""
-        out = [f"--- traceback from rank {self.root_cause.rank} (root cause) ---"]
+        """IPython hook: the root-cause rank's traceback (when it left one), then the summary."""
+        out = []
         if self.root_cause.traceback:
+            out.append(f"--- traceback from rank {self.root_cause.rank} (root cause) ---")
             out += self.root_cause.traceback.rstrip("\n").splitlines()
-        out.append("---")
+            out.append("---")
         out += [f"{type(self).__name__}: " + self._message().splitlines()[0]]
         out += self._message().splitlines()[1:]
         return out

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import JobTimeoutError, LauncherError, RankFailedError, RankFailure, SgpuError
+from .errors import JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, RankFailure, SgpuError
 from .launcher import LaunchHost
 from .resources import DevicePlan
 from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
@@ -145,7 +145,8 @@ class Job:
     def wait(self, timeout_s: float | None = None) -> JobState:
         """Block until the job ends (or ``timeout_s`` seconds pass); stream its logs meanwhile.
 
-        Interrupting (KeyboardInterrupt) cancels the job, waits for its ranks to stop, and re-raises.
+        Interrupting (KeyboardInterrupt) cancels the job, waits for its ranks to stop, and raises
+        :class:`~sgpu_magic.errors.JobCancelledError` (a KeyboardInterrupt) naming the job and its logs.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
@@ -155,7 +156,8 @@ class Job:
                 time.sleep(POLL_INTERVAL_S)
         except KeyboardInterrupt:
             self.cancel(_reason="interrupted")
-            raise
+            raise JobCancelledError(f"job {self.job_id} was interrupted; every rank was stopped. "
+                                    f"Logs: {self._rd.path / 'logs'}") from None
         return self.state
 
     def cancel(self, _reason: str = "cancelled") -> None:
@@ -183,7 +185,7 @@ class Job:
         Raises:
             RankFailedError: a rank failed; shows the root-cause rank's traceback and log path.
             JobTimeoutError: the job ran past its timeout.
-            KeyboardInterrupt: the job was interrupted or cancelled.
+            JobCancelledError: (a KeyboardInterrupt) the job was interrupted or cancelled.
         """
         error = self.exception()
         if error is not None:
@@ -219,7 +221,8 @@ class Job:
                                    f"every rank was stopped. Logs: {self._rd.path / 'logs'}")
         if state is JobState.CANCELLED:
             how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
-            return KeyboardInterrupt(f"job {self.job_id} was {how}; every rank was stopped")
+            return JobCancelledError(f"job {self.job_id} was {how}; every rank was stopped. "
+                                     f"Logs: {self._rd.path / 'logs'}")
         if status.get("launch_error"):
             return LauncherError(f"job {self.job_id} could not start: {status['launch_error']}")
         return failure_from_status(self._rd, status, self.world_size)

@@ -27,6 +27,20 @@ def _parse_timeout(text: str | None, default: float | None) -> float | None:
     return value
 
 
+CELL_FILENAME = "<%%distributed cell>"
+"""File name of the cell's code in rank tracebacks; line numbers are those of the notebook cell."""
+
+
+def _aligned_source(cell: str, transformed: str) -> str:
+    """Pad ``transformed`` so its line numbers match the notebook cell, whose line 1 is ``%%distributed``.
+
+    IPython's transforms drop the cell's leading blank lines; they are put back here.
+    """
+    lines = cell.splitlines()
+    leading = next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+    return "\n" * (1 + leading) + transformed
+
+
 @magics_class
 class DistributedMagics(Magics):
     """Run a cell on N ranks. Defaults can be set with ``%config DistributedMagics.<name> = ...``."""
@@ -57,8 +71,8 @@ class DistributedMagics(Magics):
                              name=f"cell In[{self.shell.execution_count}]")
         except SpecError as exc:
             raise UsageError(str(exc)) from None
-        source = "\n" + self.shell.transform_cell(cell)  # line numbers as in the notebook cell (line 1 is %%distributed)
-        filename = f"<distributed cell In[{self.shell.execution_count}]>"
+        source = _aligned_source(cell, self.shell.transform_cell(cell))
+        filename = CELL_FILENAME
 
         def payload() -> dict:
             part = capture.capture_cell(source, self.shell.user_ns, self.max_capture_bytes)

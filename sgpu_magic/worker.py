@@ -14,6 +14,7 @@ import builtins
 import ctypes
 import gc
 import importlib
+import io
 import linecache
 import os
 import pickle
@@ -133,11 +134,14 @@ class _ResultPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def _dump_result(value) -> bytes:
-    import io
-
+def _dump_result(value, rank: int) -> bytes:
     buf = io.BytesIO()
-    _ResultPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    try:
+        _ResultPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    except Exception as exc:
+        raise TypeError(f"the return value of rank {rank} ({type(value).__module__}.{type(value).__qualname__}) "
+                        f"cannot be sent back to the kernel ({type(exc).__name__}: {exc}); return plain Python, "
+                        f"numpy or torch values") from None
     return buf.getvalue()
 
 
@@ -178,14 +182,14 @@ def _execute(run_dir: RunDir, rank: int) -> int:
     ns = _build_namespace(payload)
     try:
         value = run_payload(payload, ns)
-        atomic_write_bytes(run_dir.result_file(rank), _dump_result(value))
+        atomic_write_bytes(run_dir.result_file(rank), _dump_result(value, rank))
         return 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code:
             _write_error(run_dir, rank, exc, payload.get("display_names"))
         else:
-            atomic_write_bytes(run_dir.result_file(rank), _dump_result(None))
+            atomic_write_bytes(run_dir.result_file(rank), _dump_result(None, rank))
         return code
     except BaseException as exc:  # noqa: BLE001 - every rank failure is recorded
         _write_error(run_dir, rank, exc, payload.get("display_names"))

@@ -375,7 +375,7 @@ def test_syntax_error_cell_is_refused_before_anything_starts(ip, run_cell, sgpu_
     result, out, _ = run_cell("%%distributed --gpus 2\nprint('fine')\nx = (\n")
     with pytest.raises(SyntaxError, match=r"'\(' was never closed") as info:
         result.raise_error()
-    assert info.value.filename.startswith("<distributed cell In[")
+    assert info.value.filename == "<%%distributed cell>"
     assert info.value.lineno == 3  # line 3 of the notebook cell (line 1 is %%distributed)
     assert kids() == kids_before
     assert run_dirs(sgpu_home) == runs_before
@@ -402,3 +402,10 @@ def test_bare_decorator_is_refused_with_the_remedy():
         @distributed
         def f():
             pass
+
+
+def test_rank_traceback_line_numbers_match_the_notebook_cell_with_leading_blank_lines(ip, run_cell):
+    result, _, _ = run_cell("%%distributed --gpus 1\n\n\n\nx = 1\n1 / 0\n")
+    err = result.error_in_exec
+    assert isinstance(err, RankFailedError)
+    assert 'File "<%%distributed cell>", line 6, in <module>' in err.root_cause.traceback

@@ -17,8 +17,7 @@ def test_rank_failed_error_renders_root_cause_once():
     err = RankFailedError(root, [other], [2, 3], "/runs/x")
     text = str(err)
     assert text.splitlines()[0] == "rank 1 failed (root cause): ValueError: bad batch (exit code 1)"
-    assert ("rank 0 stopped because rank 1 failed; it had RuntimeError: Connection closed by peer "
-            "(killed by signal SIGTERM (15))") in text
+    assert "rank 0 stopped by sgpu_magic because rank 1 failed (it had raised RuntimeError: Connection closed by peer)" in text
     assert "rank 2, 3 stopped by sgpu_magic because rank 1 failed" in text
     assert "log of rank 1: /runs/x/logs/rank_1.log" in text
     rendered = "\n".join(err._render_traceback_())
@@ -29,3 +28,24 @@ def test_rank_failed_error_renders_root_cause_once():
 def test_signal_death_without_exception():
     err = RankFailedError(RankFailure(rank=0, exitcode=-9, log_path="l"))
     assert str(err).startswith("rank 0 failed (root cause): exited without a Python exception (killed by signal SIGKILL (9))")
+
+
+def test_secondary_rank_that_exited_by_itself():
+    root = RankFailure(rank=0, exitcode=1, exc_type="NameError", message="x", time_s=1.0)
+    other = RankFailure(rank=1, exitcode=1, exc_type="RuntimeError", message="peer gone", time_s=2.0)
+    text = str(RankFailedError(root, [other]))
+    assert "rank 1 stopped because rank 0 failed: RuntimeError: peer gone (exit code 1)" in text
+
+
+def test_no_empty_traceback_section_for_a_signal_death():
+    err = RankFailedError(RankFailure(rank=1, exitcode=-9, log_path="l"))
+    rendered = err._render_traceback_()
+    assert not any(line.startswith("---") for line in rendered)
+    assert rendered[0] == "RankFailedError: rank 1 failed (root cause): exited without a Python exception (killed by signal SIGKILL (9))"
+
+
+def test_errors_before_launch_render_as_one_line():
+    from sgpu_magic.errors import CaptureError, JobCancelledError
+
+    assert CaptureError("argument 0 is bad")._render_traceback_() == ["CaptureError: argument 0 is bad"]
+    assert issubclass(JobCancelledError, KeyboardInterrupt) and not issubclass(JobCancelledError, Exception)

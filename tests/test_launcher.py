@@ -66,3 +66,40 @@ def test_host_killed_during_a_job_raises_and_takes_its_ranks_along(tmp_path):
         job.wait(timeout_s=30)
     assert _wait_gone(pids) == []
     assert len(pid_of_rank.distributed()) == 2
+
+
+def test_cancel_stops_every_rank_and_result_raises_job_cancelled(tmp_path):
+    from sgpu_magic import JobState
+    from sgpu_magic.decorator import start
+    from sgpu_magic.errors import JobCancelledError
+
+    @distributed(gpus=2)
+    def sleeper(piddir):
+        import os
+        import time
+
+        open(os.path.join(piddir, str(os.getpid())), "w").close()
+        time.sleep(600)
+
+    job = start(sleeper.spec, lambda: sleeper._payload((str(tmp_path),), {}))
+    deadline = time.monotonic() + 60
+    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p) for p in os.listdir(tmp_path)]
+    job.cancel()
+    assert job.state is JobState.CANCELLED
+    with pytest.raises(JobCancelledError, match=r"job .* was cancelled; every rank was stopped. Logs: .*logs"):
+        job.result()
+    assert _wait_gone(pids) == []
+
+
+def test_unpicklable_return_value_is_named():
+    from sgpu_magic.errors import RankFailedError
+
+    @distributed(gpus=1)
+    def returns_generator():
+        return (i for i in range(3))
+
+    with pytest.raises(RankFailedError, match=r"TypeError: the return value of rank 0 \(builtins.generator\) cannot be "
+                                              r"sent back to the kernel"):
+        returns_generator.distributed()

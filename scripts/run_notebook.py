@@ -1,0 +1,50 @@
+"""Execute a notebook headless in a real kernel, print each cell's text output as it finishes,
+and save the executed copy next to it as ``<name>.out.ipynb`` (ignored by git).
+
+Usage: ``.venv/bin/python scripts/run_notebook.py notebooks/01_quickstart.ipynb``. Exits non-zero
+when a cell raises.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+
+def _print_outputs(cell, cell_index, **_) -> None:
+    if cell.cell_type != "code":
+        return
+    print(f"--- cell {cell_index}: {cell.source.splitlines()[0] if cell.source else ''}", flush=True)
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            print(out.text, end="", flush=True)
+        elif out.output_type in ("execute_result", "display_data") and "text/plain" in out.get("data", {}):
+            print(out.data["text/plain"], flush=True)
+        elif out.output_type == "error":
+            print("\n".join(out.traceback), flush=True)
+
+
+def main(path: str) -> int:
+    src = Path(path)
+    nb = nbformat.read(src, as_version=4)
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(src.parent)}},
+                            on_cell_executed=_print_outputs)
+    t0 = time.perf_counter()
+    try:
+        client.execute()
+        code = 0
+    except CellExecutionError:
+        code = 1
+    out = src.with_suffix(".out.ipynb")
+    nbformat.write(nb, out)
+    print(f"--- {src}: {'ok' if code == 0 else 'FAILED'} in {time.perf_counter() - t0:.1f} s; executed copy: {out}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "notebooks/01_quickstart.ipynb"))
