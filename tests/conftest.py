@@ -44,3 +44,12 @@ def run_cell(ip, capsys):
         return result, out, err
 
     return run
+
+
+@pytest.fixture
+def piddir(ip, tmp_path):
+    """A fresh directory, also bound to the notebook global ``piddir``, where ranks record their PIDs."""
+    d = tmp_path / "pids"
+    d.mkdir()
+    ip.user_ns["piddir"] = str(d)
+    return d

@@ -18,10 +18,10 @@ import time
 
 import psutil
 import pytest
+from helpers import C01_CELL1, kids, run_dirs, wait_gone
 
 from sgpu_magic.errors import CaptureError, JobTimeoutError, RankFailedError, ResourceError
 
-PID_GONE_S = 10.0
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -35,14 +35,6 @@ def cell(run_cell, code: str):
     return result.result, out, err
 
 
-def wait_gone(pids, within_s: float = PID_GONE_S) -> list[int]:
-    """Poll until none of ``pids`` exists (zombies count as existing); return those still there at the deadline."""
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = [p for p in pids if psutil.pid_exists(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
 
 
 def read_pids(piddir) -> list[int]:
@@ -59,37 +51,16 @@ def rank_pids(job, piddir) -> list[int]:
     return sorted(set(read_pids(piddir)) | {int(p) for p in status["pids"].values()})
 
 
-def run_dirs(sgpu_home) -> set[str]:
-    runs = sgpu_home / "runs"
-    return {p.name for p in runs.iterdir()} if runs.exists() else set()
 
 
-def kids() -> list[int]:
-    return sorted(p.pid for p in psutil.Process().children(recursive=True))
 
-
-@pytest.fixture
-def piddir(ip, tmp_path):
-    """A fresh directory, also bound to the notebook global ``piddir``, where ranks record their PIDs."""
-    d = tmp_path / "pids"
-    d.mkdir()
-    ip.user_ns["piddir"] = str(d)
-    return d
 
 
 # --- C01 -----------------------------------------------------------------------------------
 
 
 def test_c01_notebook_function_helper_class_and_global_reach_the_ranks(ip, run_cell):
-    cell(run_cell, """
-        import math
-        SCALE = 10
-        def helper(x):
-            return math.sqrt(x) * SCALE
-        class Box:
-            def __init__(self, v):
-                self.v = v
-        """)
+    cell(run_cell, C01_CELL1)
     value, out, err = cell(run_cell, """
         from sgpu_magic import distributed
         @distributed(gpus=2)

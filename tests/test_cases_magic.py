@@ -16,12 +16,12 @@ import time
 
 import psutil
 import pytest
+from helpers import C01_CELL1, kids, run_dirs, wait_gone
 from IPython.core.error import UsageError
 
 from sgpu_magic.errors import RankFailedError
 from sgpu_magic.magics import DistributedMagics
 
-PID_GONE_S = 10.0
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -49,47 +49,18 @@ def streamed(out: str, rank: int) -> list[str]:
     return [line[len(prefix):] for line in out.splitlines() if line.startswith(prefix)]
 
 
-def wait_gone(pids, within_s: float = PID_GONE_S) -> list[int]:
-    """Poll until none of ``pids`` exists (zombies count as existing); return those still there at the deadline."""
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = [p for p in pids if psutil.pid_exists(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
 
 
-def run_dirs(sgpu_home) -> set[str]:
-    runs = sgpu_home / "runs"
-    return {p.name for p in runs.iterdir()} if runs.exists() else set()
 
 
-def kids() -> list[int]:
-    return sorted(p.pid for p in psutil.Process().children(recursive=True))
 
-
-@pytest.fixture
-def piddir(ip, tmp_path):
-    """A fresh directory, also bound to the notebook global ``piddir``, where ranks record their PIDs."""
-    d = tmp_path / "pids"
-    d.mkdir()
-    ip.user_ns["piddir"] = str(d)
-    return d
 
 
 # --- C01 cell 3 ----------------------------------------------------------------------------
 
 
 def test_c01_cell_magic_ships_notebook_helper_class_and_global(ip, run_cell):
-    cell(run_cell, """
-        import math
-        SCALE = 10
-        def helper(x):
-            return math.sqrt(x) * SCALE
-        class Box:
-            def __init__(self, v):
-                self.v = v
-        """)
+    cell(run_cell, C01_CELL1)
     _, out, err = cell(run_cell, """
         %%distributed --gpus 2 -o job_c01
         import os

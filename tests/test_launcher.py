@@ -45,22 +45,28 @@ def test_a_killed_host_is_replaced_at_the_next_launch():
     assert _wait_gone(pids) == []
 
 
-def test_host_killed_during_a_job_raises_and_takes_its_ranks_along(tmp_path):
-    @distributed(gpus=2, timeout=120)
-    def sleeper(piddir):
-        import os
-        import time
+@distributed(gpus=2, timeout=120)
+def sleeper(piddir):
+    import os
+    import time
 
-        open(os.path.join(piddir, str(os.getpid())), "w").close()
-        time.sleep(600)
+    open(os.path.join(piddir, str(os.getpid())), "w").close()
+    time.sleep(600)
 
+
+def _start_sleepers(piddir):
+    """Start the 2-rank ``sleeper`` job in the background; return it and its rank pids once both run."""
     from sgpu_magic.decorator import start
 
-    job = start(sleeper.spec, lambda: sleeper._payload((str(tmp_path),), {}))
+    job = start(sleeper.spec, lambda: sleeper._payload((str(piddir),), {}))
     deadline = time.monotonic() + 60
-    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+    while len(os.listdir(piddir)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    pids = [int(p) for p in os.listdir(tmp_path)]
+    return job, [int(p) for p in os.listdir(piddir)]
+
+
+def test_host_killed_during_a_job_raises_and_takes_its_ranks_along(tmp_path):
+    job, pids = _start_sleepers(tmp_path)
     os.kill(get_host().pid, signal.SIGKILL)
     with pytest.raises(LauncherError, match=r"the launch host died while job .* ran; see .*host-.*\.log"):
         job.wait(timeout_s=30)
@@ -70,22 +76,9 @@ def test_host_killed_during_a_job_raises_and_takes_its_ranks_along(tmp_path):
 
 def test_cancel_stops_every_rank_and_result_raises_job_cancelled(tmp_path):
     from sgpu_magic import JobState
-    from sgpu_magic.decorator import start
     from sgpu_magic.errors import JobCancelledError
 
-    @distributed(gpus=2)
-    def sleeper(piddir):
-        import os
-        import time
-
-        open(os.path.join(piddir, str(os.getpid())), "w").close()
-        time.sleep(600)
-
-    job = start(sleeper.spec, lambda: sleeper._payload((str(tmp_path),), {}))
-    deadline = time.monotonic() + 60
-    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    pids = [int(p) for p in os.listdir(tmp_path)]
+    job, pids = _start_sleepers(tmp_path)
     job.cancel()
     assert job.state is JobState.CANCELLED
     with pytest.raises(JobCancelledError, match=r"job .* was cancelled; every rank was stopped. Logs: .*logs"):

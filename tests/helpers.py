@@ -1,0 +1,41 @@
+"""Small helpers shared by the test files."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+PID_GONE_S = 10.0
+
+C01_CELL1 = """
+import math
+SCALE = 10
+def helper(x):
+    return math.sqrt(x) * SCALE
+class Box:
+    def __init__(self, v):
+        self.v = v
+"""
+"""Case C01, cell 1: a notebook helper, class and global that ranks must receive by value."""
+
+
+def wait_gone(pids, within_s: float = PID_GONE_S) -> list[int]:
+    """Poll until none of ``pids`` exists (zombies count as existing); return those still there at the deadline."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def run_dirs(sgpu_home) -> set[str]:
+    """Names of the run directories under the session's sgpu_magic home."""
+    runs = sgpu_home / "runs"
+    return {p.name for p in runs.iterdir()} if runs.exists() else set()
+
+
+def kids() -> list[int]:
+    """PIDs of every descendant of the test process."""
+    return sorted(p.pid for p in psutil.Process().children(recursive=True))
