@@ -41,7 +41,7 @@ def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | 
         view.warn(text)
     if plan.note:
         view.note(plan.note)
-    return submit(spec, plan, payload, get_host, view.lines)
+    return submit(spec, plan, payload, get_host, [view])
 
 
 def _cell_labels(filenames) -> dict[str, str]:

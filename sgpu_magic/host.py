@@ -90,6 +90,7 @@ class HostJob:
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.status = {"state": "starting", "port": self.port, "started_s": self.started_s, "host_pid": os.getpid()}
         self._write()
+        env = {**env, **self.launch.get("env", {})}
         os.environ.clear()
         os.environ.update(env)
         self.ctx = _make_context(run_dir, self.launch, self.port, env)

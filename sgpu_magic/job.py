@@ -6,6 +6,7 @@ A job is followed through its RunDir: the host's ``status.json``, each rank's lo
 
 from __future__ import annotations
 
+import codecs
 import enum
 import os
 import pickle
@@ -47,15 +48,15 @@ def _to_state(status: dict) -> JobState:
 
 
 class LogFollower:
-    """Follows one rank's log file by byte offset and yields complete lines."""
+    """Follows one rank's log file by byte offset and returns the new text (UTF-8 decoded incrementally)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
-        self.partial = b""
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def read(self, final: bool = False) -> list[str]:
-        """New complete lines since the last call; with ``final`` also the unterminated tail."""
+    def read(self, final: bool = False) -> str:
+        """Text written since the last call; with ``final`` also a trailing incomplete character."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
@@ -63,12 +64,32 @@ class LogFollower:
         except FileNotFoundError:
             chunk = b""
         self.offset += len(chunk)
-        data = self.partial + chunk
-        *lines, self.partial = data.split(b"\n")
-        if final and self.partial:
-            lines.append(self.partial)
-            self.partial = b""
-        return [line.decode(errors="replace") for line in lines]
+        return self._decoder.decode(chunk, final=final)
+
+
+class JobSink:
+    """Receives one job's events; subclass and override what you need.
+
+    The panel, the text view and MLflow tracking are sinks. Events come from the thread that
+    follows the job (the waiting thread for a blocking call); ``prepare`` runs before the
+    ranks start.
+    """
+
+    def prepare(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> dict:
+        """Before launch: return ``{"env": {...}}`` for the ranks and other launch.json entries."""
+        return {}
+
+    def started(self, job: "Job") -> None:
+        """The job was handed to the launch host."""
+
+    def output(self, rank: int, text: str) -> None:
+        """New text from rank ``rank``'s log (stdout and stderr in order; may end mid-line)."""
+
+    def state_changed(self, job: "Job", state: "JobState") -> None:
+        """The job moved to ``state``."""
+
+    def finished(self, job: "Job") -> None:
+        """The job reached a final state; every line of its logs was delivered before this."""
 
 
 class Job:
@@ -82,12 +103,13 @@ class Job:
     """
 
     def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, host: LaunchHost,
-                 on_lines: Callable[[int, list[str]], None] | None = None) -> None:
+                 sinks: list[JobSink] = ()) -> None:
         self._rd = run_dir
         self.spec = spec
         self.plan = plan
         self._host = host
-        self._on_lines = on_lines
+        self._sinks = list(sinks)
+        self._last_state: JobState | None = None
         self._followers = [LogFollower(run_dir.log_file(r)) for r in range(plan.world_size)]
         self._results: list[Any] | None = None
         self._error: BaseException | None = None
@@ -100,6 +122,14 @@ class Job:
     @property
     def world_size(self) -> int:
         return self.plan.world_size
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from the ranks' start to the job's end (or to now while it runs); ``None`` before start."""
+        status = self._status()
+        if "started_s" not in status:
+            return None
+        return status.get("ended_s", time.time()) - status["started_s"]
 
     @property
     def log_paths(self) -> list[Path]:
@@ -124,18 +154,30 @@ class Job:
     def done(self) -> bool:
         return self.state.final
 
+    def _emit(self, event: str, *args: Any) -> None:
+        for sink in self._sinks:
+            getattr(sink, event)(*args)
+
     def _pump(self, final: bool = False) -> None:
         for rank, follower in enumerate(self._followers):
-            lines = follower.read(final)
-            if lines and self._on_lines is not None:
-                self._on_lines(rank, lines)
+            text = follower.read(final)
+            if text:
+                self._emit("output", rank, text)
 
     def _poll_once(self) -> bool:
+        if self._final_status is not None:
+            return True
         self._pump()
         status = read_json(self._rd.status_file) or {}
-        if _to_state(status).final:
-            self._final_status = status
+        state = _to_state(status)
+        if state.final:
             self._pump(final=True)
+            self._final_status = status
+        if state is not self._last_state:
+            self._last_state = state
+            self._emit("state_changed", self, state)
+        if state.final:
+            self._emit("finished", self)
             return True
         if not self._host.alive():
             raise LauncherError(f"the launch host died while job {self.job_id} ran; see {self._host.log_path} "
@@ -160,14 +202,19 @@ class Job:
                                     f"Logs: {self._rd.path / 'logs'}") from None
         return self.state
 
+    def request_cancel(self, _reason: str = "cancelled") -> None:
+        """Ask the launch host to stop every rank, without waiting. Safe from any thread (a Stop button)."""
+        if self._final_status is None:
+            try:
+                self._host.cancel(self._rd, _reason)
+            except LauncherError:
+                pass
+
     def cancel(self, _reason: str = "cancelled") -> None:
         """Stop every rank (SIGTERM, then SIGKILL) and wait until they are gone; state becomes CANCELLED."""
         if self.done():
             return
-        try:
-            self._host.cancel(self._rd, _reason)
-        except LauncherError:
-            return
+        self.request_cancel(_reason)
         deadline = time.monotonic() + CANCEL_WAIT_S
         while not self._poll_once() and time.monotonic() < deadline:
             time.sleep(POLL_INTERVAL_S)
@@ -255,7 +302,7 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
 
 
 def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable[[], LaunchHost],
-           on_lines: Callable[[int, list[str]], None] | None = None, root: Path | None = None) -> Job:
+           sinks: list[JobSink] = (), root: Path | None = None) -> Job:
     """Write the payload into a new RunDir and hand it to the launch host; return the :class:`Job` at once.
 
     ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
@@ -263,10 +310,14 @@ def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable
     """
     rd = RunDir.create(root)
     atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
-    atomic_write_json(rd.launch_file, {
-        "job_id": rd.job_id, "name": spec.name, "world_size": plan.world_size, "backend": plan.backend,
-        "cuda_visible_devices": plan.cuda_visible_devices, "timeout_s": spec.timeout_s, "port": spec.port,
-        "cwd": os.getcwd(), "sys_path": list(sys.path)})
+    launch = {"job_id": rd.job_id, "name": spec.name, "world_size": plan.world_size, "backend": plan.backend,
+              "cuda_visible_devices": plan.cuda_visible_devices, "timeout_s": spec.timeout_s, "port": spec.port,
+              "cwd": os.getcwd(), "sys_path": list(sys.path), "env": {}}
+    for sink in sinks:
+        extra = sink.prepare(rd.job_id, spec, plan)
+        launch["env"].update(extra.pop("env", {}))
+        launch.update(extra)
+    atomic_write_json(rd.launch_file, launch)
     for rank in range(plan.world_size):
         rd.log_file(rank).touch(mode=0o600)
     host = get_host()
@@ -275,4 +326,6 @@ def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable
     except LauncherError:
         host = get_host()
         host.launch(rd)
-    return Job(rd, spec, plan, host, on_lines)
+    job = Job(rd, spec, plan, host, sinks)
+    job._emit("started", job)
+    return job
