@@ -18,12 +18,23 @@ import functools
 from typing import Any, Callable
 
 from . import capture
-from .job import Job, submit
+from .job import Job, JobSink, submit
 from .launcher import get_host
-from .panel import TextView
+from .panel import TextView, make_view
 from .resources import check_port_free, plan_devices
 from .spec import DEFAULT_TIMEOUT_S, LaunchSpec, make_spec
 from .errors import SpecError
+
+
+def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:
+    """Who follows the job: MLflow tracking first (it names the run the view links to), then the view."""
+    sinks: list[JobSink] = []
+    if spec.mlflow:
+        from .tracking import MlflowTracking
+
+        sinks.append(MlflowTracking())
+    sinks.append(view or make_view(spec.widgets))
+    return sinks
 
 
 def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | None = None) -> Job:
@@ -31,7 +42,8 @@ def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | 
 
     Everything that can be refused is refused before any process starts.
     """
-    view = view or TextView()
+    sinks = _sinks(spec, view)
+    view = sinks[-1]
     plan = plan_devices(spec)
     if spec.port is not None:
         check_port_free(spec.port)
@@ -41,7 +53,7 @@ def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | 
         view.warn(text)
     if plan.note:
         view.note(plan.note)
-    return submit(spec, plan, payload, get_host, [view])
+    return submit(spec, plan, payload, get_host, sinks)
 
 
 def _cell_labels(filenames) -> dict[str, str]:

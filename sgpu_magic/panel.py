@@ -75,3 +75,8 @@ class TextView(JobSink):
         err = self._err or sys.stderr
         err.write(f"sgpu_magic warning: {text}\n")
         err.flush()
+
+
+def make_view(widgets: bool | None = None) -> JobSink:
+    """The view for a job: the plain-text view for now (the widget panel decides with ``widgets``)."""
+    return TextView()

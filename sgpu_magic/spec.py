@@ -29,6 +29,9 @@ class LaunchSpec:
         timeout_s: wall-clock limit in seconds; ``None`` = no limit. Default 3 h.
         port: rendezvous (MASTER_PORT) to use; ``None`` = pick a free port.
         name: the function or cell name, for messages and logs.
+        widgets: show the ipywidgets panel (True), the plain-text view (False), or decide
+            (None: the panel in a Jupyter kernel with ipywidgets, else text).
+        mlflow: track the job as an MLflow run.
     """
 
     gpus: int
@@ -36,6 +39,8 @@ class LaunchSpec:
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     port: int | None = None
     name: str = "job"
+    widgets: bool | None = None
+    mlflow: bool = True
 
 
 def _check_gpus(gpus: object) -> int:
@@ -74,11 +79,12 @@ def _check_port(port: object) -> int | None:
 
 
 def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S,
-              port: object = None, name: str = "job") -> LaunchSpec:
+              port: object = None, name: str = "job", widgets: bool | None = None, mlflow: bool = True) -> LaunchSpec:
     """Validate user input into a :class:`LaunchSpec`.
 
     Raises:
         SpecError: naming the bad option, the value given and what is allowed.
     """
     return LaunchSpec(gpus=_check_gpus(gpus), gpu_type=_check_gpu_type(gpu_type),
-                      timeout_s=_check_timeout(timeout), port=_check_port(port), name=name)
+                      timeout_s=_check_timeout(timeout), port=_check_port(port), name=name,
+                      widgets=None if widgets is None else bool(widgets), mlflow=bool(mlflow))
