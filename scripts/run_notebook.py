@@ -7,6 +7,7 @@ when a cell raises.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ def _print_outputs(cell, cell_index, **_) -> None:
 
 
 def main(path: str) -> int:
+    os.environ.setdefault("SGPU_MAGIC_WIDGETS", "0")  # no widget manager here: plain [rank N] text
     src = Path(path)
     nb = nbformat.read(src, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(src.parent)}},

@@ -145,6 +145,7 @@ def _resolve(value: Any) -> Any:
 
 def distributed(gpus: int, gpu_type: str | None = None,
                 timeout: float | None = _FromConfig("timeout_s", DEFAULT_TIMEOUT_S), *, port: int | None = None,
+                widgets: bool | None = _FromConfig("widgets", None),
                 max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES)
                 ) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
@@ -158,6 +159,8 @@ def distributed(gpus: int, gpu_type: str | None = None,
         timeout: seconds before every rank is stopped and ``TimeoutError`` raised; default
             10800 (3 h), or ``%config DistributedMagics.timeout_s`` when set; ``None`` for no limit.
         port: MASTER_PORT for the ranks' rendezvous; default picks a free port.
+        widgets: the ipywidgets panel (True) or plain ``[rank N]`` text (False); default: the
+            panel in a Jupyter kernel (``%config DistributedMagics.widgets``, ``SGPU_MAGIC_WIDGETS``).
         max_capture_bytes: captured globals above this size get a warning (default 100 MiB, or
             ``%config DistributedMagics.max_capture_bytes``).
 
@@ -166,12 +169,12 @@ def distributed(gpus: int, gpu_type: str | None = None,
     """
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
-    timeout, max_capture_bytes = _resolve(timeout), _resolve(max_capture_bytes)
+    timeout, max_capture_bytes, widgets = _resolve(timeout), _resolve(max_capture_bytes), _resolve(widgets)
 
     def wrap(fn: Callable) -> DistributedFunction:
         if not callable(fn):
             raise SpecError(f"@distributed(...) decorates a function, got {type(fn).__name__}")
-        spec = make_spec(gpus, gpu_type, timeout, port, name=getattr(fn, "__qualname__", "function"))
+        spec = make_spec(gpus, gpu_type, timeout, port, name=getattr(fn, "__qualname__", "function"), widgets=widgets)
         return DistributedFunction(fn, spec, max_capture_bytes)
 
     make_spec(gpus, gpu_type, timeout, port)  # fail at the decorator line, not later

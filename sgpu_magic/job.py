@@ -88,6 +88,9 @@ class JobSink:
     def state_changed(self, job: "Job", state: "JobState") -> None:
         """The job moved to ``state``."""
 
+    def tick(self, job: "Job") -> None:
+        """Called on every poll of the job (about 20 times a second): flush what is buffered."""
+
     def finished(self, job: "Job") -> None:
         """The job reached a final state; every line of its logs was delivered before this."""
 
@@ -122,6 +125,11 @@ class Job:
     @property
     def world_size(self) -> int:
         return self.plan.world_size
+
+    @property
+    def rank_exitcodes(self) -> dict[int, int | None]:
+        """Exit code of each rank once the job ended (negative: killed by that signal); ``{}`` before."""
+        return {int(k): v for k, v in (self._status().get("exitcodes") or {}).items()}
 
     @property
     def elapsed_s(self) -> float | None:
@@ -179,6 +187,7 @@ class Job:
         if state.final:
             self._emit("finished", self)
             return True
+        self._emit("tick", self)
         if not self._host.alive():
             raise LauncherError(f"the launch host died while job {self.job_id} ran; see {self._host.log_path} "
                                 f"and the rank logs in {self._rd.path / 'logs'}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Float, Int
+from traitlets import Bool, Float, Int
 
 from . import capture
 from .decorator import start
@@ -49,12 +49,16 @@ class DistributedMagics(Magics):
                       help="Default job timeout in seconds when --timeout is not given; None = no limit.").tag(config=True)
     max_capture_bytes = Int(capture.DEFAULT_MAX_BYTES,
                             help="Captured globals larger than this many bytes get a warning before launch.").tag(config=True)
+    widgets = Bool(None, allow_none=True,
+                   help="Show the ipywidgets panel (True), plain [rank N] text (False), or decide (None: the panel "
+                        "in a Jupyter kernel, unless SGPU_MAGIC_WIDGETS=0).").tag(config=True)
 
     @magic_arguments()
     @argument("--gpus", type=int, required=True, help="Number of ranks, one GPU each (CPU ranks with gloo when the machine has no GPU).")
     @argument("--gpu-type", default=None, help="GPU model to require, e.g. H100 (case-insensitive match of the device name).")
     @argument("--timeout", default=None, help="Seconds before every rank is stopped, or 'none'. Default: DistributedMagics.timeout_s (3 h).")
     @argument("--port", type=int, default=None, help="MASTER_PORT for the rendezvous; default: a free port.")
+    @argument("--no-widgets", action="store_true", help="Plain [rank N] text instead of the widget panel.")
     @argument("-o", "--output", default=None, metavar="NAME", help="Store the Job handle (per-rank results, log paths) in this variable.")
     @cell_magic
     def distributed(self, line: str, cell: str):
@@ -68,7 +72,7 @@ class DistributedMagics(Magics):
         args = parse_argstring(self.distributed, line)
         try:
             spec = make_spec(args.gpus, args.gpu_type, _parse_timeout(args.timeout, self.timeout_s), args.port,
-                             name=f"cell In[{self.shell.execution_count}]")
+                             name="%%distributed cell", widgets=False if args.no_widgets else self.widgets)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         source = _aligned_source(cell, self.shell.transform_cell(cell))

@@ -1,15 +1,25 @@
-"""What the user sees while a job runs. This module holds the plain-text view: ``[rank N]`` lines.
+"""What the user sees while a job runs: the ipywidgets panel, or plain ``[rank N]`` lines.
 
-Carriage returns behave as in a terminal (a tqdm bar shows its latest state), so a
-progress bar is not stacked into hundreds of lines.
+Both views treat carriage returns as a terminal does (a tqdm bar is one updating line),
+follow the job from the thread that waits on it, and batch what they send: the panel
+flushes at most ``MAX_FLUSHES_PER_S`` times a second.
 """
 
 from __future__ import annotations
 
+import collections
+import html
+import os
 import sys
+import threading
+import time
 
-from .job import Job, JobSink
+from .errors import describe_exit
+from .job import Job, JobSink, JobState
 from .rundir import is_traceback_marker
+
+DEFAULT_MAX_LINES = 2000
+MAX_FLUSHES_PER_S = 10.0
 
 
 def terminal_line(line: str) -> str:
@@ -67,16 +77,201 @@ class TextView(JobSink):
         self.note(summary_line(job))
 
     def note(self, text: str) -> None:
+        """One line for the user (e.g. the CPU fallback), on stdout."""
         out = self._out or sys.stdout
         out.write(text + "\n")
         out.flush()
 
     def warn(self, text: str) -> None:
+        """A warning before launch (a large or unpicklable global), on stderr."""
         err = self._err or sys.stderr
         err.write(f"sgpu_magic warning: {text}\n")
         err.flush()
 
 
-def make_view(widgets: bool | None = None) -> JobSink:
-    """The view for a job: the plain-text view for now (the widget panel decides with ``widgets``)."""
-    return TextView()
+class TerminalBuffer:
+    """The last ``max_lines`` lines a terminal would show for a stream of text.
+
+    ``\r`` returns to the start of the line (the next text replaces it, as a tqdm bar
+    does); ``\n`` ends it. ANSI colour codes are kept for the frontend to render.
+    """
+
+    def __init__(self, max_lines: int = DEFAULT_MAX_LINES) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=max_lines)
+        self.current = ""
+        self.total_lines = 0
+        self._cr = False
+
+    def write(self, text: str) -> None:
+        for piece in _split_keep(text):
+            if piece == "\n":
+                self.lines.append(self.current)
+                self.total_lines += 1
+                self.current, self._cr = "", False
+            elif piece == "\r":
+                self._cr = True
+            elif piece:
+                self.current = piece if self._cr else self.current + piece
+                self._cr = False
+
+    @property
+    def hidden_lines(self) -> int:
+        """Lines that dropped out of the buffer (still in the log file)."""
+        return self.total_lines - len(self.lines)
+
+    def text(self) -> str:
+        return "\n".join([*self.lines, self.current]) if self.current else "".join(f"{line}\n" for line in self.lines)
+
+
+def _split_keep(text: str) -> list[str]:
+    out, start = [], 0
+    for i, ch in enumerate(text):
+        if ch in "\r\n":
+            out += [text[start:i], ch]
+            start = i + 1
+    out.append(text[start:])
+    return out
+
+
+_BADGE_COLOURS = {JobState.PENDING: "#777", JobState.STARTING: "#1f6feb", JobState.RUNNING: "#1f6feb",
+                  JobState.SUCCEEDED: "#1a7f37", JobState.FAILED: "#cf222e", JobState.CANCELLED: "#bf8700",
+                  JobState.TIMED_OUT: "#bf8700"}
+_HELP = ("Stop cancels the job (every rank is stopped). If the button does not respond while the cell runs "
+         "(a frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too.")
+
+
+def rank_state(exitcode: int | None, running: bool) -> str:
+    """``running``, ``exited 0``, ``failed (exit code 1)``, ``killed by signal SIGTERM (15)``."""
+    if exitcode is None:
+        return "running" if running else "not started"
+    if exitcode == 0:
+        return "exited 0"
+    return describe_exit(exitcode) if exitcode < 0 else f"failed ({describe_exit(exitcode)})"
+
+
+class Panel(TextView):
+    """The ipywidgets panel: header (job, state badge, devices, elapsed, MLflow link), Stop, one tab per rank.
+
+    Widgets are composed once; later only trait values change, from whichever thread follows
+    the job. Log views keep the last ``max_lines`` lines of each rank and say how many earlier
+    lines are only in the log file.
+    """
+
+    def __init__(self, max_lines: int = DEFAULT_MAX_LINES) -> None:
+        import ipywidgets as w
+
+        super().__init__()
+        self._w = w
+        self.max_lines = max_lines
+        self.flushes = 0
+        self._lock = threading.Lock()
+        self._dirty: set[int] = set()
+        self._last_flush = 0.0
+        self.header = w.HTML()
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", tooltip=_HELP)
+        self.help = w.HTML(f"<small>{html.escape(_HELP)}</small>")
+        self.tabs = w.Tab()
+        self.widget = w.VBox([w.HBox([self.header, self.stop_button]), self.tabs, self.help])
+        self._job: Job | None = None
+
+    def started(self, job: Job) -> None:
+        w = self._w
+        self._job = job
+        self.buffers = [TerminalBuffer(self.max_lines) for _ in range(job.world_size)]
+        self.outputs = [w.Output(layout=w.Layout(max_height="30em", overflow="auto")) for _ in range(job.world_size)]
+        self.footers = [w.HTML() for _ in range(job.world_size)]
+        self.tabs.children = [w.VBox([f, o]) for f, o in zip(self.footers, self.outputs)]
+        self.tabs.titles = [f"rank {r}" for r in range(job.world_size)]
+        self.stop_button.on_click(lambda _: self._stop())
+        self._render_header(job, JobState.STARTING)
+        self._render_footers(job)
+        from IPython.display import display
+
+        display(self.widget)
+
+    def _stop(self) -> None:
+        """Stop button handler; may run on a kernel subshell thread while the cell is busy."""
+        if self._job is not None:
+            self.stop_button.disabled = True
+            self._job.request_cancel()
+
+    def output(self, rank: int, text: str) -> None:
+        with self._lock:
+            self.buffers[rank].write(text)
+            self._dirty.add(rank)
+
+    def tick(self, job: Job) -> None:
+        if time.monotonic() - self._last_flush >= 1.0 / MAX_FLUSHES_PER_S:
+            self._flush(job)
+
+    def state_changed(self, job: Job, state: JobState) -> None:
+        self._render_header(job, state)
+
+    def finished(self, job: Job) -> None:
+        self._flush(job, final=True)
+        self.stop_button.disabled = True
+        error = job.exception() if job.state is not JobState.SUCCEEDED else None
+        root = getattr(error, "root_cause", None)
+        if root is not None:
+            self.tabs.selected_index = root.rank
+        self._render_header(job, job.state, error)
+        self.note(summary_line(job))
+
+    def _flush(self, job: Job, final: bool = False) -> None:
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+            texts = {r: self.buffers[r].text() for r in dirty}
+        self._last_flush = time.monotonic()
+        for rank, text in texts.items():
+            self.outputs[rank].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
+        self._render_footers(job, final)
+        if texts:
+            self.flushes += 1
+        self._render_header(job, job.state if final else self._job_state(job))
+
+    @staticmethod
+    def _job_state(job: Job) -> JobState:
+        return job._last_state or JobState.STARTING
+
+    def _render_footers(self, job: Job, final: bool = False) -> None:
+        codes = job.rank_exitcodes if final else {}
+        for rank, footer in enumerate(self.footers):
+            buf = self.buffers[rank]
+            hidden = f"{buf.hidden_lines} earlier lines are only in the log file. " if buf.hidden_lines else ""
+            footer.value = (f"<small><b>{rank_state(codes.get(rank), not final)}</b> &middot; {hidden}"
+                            f"log: <code>{html.escape(str(job.log_paths[rank]))}</code></small>")
+
+    def _render_header(self, job: Job, state: JobState, error: BaseException | None = None) -> None:
+        colour = _BADGE_COLOURS[state]
+        elapsed = f"{job.elapsed_s:.1f} s" if job.elapsed_s is not None else "&ndash;"
+        url = getattr(job, "run_url", None)
+        link = f' &middot; <a href="{html.escape(url)}" target="_blank">MLflow run</a>' if url else ""
+        badge = (f'<span style="background:{colour};color:white;border-radius:4px;padding:1px 6px">'
+                 f"{state.value.replace('_', ' ')}</span>")
+        problem = f"<br><code>{html.escape(str(error).splitlines()[0])}</code>" if error else ""
+        self.header.value = (f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
+                             f"{html.escape(job.plan.device_kind)} &middot; {elapsed}{link}{problem}")
+
+
+def _in_kernel_with_widgets() -> bool:
+    try:
+        import ipywidgets  # noqa: F401
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def make_view(widgets: bool | None = None, max_lines: int = DEFAULT_MAX_LINES) -> JobSink:
+    """The panel in a Jupyter kernel with ipywidgets, else the text view.
+
+    ``widgets`` forces the choice; when ``None``, ``SGPU_MAGIC_WIDGETS=0`` / ``1`` in the
+    environment decides, else where the code runs (IPython in a terminal: text).
+    """
+    if widgets is None:
+        env = os.environ.get("SGPU_MAGIC_WIDGETS", "").strip().lower()
+        widgets = {"0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}.get(env)
+    if widgets is None:
+        widgets = _in_kernel_with_widgets()
+    return Panel(max_lines) if widgets else TextView()

@@ -13,6 +13,8 @@ def sgpu_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("sgpu_home")
     old = os.environ.get("SGPU_MAGIC_HOME")
     os.environ["SGPU_MAGIC_HOME"] = str(home)
+    # kernels started by tests inherit this: plain [rank N] text, which the tests read (the panel has its own tests)
+    os.environ.setdefault("SGPU_MAGIC_WIDGETS", "0")
     yield home
     from sgpu_magic.launcher import shutdown_host
 

@@ -320,3 +320,36 @@ def test_c12_restart_or_kill_leaves_no_ranks_or_host(how):
                                  f"(ranks {sorted(ranks)}, host {host_pid})") from None
     finally:
         stop_kernel(km, kc)
+
+
+def test_widget_panel_in_a_kernel_replaces_the_text_stream(kernel):
+    """With widgets on, the cell shows one panel (a widget view), updated by comm messages, and a summary line."""
+    km, kc = kernel
+    assert execute(kc, "import os; os.environ['SGPU_MAGIC_WIDGETS'] = '1'").error is None
+    try:
+        msg_id = kc.execute("%%distributed --gpus 2\nimport os\nfor i in range(50):\n    print('line', i)\n"
+                            "int(os.environ['RANK'])")
+        views, updates, stdout, results = 0, 0, "", []
+        while True:
+            msg = kc.get_iopub_msg(timeout=180)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "display_data" and "application/vnd.jupyter.widget-view+json" in content["data"]:
+                views += 1
+            elif kind == "comm_msg" and content["data"].get("method") == "update":
+                updates += 1
+            elif kind == "stream":
+                stdout += content["text"]
+            elif kind == "execute_result":
+                results.append(content["data"]["text/plain"])
+            elif kind == "error":
+                raise AssertionError(content)
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+    finally:
+        execute(kc, "os.environ['SGPU_MAGIC_WIDGETS'] = '0'")
+    assert views == 1 and updates > 0
+    assert "[rank" not in stdout
+    assert re.search(r"sgpu_magic: job \S+ succeeded in [\d.]+ s on 2 x cpu \(gloo\)", stdout)
+    assert results == ["0"]

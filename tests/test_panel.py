@@ -1,0 +1,142 @@
+"""The widget panel without a browser: widget values after real jobs, terminal behaviour, throttling, Stop."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from sgpu_magic import JobState, distributed
+from sgpu_magic.decorator import start
+from sgpu_magic.errors import JobCancelledError, RankFailedError
+from sgpu_magic.panel import Panel, TerminalBuffer, TextView, make_view, rank_state
+
+
+def run_with_panel(fn, *args, max_lines=2000):
+    panel = Panel(max_lines=max_lines)
+    job = start(fn.spec, lambda: fn._payload(args, {}), panel)
+    t0 = time.monotonic()
+    try:
+        job.result()
+    finally:
+        elapsed = time.monotonic() - t0
+    return panel, job, elapsed
+
+
+def shown(panel, rank):
+    (out,) = panel.outputs[rank].outputs
+    return out["text"]
+
+
+def test_terminal_buffer_folds_carriage_returns_and_bounds_lines():
+    buf = TerminalBuffer(max_lines=3)
+    for i in range(5):
+        buf.write(f"\rbar {i}/4")
+    buf.write("\ndone\n")
+    assert buf.text() == "bar 4/4\ndone\n"
+    for i in range(10):
+        buf.write(f"line {i}\n")
+    assert list(buf.lines) == ["line 7", "line 8", "line 9"] and buf.hidden_lines == 9
+    buf.write("\x1b[31mred\x1b[0m partial")
+    assert buf.text().endswith("\x1b[31mred\x1b[0m partial")
+
+
+def test_rank_state_words():
+    assert rank_state(None, True) == "running"
+    assert rank_state(0, False) == "exited 0"
+    assert rank_state(1, False) == "failed (exit code 1)"
+    assert rank_state(-15, False) == "killed by signal SIGTERM (15)"
+
+
+def test_view_choice():
+    assert isinstance(make_view(False), TextView) and not isinstance(make_view(False), Panel)
+    assert isinstance(make_view(True), Panel)
+    assert not isinstance(make_view(None), Panel)  # outside a Jupyter kernel: text
+
+
+@distributed(gpus=2)
+def chatty(n_lines):
+    import os
+    import sys
+
+    from tqdm import tqdm
+
+    rank = int(os.environ["RANK"])
+    for _ in tqdm(range(200), desc=f"rank{rank}", mininterval=0, file=sys.stdout):
+        pass
+    for i in range(n_lines):
+        print(f"r{rank} line {i}")
+    print(f"\x1b[32mdone {rank}\x1b[0m")
+    return rank
+
+
+def test_panel_after_a_job_with_a_tqdm_bar_and_10000_fast_lines():
+    panel, job, elapsed = run_with_panel(chatty, 10_000, max_lines=2000)
+    for rank in (0, 1):
+        text = shown(panel, rank)
+        lines = text.splitlines()
+        assert len(lines) == 2000 and lines[-1] == f"\x1b[32mdone {rank}\x1b[0m"
+        assert lines[0] == f"r{rank} line 8001"
+        assert panel.buffers[rank].hidden_lines == 10_001 + 1 - 2000  # the bar line, 10,000 lines, "done"
+        assert "earlier lines are only in the log file" in panel.footers[rank].value
+        assert "exited 0" in panel.footers[rank].value and str(job.log_paths[rank]) in panel.footers[rank].value
+        assert job.logs(rank).count(f"rank{rank}: 100%") >= 1  # the log file keeps the final bar
+    assert "succeeded" in panel.header.value and "2 x cpu (gloo)" in panel.header.value
+    assert panel.tabs.titles == ("rank 0", "rank 1")
+    assert panel.stop_button.disabled
+    assert panel.flushes <= 10 * elapsed + 2
+
+
+def test_panel_shows_the_bar_as_one_line():
+    panel, job, _ = run_with_panel(chatty, 0)
+    for rank in (0, 1):
+        lines = shown(panel, rank).splitlines()
+        bars = [line for line in lines if line.startswith(f"rank{rank}:")]
+        assert len(bars) == 1 and "200/200" in bars[0], lines
+        assert lines[-1] == f"\x1b[32mdone {rank}\x1b[0m"
+
+
+def test_failure_selects_the_root_cause_tab_and_names_it_in_the_header():
+    @distributed(gpus=2)
+    def fails_on_rank_1():
+        import os
+
+        if os.environ["RANK"] == "1":
+            raise ValueError("bad batch on rank 1")
+        return 0
+
+    panel = Panel()
+    job = start(fails_on_rank_1.spec, lambda: fails_on_rank_1._payload((), {}), panel)
+    assert job.wait() is JobState.FAILED
+    assert panel.tabs.selected_index == 1
+    assert "failed" in panel.header.value and "rank 1 failed (root cause): ValueError: bad batch on rank 1" in panel.header.value
+    assert "ValueError: bad batch on rank 1" in shown(panel, 1)  # the tab is the rank's whole log
+
+
+def test_stop_button_from_another_thread_cancels_a_blocking_job(tmp_path):
+    @distributed(gpus=2)
+    def sleeper(piddir):
+        import os
+        import time
+
+        open(os.path.join(piddir, str(os.getpid())), "w").close()
+        time.sleep(600)
+
+    panel = Panel()
+
+    def click_when_running():
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        panel.stop_button.click()  # what a kernel subshell does while the cell is busy
+
+    clicker = threading.Thread(target=click_when_running)
+    clicker.start()
+    job = start(sleeper.spec, lambda: sleeper._payload((str(tmp_path),), {}), panel)
+    with pytest.raises(JobCancelledError, match=r"was cancelled; every rank was stopped"):
+        job.result()
+    clicker.join()
+    assert job.state is JobState.CANCELLED
+    assert "cancelled" in panel.header.value and panel.stop_button.disabled
