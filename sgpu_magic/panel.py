@@ -103,15 +103,21 @@ class TerminalBuffer:
         self._cr = False
 
     def write(self, text: str) -> None:
-        for piece in _split_keep(text):
-            if piece == "\n":
-                self.lines.append(self.current)
-                self.total_lines += 1
-                self.current, self._cr = "", False
-            elif piece == "\r":
+        parts = text.split("\n")
+        for part in parts[:-1]:
+            self._feed(part)
+            self.lines.append(self.current)
+            self.total_lines += 1
+            self.current, self._cr = "", False
+        self._feed(parts[-1])
+
+    def _feed(self, part: str) -> None:
+        """Text without a newline: after a carriage return, the next text replaces the line."""
+        for i, segment in enumerate(part.split("\r") if "\r" in part else (part,)):
+            if i:
                 self._cr = True
-            elif piece:
-                self.current = piece if self._cr else self.current + piece
+            if segment:
+                self.current = segment if self._cr else self.current + segment
                 self._cr = False
 
     @property
@@ -121,16 +127,6 @@ class TerminalBuffer:
 
     def text(self) -> str:
         return "\n".join([*self.lines, self.current]) if self.current else "".join(f"{line}\n" for line in self.lines)
-
-
-def _split_keep(text: str) -> list[str]:
-    out, start = [], 0
-    for i, ch in enumerate(text):
-        if ch in "\r\n":
-            out += [text[start:i], ch]
-            start = i + 1
-    out.append(text[start:])
-    return out
 
 
 _BADGE_COLOURS = {JobState.PENDING: "#777", JobState.STARTING: "#1f6feb", JobState.RUNNING: "#1f6feb",
