@@ -60,28 +60,105 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict):
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SubprocessContext
+WARM_PRELOAD = ["sgpu_magic._forkserver_guard", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+                "sgpu_magic.worker", "sgpu_magic._warm_ready"]
+"""Modules the forkserver imports once, so warm ranks skip them (the first DDP imports torch._dynamo)."""
 
-    class Context(SubprocessContext):
-        """SubprocessContext that remembers which ranks failed before it stopped the rest."""
+
+class WarmPool:
+    """The host's forkserver, with torch preloaded (never CUDA-initialised): ranks fork from it.
+
+    It is restarted when the environment's packages change (a ``%pip install`` after it
+    started), detected from the modification times of the ``site-packages`` folders on the
+    ranks' ``sys.path``. Modules outside them (the notebook's own ``.py`` files) are never
+    preloaded, so each rank imports them fresh.
+    """
+
+    def __init__(self, marker: str) -> None:
+        self.fingerprint: tuple | None = None
+        self.marker = marker
+
+    def ready(self, sys_path: list[str]) -> bool:
+        """Start (or restart) the forkserver as needed; whether it has finished preloading."""
+        import multiprocessing.forkserver as forkserver
+
+        fingerprint = _path_fingerprint(sys_path)
+        if self.fingerprint is not None and fingerprint != self.fingerprint:
+            forkserver._forkserver._stop()
+            if os.path.exists(self.marker):
+                os.unlink(self.marker)
+        self.fingerprint = fingerprint
+        os.environ["SGPU_MAGIC_WARM_MARKER"] = self.marker
+        os.environ["SGPU_MAGIC_HOST_PID"] = str(os.getpid())
+        forkserver.set_forkserver_preload(WARM_PRELOAD)
+        forkserver.ensure_running()
+        return os.path.exists(self.marker)
+
+    @staticmethod
+    def stop() -> None:
+        """Kill the forkserver at once (it may still be importing torch)."""
+        import multiprocessing.forkserver as forkserver
+
+        pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _path_fingerprint(sys_path: list[str]) -> tuple:
+    stamps = []
+    for entry in sys_path:
+        if os.path.basename(entry.rstrip(os.sep)) not in ("site-packages", "dist-packages"):
+            continue
+        try:
+            stamps.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            continue
+    return tuple(stamps)
+
+
+def _context_class(base):
+    class Context(base):
+        """An elastic PContext that remembers which ranks failed before it stopped the rest."""
 
         def close(self, death_sig=None, timeout: float = GRACE_S) -> None:
             if not getattr(self, "first_failures", None):
-                self.first_failures = dict(self._failures)
+                self.first_failures = dict(getattr(self, "_failures", {}))
             super().close(death_sig, timeout)
 
+    return Context
+
+
+def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict, warm: bool):
+    from torch.distributed.elastic.multiprocessing.api import (DefaultLogsSpecs, MultiprocessContext,
+                                                                 SubprocessContext)
+
+    from . import worker
+
     world = launch["world_size"]
-    args = {r: ("-u", "-m", "sgpu_magic.worker", str(run_dir.path)) for r in range(world)}
     envs = {r: _rank_env(launch, r, port, env) for r in range(world)}
-    return Context(name=launch["job_id"], entrypoint=sys.executable, args=args, envs=envs,
-                   logs_specs=DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir)))
+    logs = DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir))
+    if warm:
+        args = {r: (str(run_dir.path), envs[r]) for r in range(world)}
+        return _context_class(MultiprocessContext)(name=launch["job_id"], entrypoint=worker.rank_entry, args=args,
+                                                   envs=envs, start_method="forkserver", logs_specs=logs)
+    args = {r: ("-u", "-m", "sgpu_magic.worker", str(run_dir.path)) for r in range(world)}
+    return _context_class(SubprocessContext)(name=launch["job_id"], entrypoint=sys.executable, args=args, envs=envs,
+                                             logs_specs=logs)
+
+
+def _exitcodes(ctx) -> dict[int, int | None]:
+    if hasattr(ctx, "subprocess_handlers"):
+        return {r: h.proc.returncode for r, h in ctx.subprocess_handlers.items()}
+    return {r: p.exitcode for r, p in enumerate(ctx._pc.processes)} if ctx._pc else {}
 
 
 class HostJob:
     """One job's ranks inside the host: start, poll, stop, report."""
 
-    def __init__(self, run_dir: RunDir, env: dict) -> None:
+    def __init__(self, run_dir: RunDir, env: dict, pool: WarmPool | None) -> None:
         self.run_dir = run_dir
         self.launch = read_json(run_dir.launch_file)
         self.port = self.launch.get("port") or _free_port()
@@ -93,7 +170,9 @@ class HostJob:
         env = {**env, **self.launch.get("env", {})}
         os.environ.clear()
         os.environ.update(env)
-        self.ctx = _make_context(run_dir, self.launch, self.port, env)
+        warm = pool is not None and pool.ready(self.launch["sys_path"])  # cold while the pool is still warming up
+        self.status["start_method"] = "forkserver" if warm else "subprocess"
+        self.ctx = _make_context(run_dir, self.launch, self.port, env, warm)
         self.ctx.start()
         self.pids = self.ctx.pids()
         self.status.update(state="running", pids={str(k): v for k, v in self.pids.items()})
@@ -124,7 +203,7 @@ class HostJob:
     def _finish(self, state: str) -> None:
         kill_leftovers(set(self.pids.values()))
         self.status.update(state=state, ended_s=time.time(),
-                           exitcodes={str(r): self.ctx.subprocess_handlers[r].proc.returncode for r in self.pids})
+                           exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()})
         self._write()
         try:
             self.run_dir.payload_file.unlink()
@@ -183,8 +262,9 @@ def _detach(kernel_pid: int, log_path: str) -> None:
 class Host:
     """The host's loop: commands from stdin, polling of running jobs, shutdown with the kernel."""
 
-    def __init__(self, kernel_pid: int) -> None:
+    def __init__(self, kernel_pid: int, warm_marker: str | None) -> None:
         self.kernel = psutil.Process(kernel_pid)
+        self.pool = WarmPool(warm_marker) if warm_marker else None
         self.jobs: dict[str, HostJob] = {}
         self.buffer = b""
 
@@ -198,7 +278,7 @@ class Host:
         run_dir = RunDir(cmd["run_dir"])
         if cmd["op"] == "launch":
             try:
-                self.jobs[run_dir.job_id] = HostJob(run_dir, cmd["env"])
+                self.jobs[run_dir.job_id] = HostJob(run_dir, cmd["env"], self.pool)
             except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
                 atomic_write_json(run_dir.status_file, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
         elif cmd["op"] == "cancel" and run_dir.job_id in self.jobs:
@@ -243,6 +323,27 @@ class Host:
         finally:
             for job in self.jobs.values():
                 job.stop("cancelled")
+            if self.pool is not None:
+                self.pool.stop()
+            for job in self.jobs.values():
+                mark_run_killed(job.launch)
+
+
+def mark_run_killed(launch: dict) -> None:
+    """End the job's MLflow run KILLED (the host exits while the job runs: the kernel is gone, or let go
+    of the host, so nobody else will). mlflow is imported only here; a failure is logged, never raised."""
+    info = launch.get("mlflow") or {}
+    if not info.get("run_id"):
+        return
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(info["tracking_uri"])
+        if client.get_run(info["run_id"]).info.status == "RUNNING":
+            client.set_terminated(info["run_id"], "KILLED")
+    except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
+        print(f"sgpu_magic host: could not mark MLflow run {info['run_id']} KILLED: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> None:
@@ -252,7 +353,11 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch.distributed.elastic.multiprocessing.api  # noqa: F401 - warm import before the first launch
 
-    Host(kernel_pid).run()
+    warm = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess"
+    host = Host(kernel_pid, log_path + ".warm" if warm else None)
+    if host.pool is not None:
+        host.pool.ready(sys.path)  # start the forkserver now, so that the first launch can be warm
+    host.run()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import gc
 import importlib
 import io
 import linecache
+import multiprocessing
 import os
 import pickle
 import signal
@@ -27,6 +28,7 @@ import types
 import cloudpickle
 
 from .capture import Unpicklable
+from .mlflow_rank import guard_job_run
 from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, traceback_marker
 
 _PR_SET_PDEATHSIG = 1
@@ -41,15 +43,29 @@ def _redirect_output(log_file) -> None:
     os.close(fd)
 
 
-def _die_with_parent() -> None:
-    """Exit when the launch host dies (PR_SET_PDEATHSIG), even if it is SIGKILLed."""
+def _die_with_parent(expected_parent: int | None) -> None:
+    """Exit when the parent (the launch host, or its forkserver) dies (PR_SET_PDEATHSIG), even by SIGKILL.
+
+    Also lead a session of its own, so that what this rank starts can be found and stopped with it.
+    """
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
-    expected = os.environ.get("SGPU_MAGIC_HOST_PID")
-    if expected and os.getppid() != int(expected):
-        os._exit(signal.SIGKILL + 128)
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(signal.SIGKILL + 128)  # the parent died before the death signal was armed
+    try:
+        os.setsid()
+    except PermissionError:
+        pass  # already a session leader (started by the host with start_new_session)
+
+
+def _match_threads_to_env() -> None:
+    """In a warm (forkserver) rank torch is already imported, so OMP_NUM_THREADS must be applied by hand."""
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 def _check_private(run_dir: RunDir) -> None:
@@ -179,6 +195,7 @@ def _execute(run_dir: RunDir, rank: int) -> int:
     _check_private(run_dir)
     with open(run_dir.payload_file, "rb") as f:
         payload = pickle.load(f)
+    guard_job_run()  # before the payload's globals import mlflow: the kernel owns the run's status
     ns = _build_namespace(payload)
     try:
         value = run_payload(payload, ns)
@@ -198,11 +215,10 @@ def _execute(run_dir: RunDir, rank: int) -> int:
         _teardown(ns)
 
 
-def main(argv: list[str]) -> None:
-    run_dir = RunDir(argv[1])
+def _run_rank(run_dir: RunDir, expected_parent: int | None) -> int:
     rank = int(os.environ["RANK"])
     _redirect_output(run_dir.log_file(rank))
-    _die_with_parent()
+    _die_with_parent(expected_parent)
     code = 1
     try:
         _apply_kernel_context(read_json(run_dir.launch_file))
@@ -212,7 +228,30 @@ def main(argv: list[str]) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+    return code
+
+
+def main(argv: list[str]) -> None:
+    """Cold start: a fresh interpreter started by the host; ends with ``os._exit``."""
+    os._exit(_run_rank(RunDir(argv[1]), int(os.environ["SGPU_MAGIC_HOST_PID"])))
+
+
+def rank_entry(run_dir: str, env: dict[str, str]) -> None:
+    """Warm start: called in a process forked from the host's forkserver (torch already imported).
+
+    torch elastic's wrapper has applied the rank's variables; ``env`` replaces the whole
+    environment, so it is the kernel's as of this launch. Returns on success (elastic's
+    multiprocessing contract); a failure exits with the rank's code.
+    """
+    os.environ.clear()
+    os.environ.update(env)
+    _match_threads_to_env()
+    # the forkserver left its own start method as this process's default; a rank's DataLoader
+    # workers must get the platform's default, as in a fresh interpreter (fork on Linux <= 3.13)
+    multiprocessing.set_start_method(None, force=True)
+    code = _run_rank(RunDir(run_dir), None)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

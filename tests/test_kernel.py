@@ -303,6 +303,8 @@ def test_c12_restart_or_kill_leaves_no_ranks_or_host(how):
         kc.execute(C12_CELL)
         ranks = wait_for(new_pids(piddir, 2), START_DEADLINE_S, "both ranks to record their pid")
         assert existing(ranks | {host_pid}) == sorted(ranks | {host_pid})
+        # the host's own children (its forkserver, with torch preloaded) must go too
+        ranks |= {p.pid for p in psutil.Process(host_pid).children()}
 
         t0 = time.monotonic()
         if how == "restart":
