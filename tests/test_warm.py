@@ -1,0 +1,120 @@
+"""Warm launches: ranks fork from the launch host's forkserver (torch preloaded) and stay correct."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from sgpu_magic import distributed
+from sgpu_magic.launcher import get_host
+
+
+@distributed(gpus=2)
+def probe(name):
+    import os
+    import sys
+
+    return os.getcwd(), os.environ.get(name), sys.path[:], os.getppid(), "torch" in sys.modules
+
+
+def wait_warm(timeout_s: float = 120.0, launch_first: bool = True) -> None:
+    """Poll until the host's forkserver has finished preloading (its marker file exists).
+
+    A launch first, since the launch is what restarts the forkserver when sys.path's packages changed.
+    """
+    if launch_first:
+        probe.distributed("X")
+    marker = Path(str(get_host().log_path) + ".warm")
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the forkserver never finished preloading"
+        time.sleep(0.05)
+
+
+def start_method(fn) -> str:
+    return json.loads((fn.last_job.run_dir / "status.json").read_text())["start_method"]
+
+
+def test_warm_ranks_see_the_kernels_current_cwd_env_and_sys_path(tmp_path, monkeypatch):
+    wait_warm()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SGPU_TEST_VALUE", "one")
+    monkeypatch.syspath_prepend(str(tmp_path / "extra"))
+    (cwd, value, path, _, torch_loaded), _ = probe.distributed("SGPU_TEST_VALUE")
+    assert start_method(probe) == "forkserver" and torch_loaded
+    assert (cwd, value) == (str(tmp_path), "one") and str(tmp_path / "extra") in path
+    monkeypatch.delenv("SGPU_TEST_VALUE")
+    (_, value, _, _, _), _ = probe.distributed("SGPU_TEST_VALUE")
+    assert value is None  # a variable removed in the kernel is gone in the next launch
+
+
+def test_local_module_edited_between_launches_is_imported_fresh(tmp_path, monkeypatch):
+    wait_warm()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "sgpu_local_mod.py"
+
+    @distributed(gpus=1)
+    def read_value():
+        import sgpu_local_mod
+
+        return sgpu_local_mod.VALUE
+
+    module.write_text("VALUE = 1\n")
+    assert read_value.distributed() == [1]
+    module.write_text("VALUE = 2\n")
+    assert read_value.distributed() == [2]
+
+
+def test_a_package_change_restarts_the_warm_state(tmp_path, monkeypatch):
+    """A site-packages folder that changes (as %pip install changes it) makes the next ranks use a new forkserver."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    wait_warm()  # a new site-packages entry on sys.path: the pool restarts
+    probe.distributed("X")
+    assert start_method(probe) == "forkserver"
+    before = probe.distributed("X")[0][3]
+    (site / "newpkg-1.0.dist-info").mkdir()  # what an install does to site-packages
+    probe.distributed("X")
+    assert start_method(probe) == "subprocess"  # cold while the new forkserver preloads
+    wait_warm(launch_first=False)
+    after = probe.distributed("X")[0][3]
+    assert start_method(probe) == "forkserver" and after != before
+
+
+def test_a_killed_rank_does_not_poison_the_next_warm_launch():
+    wait_warm()
+
+    @distributed(gpus=2)
+    def killed():
+        import os
+        import signal
+
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return 0
+
+    from sgpu_magic.errors import RankFailedError
+
+    with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): exited without a Python exception "
+                                              r"\(killed by signal SIGKILL \(9\)\)"):
+        killed.distributed()
+    assert probe.distributed("X")[1][4] is True
+    assert start_method(probe) == "forkserver"
+
+
+def test_cold_start_method_can_be_forced(monkeypatch):
+    """SGPU_MAGIC_START_METHOD=subprocess makes a new host start every rank as a fresh interpreter."""
+    from sgpu_magic.launcher import shutdown_host
+
+    shutdown_host()
+    monkeypatch.setenv("SGPU_MAGIC_START_METHOD", "subprocess")
+    try:
+        (_, _, _, _, torch_loaded), _ = probe.distributed("X")
+        assert start_method(probe) == "subprocess" and not torch_loaded
+    finally:
+        shutdown_host()
