@@ -1,0 +1,81 @@
+"""Rank side of MLflow tracking: a rank never ends the job's MLflow run.
+
+The kernel creates the job's run and passes it to the ranks as ``MLFLOW_RUN_ID`` (and
+``SGPU_MAGIC_MLFLOW_RUN_ID``, which MLflow does not consume). A rank that calls ``mlflow.log_metric``
+adopts that run, and one that runs ``with mlflow.start_run(): ...`` or ``mlflow.end_run()`` would
+mark it FINISHED while the other ranks still run (or FAILED for one rank's error). So, once
+``mlflow.tracking.client`` is imported in a rank, ``MlflowClient.set_terminated`` skips that one
+run; the kernel sets the run's final status when the job ends. mlflow itself is not imported
+here (it takes seconds): a post-import hook patches it when the rank's code imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import os
+import sys
+
+RUN_ID_ENV = "SGPU_MAGIC_MLFLOW_RUN_ID"
+_CLIENT_MODULE = "mlflow.tracking.client"
+
+
+def _patch(module, run_id: str) -> None:
+    cls = module.MlflowClient
+    original = cls.set_terminated
+    if getattr(original, "__sgpu_guarded__", None) == run_id:
+        return
+
+    @functools.wraps(original)
+    def set_terminated(self, run_id_arg, *args, **kwargs):
+        if run_id_arg == run_id:
+            return None  # the kernel owns this run's status
+        return original(self, run_id_arg, *args, **kwargs)
+
+    set_terminated.__sgpu_guarded__ = run_id
+    cls.set_terminated = set_terminated
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the real loader of ``mlflow.tracking.client`` to patch it once loaded."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _CLIENT_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader, run_id = spec.loader, self.run_id
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch(module, run_id)
+
+        loader.exec_module = exec_and_patch
+        return spec
+
+
+def guard_job_run() -> None:
+    """Keep this process from ending the job's run (``SGPU_MAGIC_MLFLOW_RUN_ID``), now or once mlflow is imported."""
+    run_id = os.environ.get(RUN_ID_ENV)
+    if not run_id:
+        return
+    if _CLIENT_MODULE in sys.modules:
+        _patch(sys.modules[_CLIENT_MODULE], run_id)
+        return
+    for finder in sys.meta_path:
+        if isinstance(finder, _PatchOnImport):
+            finder.run_id = run_id
+            return
+    sys.meta_path.insert(0, _PatchOnImport(run_id))
