@@ -22,9 +22,15 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext sgpu_magic``: register ``%%distributed`` and start the launch host in the background."""
+    """``%load_ext sgpu_magic``: register ``%%distributed`` and ``%mlflow_ui``, start the launch host and
+    import mlflow in the background."""
     from .launcher import get_host
     from .magics import DistributedMagics
 
     ipython.register_magics(DistributedMagics)
     get_host()
+    magics = ipython.magics_manager.registry.get("DistributedMagics")
+    if magics is None or magics.mlflow:
+        from .tracking import warm_up
+
+        warm_up()  # import mlflow (~2 s) in the background, before the first tracked job needs it

@@ -30,9 +30,10 @@ def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:
     """Who follows the job: MLflow tracking first (it names the run the view links to), then the view."""
     sinks: list[JobSink] = []
     if spec.mlflow:
-        from .tracking import MlflowTracking
+        from .tracking import DEFAULT_EXPERIMENT, MlflowTracking
 
-        sinks.append(MlflowTracking())
+        sinks.append(MlflowTracking(default_experiment=_resolve(_FromConfig("mlflow_experiment", DEFAULT_EXPERIMENT)),
+                                    ui=_resolve(_FromConfig("mlflow_ui", False))))
     sinks.append(view or make_view(spec.widgets))
     return sinks
 
@@ -146,7 +147,8 @@ def _resolve(value: Any) -> Any:
 def distributed(gpus: int, gpu_type: str | None = None,
                 timeout: float | None = _FromConfig("timeout_s", DEFAULT_TIMEOUT_S), *, port: int | None = None,
                 widgets: bool | None = _FromConfig("widgets", None),
-                max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES)
+                max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
+                mlflow: bool = _FromConfig("mlflow", True)
                 ) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
@@ -163,6 +165,8 @@ def distributed(gpus: int, gpu_type: str | None = None,
             panel in a Jupyter kernel (``%config DistributedMagics.widgets``, ``SGPU_MAGIC_WIDGETS``).
         max_capture_bytes: captured globals above this size get a warning (default 100 MiB, or
             ``%config DistributedMagics.max_capture_bytes``).
+        mlflow: track each call as one MLflow run (default True, or ``%config DistributedMagics.mlflow``);
+            ranks log into it with plain ``mlflow.log_metric(...)``. ``False`` turns tracking off.
 
     Raises:
         SpecError: invalid ``gpus``, ``gpu_type``, ``timeout`` or ``port`` (at decoration time).
@@ -170,11 +174,13 @@ def distributed(gpus: int, gpu_type: str | None = None,
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
     timeout, max_capture_bytes, widgets = _resolve(timeout), _resolve(max_capture_bytes), _resolve(widgets)
+    mlflow = _resolve(mlflow)
 
     def wrap(fn: Callable) -> DistributedFunction:
         if not callable(fn):
             raise SpecError(f"@distributed(...) decorates a function, got {type(fn).__name__}")
-        spec = make_spec(gpus, gpu_type, timeout, port, name=getattr(fn, "__qualname__", "function"), widgets=widgets)
+        spec = make_spec(gpus, gpu_type, timeout, port, name=getattr(fn, "__qualname__", "function"), widgets=widgets,
+                         mlflow=mlflow)
         return DistributedFunction(fn, spec, max_capture_bytes)
 
     make_spec(gpus, gpu_type, timeout, port)  # fail at the decorator line, not later

@@ -16,6 +16,7 @@ kernel, however it ends.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import os
@@ -266,6 +267,8 @@ class Host:
         self.kernel = psutil.Process(kernel_pid)
         self.pool = WarmPool(warm_marker) if warm_marker else None
         self.jobs: dict[str, HostJob] = {}
+        self.ended: collections.deque[HostJob] = collections.deque(maxlen=32)
+        """Jobs that ended lately: if the kernel dies before it ends their MLflow runs, the host does."""
         self.buffer = b""
 
     def kernel_alive(self) -> bool:
@@ -282,7 +285,9 @@ class Host:
             except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
                 atomic_write_json(run_dir.status_file, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
         elif cmd["op"] == "cancel" and run_dir.job_id in self.jobs:
-            self.jobs.pop(run_dir.job_id).stop(cmd.get("reason", "cancelled"))
+            job = self.jobs.pop(run_dir.job_id)
+            job.stop(cmd.get("reason", "cancelled"))
+            self.ended.append(job)
 
     def read_commands(self) -> bool:
         """Handle every complete command line waiting on stdin; ``False`` at EOF."""
@@ -315,6 +320,7 @@ class Host:
                     self._poll(job)
                     if job.done:
                         del self.jobs[job_id]
+                        self.ended.append(job)
                 if time.monotonic() - last_check > 0.5:
                     last_check = time.monotonic()
                     if not self.kernel_alive():
@@ -325,24 +331,31 @@ class Host:
                 job.stop("cancelled")
             if self.pool is not None:
                 self.pool.stop()
-            for job in self.jobs.values():
-                mark_run_killed(job.launch)
+            for job in [*self.ended, *self.jobs.values()]:
+                end_mlflow_run(job.launch, job.status.get("state", "cancelled"))
 
 
-def mark_run_killed(launch: dict) -> None:
-    """End the job's MLflow run KILLED (the host exits while the job runs: the kernel is gone, or let go
-    of the host, so nobody else will). mlflow is imported only here; a failure is logged, never raised."""
+_RUN_STATUS = {"succeeded": "FINISHED", "failed": "FAILED"}  # cancelled, interrupted, timed_out: KILLED
+
+
+def end_mlflow_run(launch: dict, state: str) -> None:
+    """End the job's MLflow run if it is still RUNNING: the host is exiting, so the kernel is gone (or let
+    go of the host) and may have died before it ended the run; a job stopped now ends KILLED.
+
+    mlflow is imported only here; a failure is logged, never raised.
+    """
     info = launch.get("mlflow") or {}
     if not info.get("run_id"):
         return
+    status = _RUN_STATUS.get(state, "KILLED")
     try:
         from mlflow import MlflowClient
 
         client = MlflowClient(info["tracking_uri"])
         if client.get_run(info["run_id"]).info.status == "RUNNING":
-            client.set_terminated(info["run_id"], "KILLED")
+            client.set_terminated(info["run_id"], status)
     except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
-        print(f"sgpu_magic host: could not mark MLflow run {info['run_id']} KILLED: {type(exc).__name__}: {exc}",
+        print(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}",
               file=sys.stderr, flush=True)
 
 

@@ -94,6 +94,10 @@ class JobSink:
     def finished(self, job: "Job") -> None:
         """The job reached a final state; every line of its logs was delivered before this."""
 
+    def launch_failed(self, job_id: str, error: BaseException) -> None:
+        """The launch failed after ``prepare`` (no ``started`` or ``finished`` follows): release what
+        ``prepare`` set up."""
+
 
 class Job:
     """A running or finished distributed job (future-like).
@@ -103,6 +107,8 @@ class Job:
         spec: the :class:`~sgpu_magic.spec.LaunchSpec` it was started with.
         plan: where its ranks run (:class:`~sgpu_magic.resources.DevicePlan`).
         run_dir: path of its run directory (logs stay there after the job).
+        mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked.
+        run_url: a link to that run's page (tracking server or ``%mlflow_ui``), or ``None``.
     """
 
     def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, host: LaunchHost,
@@ -118,6 +124,8 @@ class Job:
         self._error: BaseException | None = None
         self._final_status: dict | None = None
         self.submitted_s = time.time()
+        self.mlflow_run_id: str | None = None
+        self.run_url: str | None = None
 
     job_id = property(lambda self: self._rd.job_id)
     run_dir = property(lambda self: self._rd.path)
@@ -189,8 +197,14 @@ class Job:
             return True
         self._emit("tick", self)
         if not self._host.alive():
-            raise LauncherError(f"the launch host died while job {self.job_id} ran; see {self._host.log_path} "
-                                f"and the rank logs in {self._rd.path / 'logs'}")
+            message = (f"the launch host died while job {self.job_id} ran; see {self._host.log_path} "
+                       f"and the rank logs in {self._rd.path / 'logs'}")
+            self._pump(final=True)
+            self._final_status = {**status, "state": "failed", "host_lost": message, "ended_s": time.time()}
+            self._last_state = JobState.FAILED
+            self._emit("state_changed", self, JobState.FAILED)
+            self._emit("finished", self)
+            raise LauncherError(message)
         return False
 
     def wait(self, timeout_s: float | None = None) -> JobState:
@@ -279,6 +293,8 @@ class Job:
             how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
             return JobCancelledError(f"job {self.job_id} was {how}; every rank was stopped. "
                                      f"Logs: {self._rd.path / 'logs'}")
+        if status.get("host_lost"):
+            return LauncherError(status["host_lost"])
         if status.get("launch_error"):
             return LauncherError(f"job {self.job_id} could not start: {status['launch_error']}")
         return failure_from_status(self._rd, status, self.world_size)
@@ -322,19 +338,26 @@ def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable
     launch = {"job_id": rd.job_id, "name": spec.name, "world_size": plan.world_size, "backend": plan.backend,
               "cuda_visible_devices": plan.cuda_visible_devices, "timeout_s": spec.timeout_s, "port": spec.port,
               "cwd": os.getcwd(), "sys_path": list(sys.path), "env": {}}
-    for sink in sinks:
-        extra = sink.prepare(rd.job_id, spec, plan)
-        launch["env"].update(extra.pop("env", {}))
-        launch.update(extra)
-    atomic_write_json(rd.launch_file, launch)
-    for rank in range(plan.world_size):
-        rd.log_file(rank).touch(mode=0o600)
-    host = get_host()
+    prepared: list[JobSink] = []
     try:
-        host.launch(rd)
-    except LauncherError:
+        for sink in sinks:
+            extra = sink.prepare(rd.job_id, spec, plan)
+            prepared.append(sink)
+            launch["env"].update(extra.pop("env", {}))
+            launch.update(extra)
+        atomic_write_json(rd.launch_file, launch)
+        for rank in range(plan.world_size):
+            rd.log_file(rank).touch(mode=0o600)
         host = get_host()
-        host.launch(rd)
+        try:
+            host.launch(rd)
+        except LauncherError:
+            host = get_host()
+            host.launch(rd)
+    except BaseException as exc:
+        for sink in prepared:
+            sink.launch_failed(rd.job_id, exc)
+        raise
     job = Job(rd, spec, plan, host, sinks)
     job._emit("started", job)
     return job

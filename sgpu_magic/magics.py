@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Float, Int
+from traitlets import Bool, Float, Int, Unicode
 
 from . import capture
 from .decorator import start
@@ -52,6 +52,12 @@ class DistributedMagics(Magics):
     widgets = Bool(None, allow_none=True,
                    help="Show the ipywidgets panel (True), plain [rank N] text (False), or decide (None: the panel "
                         "in a Jupyter kernel, unless SGPU_MAGIC_WIDGETS=0).").tag(config=True)
+    mlflow = Bool(True, help="Track each job as one MLflow run (--no-mlflow / mlflow=False turn it off for one job)."
+                  ).tag(config=True)
+    mlflow_ui = Bool(False, help="Start the local MLflow UI server (as %mlflow_ui does) with the first tracked job, "
+                                 "so run links work.").tag(config=True)
+    mlflow_experiment = Unicode("sgpu_magic", help="MLflow experiment for jobs when neither mlflow.set_experiment, "
+                                "MLFLOW_EXPERIMENT_NAME/ID nor a notebook name gives one.").tag(config=True)
 
     @magic_arguments()
     @argument("--gpus", type=int, required=True, help="Number of ranks, one GPU each (CPU ranks with gloo when the machine has no GPU).")
@@ -59,6 +65,7 @@ class DistributedMagics(Magics):
     @argument("--timeout", default=None, help="Seconds before every rank is stopped, or 'none'. Default: DistributedMagics.timeout_s (3 h).")
     @argument("--port", type=int, default=None, help="MASTER_PORT for the rendezvous; default: a free port.")
     @argument("--no-widgets", action="store_true", help="Plain [rank N] text instead of the widget panel.")
+    @argument("--no-mlflow", action="store_true", help="Do not track this job as an MLflow run.")
     @argument("-o", "--output", default=None, metavar="NAME", help="Store the Job handle (per-rank results, log paths) in this variable.")
     @cell_magic
     def distributed(self, line: str, cell: str):
@@ -72,7 +79,8 @@ class DistributedMagics(Magics):
         args = parse_argstring(self.distributed, line)
         try:
             spec = make_spec(args.gpus, args.gpu_type, _parse_timeout(args.timeout, self.timeout_s), args.port,
-                             name="%%distributed cell", widgets=False if args.no_widgets else self.widgets)
+                             name="%%distributed cell", widgets=False if args.no_widgets else self.widgets,
+                             mlflow=self.mlflow and not args.no_mlflow)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         source = _aligned_source(cell, self.shell.transform_cell(cell))
@@ -88,3 +96,23 @@ class DistributedMagics(Magics):
         if args.output:
             self.shell.user_ns[args.output] = job
         return job.result()[0]
+
+    @magic_arguments(name="mlflow_ui")
+    @argument("--port", type=int, default=None, help="Port on 127.0.0.1; default: a free port.")
+    @argument("--stop", action="store_true", help="Stop the server.")
+    @line_magic("mlflow_ui")
+    def start_mlflow_ui(self, line: str) -> None:
+        """Start a local MLflow UI server for the kernel's tracking URI and print its URL.
+
+        It listens on 127.0.0.1, serves the store the jobs' runs go to, and stops when the kernel
+        ends. From then on each job's run link points at it. ``%config DistributedMagics.mlflow_ui = True``
+        starts it with the first tracked job instead.
+        """
+        from . import tracking
+
+        args = parse_argstring(self.start_mlflow_ui, line)
+        if args.stop:
+            print("MLflow UI stopped" if tracking.stop_ui() else "no MLflow UI was running")
+            return
+        ui = tracking.start_ui(port=args.port)
+        print(f"MLflow UI for {ui.backend_uri}: {ui.url}")

@@ -9,10 +9,13 @@ import pytest
 
 @pytest.fixture(scope="session", autouse=True)
 def sgpu_home(tmp_path_factory):
-    """Run dirs and host logs of the whole session go to a private temporary directory."""
+    """Run dirs, host logs and the MLflow store of the whole session go to a private temporary directory."""
     home = tmp_path_factory.mktemp("sgpu_home")
     old = os.environ.get("SGPU_MAGIC_HOME")
     os.environ["SGPU_MAGIC_HOME"] = str(home)
+    # the MLflow runs of the session's jobs (tracking is on by default) go to a store in the same place
+    old_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{home}/mlflow.db"
     # kernels started by tests inherit this: plain [rank N] text, which the tests read (the panel has its own tests)
     os.environ.setdefault("SGPU_MAGIC_WIDGETS", "0")
     yield home
@@ -23,6 +26,10 @@ def sgpu_home(tmp_path_factory):
         os.environ.pop("SGPU_MAGIC_HOME", None)
     else:
         os.environ["SGPU_MAGIC_HOME"] = old
+    if old_uri is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = old_uri
 
 
 @pytest.fixture(scope="session")
