@@ -20,7 +20,7 @@ from typing import Any, Callable
 from . import capture
 from .job import Job, JobSink, submit
 from .launcher import get_host
-from .panel import TextView, make_view
+from .panel import DEFAULT_MAX_LINES, TextView, make_view
 from .resources import check_port_free, plan_devices
 from .spec import DEFAULT_TIMEOUT_S, LaunchSpec, make_spec
 from .errors import SpecError
@@ -34,7 +34,7 @@ def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:
 
         sinks.append(MlflowTracking(default_experiment=_resolve(_FromConfig("mlflow_experiment", DEFAULT_EXPERIMENT)),
                                     ui=_resolve(_FromConfig("mlflow_ui", False))))
-    sinks.append(view or make_view(spec.widgets))
+    sinks.append(view or make_view(spec.widgets, _resolve(_FromConfig("max_log_lines", DEFAULT_MAX_LINES))))
     return sinks
 
 

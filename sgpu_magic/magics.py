@@ -49,6 +49,8 @@ class DistributedMagics(Magics):
                       help="Default job timeout in seconds when --timeout is not given; None = no limit.").tag(config=True)
     max_capture_bytes = Int(capture.DEFAULT_MAX_BYTES,
                             help="Captured globals larger than this many bytes get a warning before launch.").tag(config=True)
+    max_log_lines = Int(2000, help="Lines each rank's log view in the panel keeps; earlier ones stay in the "
+                                   "log file.").tag(config=True)
     widgets = Bool(None, allow_none=True,
                    help="Show the ipywidgets panel (True), plain [rank N] text (False), or decide (None: the panel "
                         "in a Jupyter kernel, unless SGPU_MAGIC_WIDGETS=0).").tag(config=True)

@@ -239,7 +239,9 @@ class Panel(TextView):
 
     def _render_header(self, job: Job, state: JobState, error: BaseException | None = None) -> None:
         colour = _BADGE_COLOURS[state]
-        elapsed = f"{job.elapsed_s:.1f} s" if job.elapsed_s is not None else "&ndash;"
+        # whole seconds while running, so the clock alone changes the header at most once a second
+        digits = 1 if state.final else 0
+        elapsed = f"{job.elapsed_s:.{digits}f} s" if job.elapsed_s is not None else "&ndash;"
         url = getattr(job, "run_url", None)
         link = f' &middot; <a href="{html.escape(url)}" target="_blank">MLflow run</a>' if url else ""
         badge = (f'<span style="background:{colour};color:white;border-radius:4px;padding:1px 6px">'

@@ -140,3 +140,14 @@ def test_stop_button_from_another_thread_cancels_a_blocking_job(tmp_path):
     clicker.join()
     assert job.state is JobState.CANCELLED
     assert "cancelled" in panel.header.value and panel.stop_button.disabled
+
+
+def test_max_log_lines_follows_the_config(ip):
+    from sgpu_magic.decorator import _sinks
+
+    ip.run_line_magic("config", "DistributedMagics.max_log_lines = 50")
+    try:
+        view = _sinks(distributed(gpus=1, mlflow=False, widgets=True)(len).spec, None)[-1]
+        assert isinstance(view, Panel) and view.max_lines == 50
+    finally:
+        ip.run_line_magic("config", "DistributedMagics.max_log_lines = 2000")
