@@ -23,6 +23,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 
 import psutil
@@ -171,6 +172,8 @@ class HostJob:
         env = {**env, **self.launch.get("env", {})}
         os.environ.clear()
         os.environ.update(env)
+        if self.launch.get("mlflow"):
+            _import_mlflow_in_background()  # so that ending its run on the way down takes no import time
         warm = pool is not None and pool.ready(self.launch["sys_path"])  # cold while the pool is still warming up
         self.status["start_method"] = "forkserver" if warm else "subprocess"
         self.ctx = _make_context(run_dir, self.launch, self.port, env, warm)
@@ -332,10 +335,21 @@ class Host:
             if self.pool is not None:
                 self.pool.stop()
             for job in [*self.ended, *self.jobs.values()]:
-                end_mlflow_run(job.launch, job.status.get("state", "cancelled"))
+                if not (job.run_dir.path / "mlflow_ended").exists():  # the kernel did not get to end it
+                    end_mlflow_run(job.launch, job.status.get("state", "cancelled"))
 
 
 _RUN_STATUS = {"succeeded": "FINISHED", "failed": "FAILED"}  # cancelled, interrupted, timed_out: KILLED
+
+
+_mlflow_import: threading.Thread | None = None
+
+
+def _import_mlflow_in_background() -> None:
+    global _mlflow_import
+    if _mlflow_import is None:
+        _mlflow_import = threading.Thread(target=lambda: __import__("mlflow"), name="import-mlflow", daemon=True)
+        _mlflow_import.start()
 
 
 def end_mlflow_run(launch: dict, state: str) -> None:

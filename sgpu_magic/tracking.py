@@ -146,6 +146,10 @@ def _warn(text: str) -> None:
 
 # ----------------------------------------------------------------------------- the sink
 
+MLFLOW_ENDED_MARK = "mlflow_ended"
+"""File the kernel leaves in a run dir once it has ended the job's MLflow run."""
+
+
 class MlflowTracking(JobSink):
     """Tracks one job as one MLflow run (see the module docstring for what is recorded where).
 
@@ -296,6 +300,8 @@ class MlflowTracking(JobSink):
                   f"{type(exc).__name__}: {exc}")
         finally:
             self._terminate(status, ended_s)
+            # tells the launch host this run needs nothing from it when it exits (no mlflow import there)
+            (RunDir(job.run_dir).path / MLFLOW_ENDED_MARK).touch()
 
     def launch_failed(self, job_id: str, error: BaseException) -> None:
         """The job never started: end its run FAILED (KILLED when the launch was interrupted)."""
