@@ -39,3 +39,15 @@ def run_dirs(sgpu_home) -> set[str]:
 def kids() -> list[int]:
     """PIDs of every descendant of the test process."""
     return sorted(p.pid for p in psutil.Process().children(recursive=True))
+
+
+def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05):
+    """Poll ``condition()`` until it returns something truthy; fail after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)

@@ -24,6 +24,7 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
+from helpers import wait_for
 from jupyter_client.manager import start_new_kernel
 from kernel_utils import collect, execute
 from nbclient import NotebookClient
@@ -35,18 +36,6 @@ START_DEADLINE_S = 120.0  # rank start-up on a busy 2-core box: two fresh `impor
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05):
-    """Poll ``condition()`` until it returns something truthy; fail after ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
-
 
 def kernel_eval(kc, expr: str):
     """Evaluate ``expr`` in the kernel and return its value (it must have a literal repr)."""

@@ -22,6 +22,7 @@ import uuid
 
 import psutil
 import pytest
+from helpers import wait_for
 from jupyter_client.manager import start_new_kernel
 from kernel_utils import collect, execute
 
@@ -35,18 +36,6 @@ START_DEADLINE_S = 120.0
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05):
-    """Poll ``condition()`` until it returns something truthy; fail after ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
-
 
 @pytest.fixture
 def experiment(monkeypatch):
