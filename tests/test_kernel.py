@@ -344,3 +344,30 @@ def test_widget_panel_in_a_kernel_replaces_the_text_stream(kernel):
     assert "[rank" not in stdout
     assert re.search(r"sgpu_magic: job \S+ succeeded in [\d.]+ s on 2 x cpu \(gloo\)", stdout)
     assert results == ["0"]
+
+
+WHERE_CELL = """
+from sgpu_magic import distributed
+@distributed(gpus=2, mlflow=False)
+def where():
+    import os
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+a = where.distributed()
+print(repr((a[0] == a[1], a[0][1])))
+"""
+
+
+def test_c15_two_kernels_launching_at_the_same_moment_get_distinct_ports():
+    """C15: two kernels run the same job at once; both succeed, each job's ranks agree on its own port."""
+    kernels = [start_kernel(), start_kernel()]
+    try:
+        msg_ids = [kc.execute(WHERE_CELL) for _, kc in kernels]  # both sent before either finishes
+        outs = [collect(kc, msg_id, timeout_s=300) for (_, kc), msg_id in zip(kernels, msg_ids)]
+        for out in outs:
+            assert out.error is None, out.error
+        results = [ast.literal_eval(out.stdout.strip().splitlines()[-1]) for out in outs]
+        assert [agree for agree, _ in results] == [True, True]
+        assert results[0][1] != results[1][1]
+    finally:
+        for km, kc in kernels:
+            stop_kernel(km, kc)
