@@ -39,3 +39,21 @@ def collect(kc, msg_id: str, timeout_s: float = 180.0) -> CellOutput:
 def execute(kc, code: str, timeout_s: float = 180.0) -> CellOutput:
     """Execute ``code`` in the kernel and wait for it to finish."""
     return collect(kc, kc.execute(code), timeout_s)
+
+
+def start_kernel(cwd=None):
+    """A fresh ``python3`` kernel (in ``cwd`` if given) with ``%load_ext sgpu_magic`` done; returns (km, kc)."""
+    from jupyter_client.manager import start_new_kernel
+
+    kwargs = {"cwd": str(cwd)} if cwd is not None else {}
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=90, **kwargs)
+    out = execute(kc, "%load_ext sgpu_magic")
+    assert out.error is None, out.error
+    return km, kc
+
+
+def stop_kernel(km, kc) -> None:
+    """Close the client's channels and kill the kernel if it still runs."""
+    kc.stop_channels()
+    if km.has_kernel:
+        km.shutdown_kernel(now=True)

@@ -25,8 +25,7 @@ import nbformat
 import psutil
 import pytest
 from helpers import wait_for
-from jupyter_client.manager import start_new_kernel
-from kernel_utils import collect, execute
+from kernel_utils import collect, execute, start_kernel, stop_kernel
 from nbclient import NotebookClient
 
 pytestmark = pytest.mark.slow
@@ -42,20 +41,6 @@ def kernel_eval(kc, expr: str):
     out = execute(kc, f"print(repr({expr}))")
     assert out.error is None, out.error
     return ast.literal_eval(out.stdout.strip())
-
-
-def start_kernel():
-    """A fresh ``python3`` kernel with ``%load_ext sgpu_magic`` done; returns (km, kc)."""
-    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=90)
-    out = execute(kc, "%load_ext sgpu_magic")
-    assert out.error is None, out.error
-    return km, kc
-
-
-def stop_kernel(km, kc) -> None:
-    kc.stop_channels()
-    if km.has_kernel:
-        km.shutdown_kernel(now=True)
 
 
 def make_piddir(kc) -> Path:

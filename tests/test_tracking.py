@@ -23,8 +23,7 @@ import uuid
 import psutil
 import pytest
 from helpers import wait_for
-from jupyter_client.manager import start_new_kernel
-from kernel_utils import collect, execute
+from kernel_utils import collect, execute, start_kernel, stop_kernel
 
 from sgpu_magic import JobState, distributed
 from sgpu_magic.decorator import start
@@ -362,20 +361,6 @@ def test_mlflow_ui_server_that_exits_says_why():
 
 # ----------------------------------------------------------------------------- in real kernels
 
-def start_kernel_in(cwd):
-    """A fresh kernel running in ``cwd`` (MLflow puts the artifacts of experiments it creates there)."""
-    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=90, cwd=str(cwd))
-    out = execute(kc, "%load_ext sgpu_magic")
-    assert out.error is None, out.error
-    return km, kc
-
-
-def stop_kernel(km, kc) -> None:
-    kc.stop_channels()
-    if km.has_kernel:
-        km.shutdown_kernel(now=True)
-
-
 C20_CELL1 = """
 import mlflow, tempfile
 mlflow.set_tracking_uri(f"sqlite:///{tempfile.mkdtemp()}/mlflow.db")
@@ -421,7 +406,7 @@ def _running_job_dir(client, experiment_name: str, sgpu_home):
 def test_c20_and_c22_in_a_kernel_failed_is_failed_and_interrupted_is_killed(tmp_path, sgpu_home):
     from mlflow import MlflowClient
 
-    km, kc = start_kernel_in(tmp_path)
+    km, kc = start_kernel(tmp_path)
     try:
         for code in (C20_CELL1, C20_CELL):
             out = execute(kc, code)
@@ -466,7 +451,7 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
 
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     name = f"kill-{uuid.uuid4().hex[:8]}"
-    km, kc = start_kernel_in(tmp_path)
+    km, kc = start_kernel(tmp_path)
     try:
         out = execute(kc, f"import os\nos.environ['MLFLOW_EXPERIMENT_NAME'] = {name!r}")
         assert out.error is None, out.error
