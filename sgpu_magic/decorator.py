@@ -20,6 +20,7 @@ from typing import Any, Callable
 from . import capture
 from .job import Job, JobSink, submit
 from .launcher import get_host
+from .leases import LeaseRegistry
 from .panel import DEFAULT_MAX_LINES, TextView, make_view
 from .resources import check_port_free, plan_devices
 from .spec import DEFAULT_TIMEOUT_S, LaunchSpec, make_spec
@@ -38,10 +39,12 @@ def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:
     return sinks
 
 
-def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | None = None) -> Job:
-    """Shared by both front doors: check the machine, capture, warn, then start the ranks.
+def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | None = None,
+          background: bool = False) -> Job:
+    """Shared by both front doors: check the machine, capture, warn, then lease GPUs and start the ranks.
 
-    Everything that can be refused is refused before any process starts.
+    Everything that can be refused is refused before any process starts. A background job is
+    followed by its own thread; for a blocking one the caller runs ``job._follow_blocking()``.
     """
     sinks = _sinks(spec, view)
     view = sinks[-1]
@@ -54,7 +57,8 @@ def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | 
         view.warn(text)
     if plan.note:
         view.note(plan.note)
-    return submit(spec, plan, payload, get_host, sinks)
+    registry = LeaseRegistry(_resolve(_FromConfig("lease_dir", "")) or None) if plan.needs_lease else None
+    return submit(spec, plan, payload, get_host, sinks, background=background, registry=registry)
 
 
 def _cell_labels(filenames) -> dict[str, str]:
@@ -115,7 +119,22 @@ class DistributedFunction:
             JobCancelledError: (a KeyboardInterrupt) the kernel was interrupted; every rank was stopped.
         """
         self.last_job = start(self.spec, lambda: self._payload(args, kwargs))
+        self.last_job._follow_blocking()
         return self.last_job.result()
+
+    def submit(self, *args: Any, **kwargs: Any) -> Job:
+        """Start ``fn(*args, **kwargs)`` on every rank in the background; return its :class:`Job` at once.
+
+        The cell ends and the kernel stays free; the job's panel (or ``[rank N]`` lines) keeps
+        updating in the cell that submitted it. Interrupting the kernel does not touch the job:
+        ``job.cancel()``, the panel's Stop button, ``%distributed_stop`` or the kernel's end stop it.
+        ``job.result()`` waits and returns one value per rank (or raises the job's error).
+
+        Raises (before anything starts):
+            CaptureError, ResourceError (also: the GPUs are leased and ``wait=False``), SpecError.
+        """
+        self.last_job = start(self.spec, lambda: self._payload(args, kwargs), background=True)
+        return self.last_job
 
     def __repr__(self) -> str:
         return f"<distributed function {self.__qualname__} gpus={self.spec.gpus}>"
@@ -148,7 +167,7 @@ def distributed(gpus: int, gpu_type: str | None = None,
                 timeout: float | None = _FromConfig("timeout_s", DEFAULT_TIMEOUT_S), *, port: int | None = None,
                 widgets: bool | None = _FromConfig("widgets", None),
                 max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
-                mlflow: bool = _FromConfig("mlflow", True)
+                mlflow: bool = _FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
                 ) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
@@ -167,9 +186,14 @@ def distributed(gpus: int, gpu_type: str | None = None,
             ``%config DistributedMagics.max_capture_bytes``).
         mlflow: track each call as one MLflow run (default True, or ``%config DistributedMagics.mlflow``);
             ranks log into it with plain ``mlflow.log_metric(...)``. ``False`` turns tracking off.
+        gpu_ids: physical GPU indices (NVML order) to run on, one per rank, e.g. ``[0, 1]``; default
+            any free GPUs. GPUs running processes outside sgpu_magic are skipped unless named here.
+        wait: when other sgpu_magic jobs (from any kernel sharing the lease directory) hold the
+            GPUs, queue for them in arrival order (True, default; the job is ``pending`` meanwhile)
+            or raise ``ResourceError`` at once naming the holders (False).
 
     Raises:
-        SpecError: invalid ``gpus``, ``gpu_type``, ``timeout`` or ``port`` (at decoration time).
+        SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port`` or ``gpu_ids`` (at decoration time).
     """
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
@@ -180,8 +204,8 @@ def distributed(gpus: int, gpu_type: str | None = None,
         if not callable(fn):
             raise SpecError(f"@distributed(...) decorates a function, got {type(fn).__name__}")
         spec = make_spec(gpus, gpu_type, timeout, port, name=getattr(fn, "__qualname__", "function"), widgets=widgets,
-                         mlflow=mlflow)
+                         mlflow=mlflow, gpu_ids=gpu_ids, wait=wait)
         return DistributedFunction(fn, spec, max_capture_bytes)
 
-    make_spec(gpus, gpu_type, timeout, port)  # fail at the decorator line, not later
+    make_spec(gpus, gpu_type, timeout, port, gpu_ids=gpu_ids)  # fail at the decorator line, not later
     return wrap

@@ -47,7 +47,7 @@ def _rank_env(launch: dict, rank: int, port: int, env: dict) -> dict[str, str]:
         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
         "PYTHONUNBUFFERED": "1", "SGPU_MAGIC_HOST_PID": str(os.getpid()), "SGPU_MAGIC_JOB_ID": launch["job_id"],
     })
-    if launch.get("cuda_visible_devices"):
+    if launch.get("cuda_visible_devices") is not None:  # "" for a fake GPU inventory: ranks on CPU
         out["CUDA_VISIBLE_DEVICES"] = launch["cuda_visible_devices"]
     if "OMP_NUM_THREADS" not in env:  # torchrun sets it too; in a rank it is read at torch start-up
         out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world) if launch["backend"] == "gloo" else 1)

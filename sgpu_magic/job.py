@@ -7,17 +7,21 @@ A job is followed through its RunDir: the host's ``status.json``, each rank's lo
 from __future__ import annotations
 
 import codecs
+import contextvars
 import enum
 import os
 import pickle
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, RankFailure, SgpuError
+from .errors import (JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, RankFailure, ResourceError,
+                     SgpuError)
 from .launcher import LaunchHost
-from .resources import DevicePlan
+from .leases import Lease, LeaseRegistry, foreign_processes
+from .resources import DevicePlan, Gpu
 from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
 from .spec import LaunchSpec
 
@@ -70,10 +74,17 @@ class LogFollower:
 class JobSink:
     """Receives one job's events; subclass and override what you need.
 
-    The panel, the text view and MLflow tracking are sinks. Events come from the thread that
-    follows the job (the waiting thread for a blocking call); ``prepare`` runs before the
-    ranks start.
+    The panel, the text view and MLflow tracking are sinks. ``created`` runs in the thread
+    that started the job; the other events come from the thread that follows it (the calling
+    thread for a blocking call, a background thread for a submitted job). ``prepare`` runs
+    once the job holds its GPUs, before the ranks start.
     """
+
+    def created(self, job: "Job") -> None:
+        """The job exists (state pending); nothing has started yet. Runs in the starting thread."""
+
+    def pending(self, job: "Job", why: str) -> None:
+        """The job waits for GPUs; ``why`` says how many are free and who holds the rest."""
 
     def prepare(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> dict:
         """Before launch: return ``{"env": {...}}`` for the ranks and other launch.json entries."""
@@ -99,33 +110,60 @@ class JobSink:
         ``prepare`` set up."""
 
 
+_JOBS: list["Job"] = []
+_JOBS_LOCK = threading.Lock()
+
+
+def jobs() -> list["Job"]:
+    """Every job started in this process (kernel), oldest first."""
+    with _JOBS_LOCK:
+        return list(_JOBS)
+
+
 class Job:
-    """A running or finished distributed job (future-like).
+    """A pending, running or finished distributed job (future-like).
+
+    Returned at once by ``fn.submit(...)`` and ``%%distributed --background``; a blocking
+    ``fn.distributed(...)`` keeps it as ``fn.last_job``.
 
     Attributes:
         job_id: unique id, also the run directory's name.
         spec: the :class:`~sgpu_magic.spec.LaunchSpec` it was started with.
-        plan: where its ranks run (:class:`~sgpu_magic.resources.DevicePlan`).
+        plan: where its ranks run (:class:`~sgpu_magic.resources.DevicePlan`; its ``gpus`` once leased).
         run_dir: path of its run directory (logs stay there after the job).
+        background: whether a background thread follows the job (``submit``), else the caller does.
         mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked.
         run_url: a link to that run's page (tracking server or ``%mlflow_ui``), or ``None``.
+        waited_s: seconds the job waited in the queue for its GPUs.
     """
 
-    def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, host: LaunchHost,
-                 sinks: list[JobSink] = ()) -> None:
+    def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, get_host: Callable[[], LaunchHost],
+                 sinks: list[JobSink] = (), registry: LeaseRegistry | None = None) -> None:
         self._rd = run_dir
         self.spec = spec
         self.plan = plan
-        self._host = host
+        self._get_host = get_host
+        self._host: LaunchHost | None = None
+        self._registry = registry
+        self._lease: Lease | None = None
         self._sinks = list(sinks)
         self._last_state: JobState | None = None
         self._followers = [LogFollower(run_dir.log_file(r)) for r in range(plan.world_size)]
         self._results: list[Any] | None = None
         self._error: BaseException | None = None
         self._final_status: dict | None = None
+        self._cancel = threading.Event()
+        self._cancel_reason = "cancelled"
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.background = False
         self.submitted_s = time.time()
+        self.waited_s = 0.0
+        self.pending_reason = ""
         self.mlflow_run_id: str | None = None
         self.run_url: str | None = None
+        with _JOBS_LOCK:
+            _JOBS.append(self)
 
     job_id = property(lambda self: self._rd.job_id)
     run_dir = property(lambda self: self._rd.path)
@@ -133,6 +171,11 @@ class Job:
     @property
     def world_size(self) -> int:
         return self.plan.world_size
+
+    @property
+    def gpus(self) -> list[int]:
+        """Physical indices of the GPUs leased to the job (``[]`` on CPU or before they are leased)."""
+        return self.plan.gpu_indices
 
     @property
     def rank_exitcodes(self) -> dict[int, int | None]:
@@ -174,6 +217,102 @@ class Job:
         for sink in self._sinks:
             getattr(sink, event)(*args)
 
+    # -- start: lease GPUs, prepare the sinks, hand the run dir to the launch host
+
+    def _try_lease(self) -> bool:
+        """One attempt at the GPUs (no queueing unless the job may wait). True when the job may launch."""
+        if not self.plan.needs_lease or self._lease is not None:
+            return True
+        lease, why = self._registry.try_acquire(self.job_id, self.world_size, list(self.plan.candidates),
+                                                explicit=self.plan.explicit, skip=self._skip, enqueue=self.spec.wait)
+        if lease is None:
+            if not self.spec.wait:
+                self._error = ResourceError(f"job {self.job_id} cannot start now: {why}. Leave out --no-wait / "
+                                            f"wait=False to queue for the GPUs")
+                self._write_final("failed", launch_error=why)
+                raise self._error
+            self._set_pending(why)
+            return False
+        self._got_lease(lease)
+        return True
+
+    def _skip(self, free: list[Gpu]) -> dict[str, str]:
+        busy = {} if self.plan.explicit else foreign_processes(free)
+        self._skipped = busy
+        return busy
+
+    def _set_pending(self, why: str) -> None:
+        self.pending_reason = why
+        self._emit("pending", self, why)
+
+    def _wait_for_lease(self) -> None:
+        self._got_lease(self._registry.acquire(
+            self.job_id, self.world_size, list(self.plan.candidates), explicit=self.plan.explicit, skip=self._skip,
+            on_wait=lambda why: why != self.pending_reason and self._set_pending(why), cancelled=self._cancel))
+
+    def _got_lease(self, lease: Lease) -> None:
+        self._lease = lease
+        self.waited_s = time.time() - self.submitted_s if self.pending_reason else 0.0
+        self.plan = self.plan.with_gpus(lease.gpus)
+        by_uuid = {g.uuid: g for g in self.plan.candidates}
+        for uuid, reason in getattr(self, "_skipped", {}).items():
+            if hasattr(self._sinks[-1], "warn"):
+                self._sinks[-1].warn(f"GPU {by_uuid[uuid].index} skipped: it runs processes outside sgpu_magic "
+                                     f"({reason}); pass gpu_ids=[...] / --gpu-ids to use it anyway")
+
+    def _launch(self) -> None:
+        """Write launch.json (with what the sinks prepare) and hand the run dir to the launch host."""
+        rd, plan, spec = self._rd, self.plan, self.spec
+        launch = {"job_id": rd.job_id, "name": spec.name, "world_size": plan.world_size, "backend": plan.backend,
+                  "cuda_visible_devices": plan.cuda_visible_devices, "timeout_s": spec.timeout_s, "port": spec.port,
+                  "cwd": self._cwd, "sys_path": self._sys_path, "env": {}}
+        if plan.gpus:
+            launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
+        prepared: list[JobSink] = []
+        try:
+            for sink in self._sinks:
+                extra = sink.prepare(rd.job_id, spec, plan)
+                prepared.append(sink)
+                launch["env"].update(extra.pop("env", {}))
+                launch.update(extra)
+            atomic_write_json(rd.launch_file, launch)
+            for rank in range(plan.world_size):
+                rd.log_file(rank).touch(mode=0o600)
+            host = self._get_host()
+            try:
+                host.launch(rd)
+            except LauncherError:
+                host = self._get_host()
+                host.launch(rd)
+            self._host = host
+            if self._lease is not None:
+                self._lease.add_process(host.pid)
+        except BaseException as exc:
+            for sink in prepared:
+                sink.launch_failed(rd.job_id, exc)
+            self._release()
+            raise
+        self._emit("started", self)
+        if self._cancel.is_set():
+            self.request_cancel(self._cancel_reason)
+
+    def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+
+    def _write_final(self, state: str, **extra: Any) -> None:
+        """End a job that never reached the launch host (cancelled while pending, or refused)."""
+        self._release()
+        self._final_status = {"state": state, "ended_s": time.time(), **extra}
+        atomic_write_json(self._rd.status_file, self._final_status)
+        self._last_state = _to_state(self._final_status)
+        self._emit("state_changed", self, self._last_state)
+        if self._last_state is JobState.CANCELLED:
+            self._emit("finished", self)
+        self._done.set()
+
+    # -- follow
+
     def _pump(self, final: bool = False) -> None:
         for rank, follower in enumerate(self._followers):
             text = follower.read(final)
@@ -193,7 +332,9 @@ class Job:
             self._last_state = state
             self._emit("state_changed", self, state)
         if state.final:
+            self._release()
             self._emit("finished", self)
+            self._done.set()
             return True
         self._emit("tick", self)
         if not self._host.alive():
@@ -202,17 +343,85 @@ class Job:
             self._pump(final=True)
             self._final_status = {**status, "state": "failed", "host_lost": message, "ended_s": time.time()}
             self._last_state = JobState.FAILED
+            self._release()
             self._emit("state_changed", self, JobState.FAILED)
             self._emit("finished", self)
+            self._done.set()
             raise LauncherError(message)
         return False
 
-    def wait(self, timeout_s: float | None = None) -> JobState:
-        """Block until the job ends (or ``timeout_s`` seconds pass); stream its logs meanwhile.
+    def _follow_blocking(self) -> None:
+        """Lease (waiting in the queue), launch and follow the job in the calling thread; an interrupt
+        cancels it and raises :class:`~sgpu_magic.errors.JobCancelledError`."""
+        try:
+            if self._host is None:
+                if self._lease is None and self.plan.needs_lease:
+                    self._wait_for_lease()
+                self._launch()
+            while not self._poll_once():
+                time.sleep(POLL_INTERVAL_S)
+        except JobCancelledError:
+            if not self.done():
+                self._write_final("cancelled")
+            raise
+        except KeyboardInterrupt:
+            if self._host is None:
+                self._write_final("interrupted")
+            else:
+                self.request_cancel("interrupted")
+                self._drain(CANCEL_WAIT_S)
+            raise JobCancelledError(f"job {self.job_id} was interrupted; every rank was stopped. "
+                                    f"Logs: {self._rd.path / 'logs'}") from None
 
-        Interrupting (KeyboardInterrupt) cancels the job, waits for its ranks to stop, and raises
-        :class:`~sgpu_magic.errors.JobCancelledError` (a KeyboardInterrupt) naming the job and its logs.
+    def _follow_background(self) -> None:
+        """Body of the background thread of a submitted job."""
+        try:
+            if self._host is None:
+                if self._lease is None and self.plan.needs_lease:
+                    self._wait_for_lease()
+                self._launch()
+            while not self._poll_once():
+                time.sleep(POLL_INTERVAL_S)
+        except JobCancelledError:
+            if not self.done():
+                self._write_final("cancelled")
+        except BaseException as exc:  # noqa: BLE001 - recorded on the job, shown by its view
+            self._error = exc if isinstance(exc, SgpuError) else LauncherError(
+                f"job {self.job_id} could not run: {type(exc).__name__}: {exc}")
+            if self._final_status is None:
+                self._write_final("failed", launch_error=str(self._error))
+        finally:
+            self._done.set()
+
+    def _start_background(self) -> None:
+        """Follow the job from a daemon thread that runs in a copy of the caller's context, so output
+        that the text view writes after the cell ended still goes to the cell that started the job."""
+        self.background = True
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._follow_background,),
+                                        name=f"sgpu_magic job {self.job_id}", daemon=True)
+        self._thread.start()
+
+    def _drain(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        if self._thread is not None:
+            self._done.wait(timeout_s)
+            return
+        while self._host is not None and not self._poll_once() and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S)
+
+    def wait(self, timeout_s: float | None = None) -> JobState:
+        """Block until the job ends or ``timeout_s`` seconds pass; return its state.
+
+        For a submitted (background) job an interrupt only stops the waiting (the job goes on;
+        use :meth:`cancel`). For the job of a blocking call, interrupting cancels it and raises
+        :class:`~sgpu_magic.errors.JobCancelledError` (a KeyboardInterrupt).
         """
+        if threading.current_thread() is self._thread or (self._thread is None and self.done()):
+            return self.state  # a sink asking from the following thread, or a blocking job that ended
+        if self._thread is not None:
+            self._done.wait(timeout_s)
+            return self.state
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while not self._poll_once():
@@ -226,38 +435,53 @@ class Job:
         return self.state
 
     def request_cancel(self, _reason: str = "cancelled") -> None:
-        """Ask the launch host to stop every rank, without waiting. Safe from any thread (a Stop button)."""
-        if self._final_status is None:
+        """Ask for every rank to stop (or a pending job to leave the queue), without waiting.
+
+        Safe from any thread (the panel's Stop button)."""
+        self._cancel_reason = _reason
+        self._cancel.set()
+        if self._final_status is None and self._host is not None:
             try:
                 self._host.cancel(self._rd, _reason)
             except LauncherError:
                 pass
 
     def cancel(self, _reason: str = "cancelled") -> None:
-        """Stop every rank (SIGTERM, then SIGKILL) and wait until they are gone; state becomes CANCELLED."""
+        """Stop every rank (SIGTERM, then SIGKILL) and wait until they are gone; state becomes CANCELLED.
+
+        A job still waiting for GPUs leaves the queue. Nothing happens to a job that has ended."""
         if self.done():
             return
         self.request_cancel(_reason)
-        deadline = time.monotonic() + CANCEL_WAIT_S
-        while not self._poll_once() and time.monotonic() < deadline:
-            time.sleep(POLL_INTERVAL_S)
+        if self._host is None and self._thread is None:
+            self._write_final(_reason)
+            return
+        self._drain(CANCEL_WAIT_S)
 
-    def exception(self) -> BaseException | None:
-        """Wait for the job; return its error (``None`` on success)."""
-        self.wait()
+    def exception(self, timeout_s: float | None = None) -> BaseException | None:
+        """Wait for the job (at most ``timeout_s``); return its error (``None`` on success).
+
+        Raises:
+            TimeoutError: ``timeout_s`` passed before the job ended.
+        """
+        self.wait(timeout_s)
+        if not self.done():
+            raise TimeoutError(f"job {self.job_id} is still {self.state.value} after {timeout_s:g} s")
         if self._error is None and self.state is not JobState.SUCCEEDED:
             self._error = self._build_error()
         return self._error
 
-    def result(self) -> list[Any]:
-        """Wait for the job; return one value per rank, in rank order (tensors on CPU).
+    def result(self, timeout_s: float | None = None) -> list[Any]:
+        """Wait for the job (at most ``timeout_s``); return one value per rank, in rank order (tensors on CPU).
 
         Raises:
             RankFailedError: a rank failed; shows the root-cause rank's traceback and log path.
             JobTimeoutError: the job ran past its timeout.
             JobCancelledError: (a KeyboardInterrupt) the job was interrupted or cancelled.
+            ResourceError: the job could not get its GPUs (``wait=False``).
+            TimeoutError: ``timeout_s`` passed before the job ended.
         """
-        error = self.exception()
+        error = self.exception(timeout_s)
         if error is not None:
             raise error
         if self._results is None:
@@ -300,7 +524,9 @@ class Job:
         return failure_from_status(self._rd, status, self.world_size)
 
     def __repr__(self) -> str:
-        return f"<Job {self.job_id} {self.state.value} world_size={self.world_size} run_dir={str(self.run_dir)!r}>"
+        gpus = f" gpus={self.gpus}" if self.gpus else ""
+        return (f"<Job {self.job_id} {self.state.value} world_size={self.world_size}{gpus} "
+                f"run_dir={str(self.run_dir)!r}>")
 
 
 def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailedError:
@@ -327,37 +553,32 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
 
 
 def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable[[], LaunchHost],
-           sinks: list[JobSink] = (), root: Path | None = None) -> Job:
-    """Write the payload into a new RunDir and hand it to the launch host; return the :class:`Job` at once.
+           sinks: list[JobSink] = (), root: Path | None = None, background: bool = False,
+           registry: LeaseRegistry | None = None) -> Job:
+    """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
+
+    The first try for the GPUs and, when they are free, the launch happen in the calling
+    thread, so ``wait=False`` refusals and launch errors raise here. A background job is then
+    followed by a daemon thread; for a blocking one the caller runs :meth:`Job._follow_blocking`
+    (which waits in the GPU queue if needed; an interrupt cancels the job).
 
     ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
     one is asked once more, so a dead host never fails a launch.
     """
     rd = RunDir.create(root)
     atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
-    launch = {"job_id": rd.job_id, "name": spec.name, "world_size": plan.world_size, "backend": plan.backend,
-              "cuda_visible_devices": plan.cuda_visible_devices, "timeout_s": spec.timeout_s, "port": spec.port,
-              "cwd": os.getcwd(), "sys_path": list(sys.path), "env": {}}
-    prepared: list[JobSink] = []
+    if plan.needs_lease and registry is None:
+        registry = LeaseRegistry()
+    job = Job(rd, spec, plan, get_host, sinks, registry)
+    job._cwd, job._sys_path = os.getcwd(), list(sys.path)
+    job._emit("created", job)
     try:
-        for sink in sinks:
-            extra = sink.prepare(rd.job_id, spec, plan)
-            prepared.append(sink)
-            launch["env"].update(extra.pop("env", {}))
-            launch.update(extra)
-        atomic_write_json(rd.launch_file, launch)
-        for rank in range(plan.world_size):
-            rd.log_file(rank).touch(mode=0o600)
-        host = get_host()
-        try:
-            host.launch(rd)
-        except LauncherError:
-            host = get_host()
-            host.launch(rd)
-    except BaseException as exc:
-        for sink in prepared:
-            sink.launch_failed(rd.job_id, exc)
+        if job._try_lease():
+            job._launch()
+    except KeyboardInterrupt:
+        if not job.done():
+            job._write_final("interrupted")
         raise
-    job = Job(rd, spec, plan, host, sinks)
-    job._emit("started", job)
+    if background:
+        job._start_background()
     return job

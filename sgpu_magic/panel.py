@@ -69,12 +69,20 @@ class TextView(JobSink):
             out.write("".join(shown))
             out.flush()
 
+    def pending(self, job: Job, why: str) -> None:
+        self.note(f"sgpu_magic: job {job.job_id} is pending, {why}")
+
     def finished(self, job: Job) -> None:
         for rank, rest in sorted(self._partial.items()):
             if rest:
                 self.lines(rank, [rest])
         self._partial.clear()
         self.note(summary_line(job))
+        if job.background and job.state is not JobState.SUCCEEDED:
+            # nobody waits on a background job to raise its error: say what happened here
+            error = job.exception()
+            if error is not None:
+                self.warn(str(error).splitlines()[0] + f" (job.result() raises it)")
 
     def note(self, text: str) -> None:
         """One line for the user (e.g. the CPU fallback), on stdout."""
@@ -170,7 +178,8 @@ class Panel(TextView):
         self.widget = w.VBox([w.HBox([self.header, self.stop_button]), self.tabs, self.help])
         self._job: Job | None = None
 
-    def started(self, job: Job) -> None:
+    def created(self, job: Job) -> None:
+        """Build the tabs and show the panel in the cell that starts the job (state pending)."""
         w = self._w
         self._job = job
         self.buffers = [TerminalBuffer(self.max_lines) for _ in range(job.world_size)]
@@ -179,11 +188,17 @@ class Panel(TextView):
         self.tabs.children = [w.VBox([f, o]) for f, o in zip(self.footers, self.outputs)]
         self.tabs.titles = [f"rank {r}" for r in range(job.world_size)]
         self.stop_button.on_click(lambda _: self._stop())
-        self._render_header(job, JobState.STARTING)
+        self._render_header(job, JobState.PENDING)
         self._render_footers(job)
         from IPython.display import display
 
         display(self.widget)
+
+    def pending(self, job: Job, why: str) -> None:
+        self._render_header(job, JobState.PENDING)
+
+    def started(self, job: Job) -> None:
+        self._render_header(job, JobState.STARTING)
 
     def _stop(self) -> None:
         """Stop button handler; may run on a kernel subshell thread while the cell is busy."""
@@ -201,6 +216,8 @@ class Panel(TextView):
             self._flush(job)
 
     def state_changed(self, job: Job, state: JobState) -> None:
+        if state.final:
+            self.stop_button.disabled = True
         self._render_header(job, state)
 
     def finished(self, job: Job) -> None:
@@ -227,7 +244,7 @@ class Panel(TextView):
 
     @staticmethod
     def _job_state(job: Job) -> JobState:
-        return job._last_state or JobState.STARTING
+        return job._last_state or (JobState.STARTING if job._host is not None else JobState.PENDING)
 
     def _render_footers(self, job: Job, final: bool = False) -> None:
         codes = job.rank_exitcodes if final else {}
@@ -247,6 +264,8 @@ class Panel(TextView):
         badge = (f'<span style="background:{colour};color:white;border-radius:4px;padding:1px 6px">'
                  f"{state.value.replace('_', ' ')}</span>")
         problem = f"<br><code>{html.escape(str(error).splitlines()[0])}</code>" if error else ""
+        if state is JobState.PENDING and job.pending_reason:
+            problem = f"<br><small>{html.escape(job.pending_reason)}</small>"
         self.header.value = (f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
                              f"{html.escape(job.plan.device_kind)} &middot; {elapsed}{link}{problem}")
 

@@ -32,6 +32,8 @@ class LaunchSpec:
         widgets: show the ipywidgets panel (True), the plain-text view (False), or decide
             (None: the panel in a Jupyter kernel with ipywidgets, else text).
         mlflow: track the job as an MLflow run.
+        gpu_ids: physical GPU indices (NVML order) to run on, one per rank; ``None`` = any free GPUs.
+        wait: when the GPUs are leased by other jobs, wait in the queue (True) or fail at once (False).
     """
 
     gpus: int
@@ -41,6 +43,8 @@ class LaunchSpec:
     name: str = "job"
     widgets: bool | None = None
     mlflow: bool = True
+    gpu_ids: tuple[int, ...] | None = None
+    wait: bool = True
 
 
 def _check_gpus(gpus: object) -> int:
@@ -78,13 +82,32 @@ def _check_port(port: object) -> int | None:
     return int(port)
 
 
+def _check_gpu_ids(gpu_ids: object, gpus: int) -> tuple[int, ...] | None:
+    if gpu_ids is None:
+        return None
+    if isinstance(gpu_ids, (str, bytes)) or not hasattr(gpu_ids, "__iter__"):
+        raise SpecError(f"gpu_ids must be a list of GPU indices such as [0, 1], or None for any free GPUs; "
+                        f"got {gpu_ids!r}")
+    ids = list(gpu_ids)
+    if not ids or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in ids):
+        raise SpecError(f"gpu_ids must be a non-empty list of GPU indices >= 0 such as [0, 1]; got {gpu_ids!r}")
+    if len(set(ids)) != len(ids):
+        raise SpecError(f"gpu_ids lists a GPU twice: {ids}; give each GPU once")
+    if len(ids) != gpus:
+        raise SpecError(f"gpu_ids names {len(ids)} GPU(s) ({ids}) but gpus={gpus}; give one GPU index per rank")
+    return tuple(int(i) for i in ids)
+
+
 def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S,
-              port: object = None, name: str = "job", widgets: bool | None = None, mlflow: bool = True) -> LaunchSpec:
+              port: object = None, name: str = "job", widgets: bool | None = None, mlflow: bool = True,
+              gpu_ids: object = None, wait: bool = True) -> LaunchSpec:
     """Validate user input into a :class:`LaunchSpec`.
 
     Raises:
         SpecError: naming the bad option, the value given and what is allowed.
     """
-    return LaunchSpec(gpus=_check_gpus(gpus), gpu_type=_check_gpu_type(gpu_type),
+    count = _check_gpus(gpus)
+    return LaunchSpec(gpus=count, gpu_type=_check_gpu_type(gpu_type),
                       timeout_s=_check_timeout(timeout), port=_check_port(port), name=name,
-                      widgets=None if widgets is None else bool(widgets), mlflow=bool(mlflow))
+                      widgets=None if widgets is None else bool(widgets), mlflow=bool(mlflow),
+                      gpu_ids=_check_gpu_ids(gpu_ids, count), wait=bool(wait))

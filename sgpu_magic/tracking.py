@@ -150,6 +150,20 @@ MLFLOW_ENDED_MARK = "mlflow_ended"
 """File the kernel leaves in a run dir once it has ended the job's MLflow run."""
 
 
+def _fluent_context() -> tuple[tuple[str, str] | None, str | None]:
+    """``((run id, experiment id) of the active run or None, experiment set by mlflow.set_experiment)``.
+
+    Nothing is active when mlflow has not been imported by the user."""
+    if "mlflow" not in sys.modules:
+        return None, None
+    import mlflow
+    from mlflow.tracking import fluent
+
+    run = mlflow.active_run()
+    parent = (run.info.run_id, str(run.info.experiment_id)) if run is not None else None
+    return parent, getattr(fluent, "_active_experiment_id", None)
+
+
 class MlflowTracking(JobSink):
     """Tracks one job as one MLflow run (see the module docstring for what is recorded where).
 
@@ -171,6 +185,9 @@ class MlflowTracking(JobSink):
         self._experiment_name: str | None = None
         self._client = None
         self._monitor = None
+        # read here, in the thread that starts the job: MLflow's active run is thread-local, and a
+        # background job prepares its run on another thread
+        self._parent_run, self._active_experiment_id = _fluent_context()
 
     # -- before launch
 
@@ -201,14 +218,14 @@ class MlflowTracking(JobSink):
 
         uri = absolute_tracking_uri(mlflow.get_tracking_uri())
         client = MlflowClient(uri)
-        parent = mlflow.active_run()
+        parent = self._parent_run
         experiment_id, name = self._experiment(client, uri, parent)
         notebook = notebook_path()
         tags = {"sgpu_magic.job_id": job_id, "mlflow.source.type": "NOTEBOOK" if notebook else "LOCAL"}
         if notebook:
             tags.update({"sgpu_magic.notebook": notebook, "mlflow.source.name": notebook})
         if parent is not None:
-            tags["mlflow.parentRunId"] = parent.info.run_id
+            tags["mlflow.parentRunId"] = parent[0]
         try:
             tags["mlflow.user"] = getpass.getuser()
         except Exception:  # noqa: BLE001 - no user name in some containers
@@ -224,9 +241,7 @@ class MlflowTracking(JobSink):
 
     def _experiment(self, client, uri: str, parent) -> tuple[str, str]:
         """(id, name) of the experiment for the run: see the module docstring for the order."""
-        from mlflow.tracking import fluent
-
-        chosen = parent.info.experiment_id if parent is not None else getattr(fluent, "_active_experiment_id", None)
+        chosen = parent[1] if parent is not None else self._active_experiment_id
         if chosen:
             return str(chosen), client.get_experiment(str(chosen)).name
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME")

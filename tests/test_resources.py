@@ -20,10 +20,39 @@ def test_no_gpu_runs_cpu_ranks_with_gloo_and_says_so():
 
 
 def test_gpu_type_matches_case_insensitive_substring():
-    plan = plan_devices(make_spec(2, gpu_type="h100"), gpus=H100)
-    assert plan.backend == "nccl" and [g.index for g in plan.gpus] == [0, 1]
-    assert plan.cuda_visible_devices == "GPU-0000,GPU-0001"
+    mixed = [Gpu(0, "NVIDIA A100-SXM4-80GB", "GPU-a"), *H100[1:3]]
+    plan = plan_devices(make_spec(2, gpu_type="h100"), gpus=mixed)
+    assert plan.backend == "nccl" and [g.index for g in plan.candidates] == [1, 2] and plan.gpus == ()
     assert plan.device_kind == "2 x NVIDIA H100 80GB HBM3 (nccl)"
+    leased = plan.with_gpus(list(plan.candidates))
+    assert leased.cuda_visible_devices == "GPU-0001,GPU-0002" and leased.gpu_indices == [1, 2]
+
+
+def test_gpu_ids_pick_those_gpus_in_that_order():
+    plan = plan_devices(make_spec(2, gpu_ids=[5, 3]), gpus=H100)
+    assert [g.index for g in plan.candidates] == [5, 3] and plan.explicit
+
+
+def test_gpu_ids_errors_name_the_bad_value_and_the_remedy():
+    with pytest.raises(ResourceError, match=r"gpu_ids \[9\] are not among the visible GPUs \(indices \[0, 1, 2, 3, 4, 5, 6, 7\]\); pick from those"):
+        plan_devices(make_spec(2, gpu_ids=[0, 9]), gpus=H100)
+    with pytest.raises(ResourceError, match=r"gpu_ids=\[0\] asked for, but no GPU is visible here; leave gpu_ids out"):
+        plan_devices(make_spec(1, gpu_ids=[0]), gpus=[])
+
+
+def test_fake_inventory_parses_and_runs_ranks_on_cpu(monkeypatch):
+    monkeypatch.setenv("SGPU_MAGIC_FAKE_GPUS", "8 x H100")
+    gpus = list_gpus()
+    assert [g.index for g in gpus] == list(range(8)) and gpus[0].name == "H100 (fake)" and gpus[0].fake
+    plan = plan_devices(make_spec(6))
+    assert plan.backend == "gloo" and plan.device_kind == "6 x H100 (fake) (gloo)"
+    assert "fake GPU inventory" in plan.note
+    assert plan.with_gpus(list(plan.candidates[:6])).cuda_visible_devices == ""  # ranks see no real GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert [g.index for g in list_gpus()] == [2, 3]
+    monkeypatch.setenv("SGPU_MAGIC_FAKE_GPUS", "eight")
+    with pytest.raises(ResourceError, match=r"SGPU_MAGIC_FAKE_GPUS='eight' is not a GPU inventory; write it as '8 x H100'"):
+        list_gpus()
 
 
 def test_gpu_type_mismatch_is_refused():
