@@ -3,9 +3,8 @@
 In one kernel holding 100 small globals and one 1 GiB numpy array:
 
 - ``capture_names`` of the 100 small globals; of those plus the 1 GiB array (the warning
-  path: it is over ``max_capture_bytes``); ``capture_cell`` of a cell that reads all 101.
-  The warning is in the returned ``Captured.warnings`` / payload, which the front doors show
-  once capture returns, so the capture time is the time to the warning.
+  path: it is over ``max_capture_bytes``), and the time from its start to the warning
+  callback (what the front doors show at once); ``capture_cell`` of a cell that reads all 101.
 - end to end: a ``%%distributed --gpus 1`` cell reading them, and the driver's time from
   sending it to receiving the ``sgpu_magic warning`` on stderr (what the user sees).
 
@@ -32,11 +31,13 @@ _cell = "x = [" + ", ".join(f"g{i}" for i in range(100)) + "]\\nbig.shape\\n"
 
 CAPTURE_CELL = '''\
 _ns = globals()
-_res = {"small_s": [], "big_s": [], "cell_s": [], "warnings": None, "payload_bytes": None}
+_res = {"small_s": [], "big_s": [], "warn_s": [], "cell_s": [], "warnings": None, "payload_bytes": None}
 for _ in range(__REPS__):
     gc.collect()
     _t0 = time.perf_counter(); _capture.capture_names(_small, _ns); _res["small_s"].append(time.perf_counter() - _t0)
-    _t0 = time.perf_counter(); _c = _capture.capture_names(_small | {"big"}, _ns); _res["big_s"].append(time.perf_counter() - _t0)
+    _warned = []
+    _t0 = time.perf_counter(); _c = _capture.capture_names(_small | {"big"}, _ns, warn=lambda _w: _warned.append(time.perf_counter())); _res["big_s"].append(time.perf_counter() - _t0)
+    _res["warn_s"].append(_warned[0] - _t0 if _warned else float("nan"))
     _res["warnings"] = _c.warnings
     del _c
     _t0 = time.perf_counter(); _p = _capture.capture_cell(_cell, _ns); _res["cell_s"].append(time.perf_counter() - _t0)
@@ -107,6 +108,9 @@ def run(ctx: Context) -> Section:
         t.rows.append(["capture_names: 100 small + 1 GiB array (warning path)", fmt(median(cap["big_s"]) * 1e3, 1, " ms"),
                        fmt_range([x * 1e3 for x in cap["big_s"]], 1) + " ms", len(cap["big_s"]),
                        "warned" if warned else "NO WARNING"])
+        t.rows.append(["capture_names: 100 small + 1 GiB array -> its warning shown", fmt(median(cap["warn_s"]) * 1e3, 2, " ms"),
+                       fmt_range([x * 1e3 for x in cap["warn_s"]], 2) + " ms", len(cap["warn_s"]),
+                       "warned from the size estimate, before pickling"])
         t.rows.append(["capture_cell: a cell reading all 101 globals", fmt(median(cap["cell_s"]) * 1e3, 1, " ms"),
                        fmt_range([x * 1e3 for x in cap["cell_s"]], 1) + " ms", len(cap["cell_s"]),
                        f"payload globals {cap['payload_bytes'] / 2**20:.0f} MiB"])
@@ -137,13 +141,14 @@ def run(ctx: Context) -> Section:
     methods = sorted({str(m) for k in ("send", "float") for m in gather[k]["start_methods"]})
     t.notes.append(f"gather jobs' ranks started by: {', '.join(methods) or '-'} (after untimed warm-up launches).")
     t.notes.append("capture timings are taken in the kernel around sgpu_magic.capture.capture_names / capture_cell; "
-                   "the front doors show the warnings only after capture returns (the 1 GiB array is pickled too).")
+                   "the front doors show each warning as capture finds it (arrays and tensors from their size, "
+                   "before anything is pickled), then the 1 GiB array is pickled too.")
     sec.tables.append(t)
     sec.raw = {"capture": cap, "e2e": e2e, "gather": gather}
 
     if cap:
-        ms = median(cap["big_s"]) * 1e3
-        sec.targets.append(Target("capture of the 1 GiB global warns (capture_names, warning path)", "< 50 ms",
+        ms = median(cap["warn_s"]) * 1e3
+        sec.targets.append(Target("capture of the 1 GiB global warns (capture start -> warning shown)", "< 50 ms",
                                   f"{ms:.0f} ms" + ("" if warned else " (no warning!)"), ms < 50 and warned))
     else:
         sec.targets.append(Target("capture of the 1 GiB global warns", "< 50 ms", "failed", False))

@@ -38,7 +38,7 @@ def main() -> None:
     get_host()
     view = Panel() if args.view == "panel" else TextView(out=io.StringIO())
     cpu0, t0 = time.process_time(), time.perf_counter()
-    job = start(flood.spec, lambda: flood._payload((args.lines,), {}), view)
+    job = start(flood.spec, lambda warn: flood._payload((args.lines,), {}, warn), view)
     job.result()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     counts = [job.logs(r).count("\n") for r in range(2)]

@@ -121,6 +121,13 @@ class Captured:
 
     entries: dict[str, tuple] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    on_warning: Callable[[str], None] | None = None
+
+    def warn(self, text: str) -> None:
+        """Record a warning and show it now (through ``on_warning``), before the rest is pickled."""
+        self.warnings.append(text)
+        if self.on_warning is not None:
+            self.on_warning(text)
 
 
 def _capture_one(name: str, value: object, max_bytes: int, out: Captured) -> None:
@@ -128,29 +135,40 @@ def _capture_one(name: str, value: object, max_bytes: int, out: Captured) -> Non
         out.entries[name] = ("module", value.__name__)
         return
     nbytes = estimate_nbytes(value)
-    if nbytes is not None and nbytes > max_bytes:
-        out.warnings.append(large_message(name, type_name(value), nbytes, max_bytes))
     try:
         data = dumps(value)
     except Exception as exc:  # noqa: BLE001 - any pickling failure is reported, not raised
         reason = f"{type(exc).__name__}: {exc}"
-        out.warnings.append(unpicklable_message(name, type_name(value), reason))
+        out.warn(unpicklable_message(name, type_name(value), reason))
         out.entries[name] = ("unpicklable", name, type_name(value), reason)
         return
     if nbytes is None and len(data) > max_bytes:
-        out.warnings.append(large_message(name, type_name(value), len(data), max_bytes))
+        out.warn(large_message(name, type_name(value), len(data), max_bytes))
     out.entries[name] = ("value", data)
 
 
-def capture_names(names: set[str], namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES) -> Captured:
-    """Capture ``names`` that exist in ``namespace`` (builtins and dunders skipped)."""
-    out = Captured()
+def capture_names(names: set[str], namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES,
+                  warn: Callable[[str], None] | None = None) -> Captured:
+    """Capture ``names`` that exist in ``namespace`` (builtins and dunders skipped).
+
+    ``warn(text)`` is called for each warning as soon as it is known: globals whose size can be
+    estimated without pickling (arrays, tensors, byte strings) are warned about before anything
+    is pickled; others once pickled.
+    """
+    out = Captured(on_warning=warn)
+    chosen = []
     for name in sorted(names):
         if name.startswith("__") or name not in namespace:
             continue
         value = namespace[name]
         if name in vars(builtins) and value is vars(builtins)[name]:
             continue
+        chosen.append((name, value))
+    for name, value in chosen:  # first the cheap size estimates, so a large array is warned about at once
+        nbytes = None if isinstance(value, types.ModuleType) else estimate_nbytes(value)
+        if nbytes is not None and nbytes > max_bytes:
+            out.warn(large_message(name, type_name(value), nbytes, max_bytes))
+    for name, value in chosen:
         _capture_one(name, value, max_bytes, out)
     return out
 
@@ -209,7 +227,7 @@ def _code_filenames(code: types.CodeType) -> set[str]:
     return names
 
 
-def capture_function(fn: Callable, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
+def capture_function(fn: Callable, max_bytes: int = DEFAULT_MAX_BYTES, warn: Callable[[str], None] | None = None) -> dict:
     """Payload part for a function: a reference, or its code plus captured globals.
 
     Raises:
@@ -219,7 +237,7 @@ def capture_function(fn: Callable, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
     if ref is not None:
         return {"kind": "ref", "module": ref[0], "qualname": ref[1], "globals": {}, "warnings": [], "sources": {}}
     code = fn.__code__
-    captured = capture_names(code_global_names(code), fn.__globals__, max_bytes)
+    captured = capture_names(code_global_names(code), fn.__globals__, max_bytes, warn)
     closure = [c.cell_contents for c in (fn.__closure__ or ())]
     shell = {"code": code, "name": fn.__name__, "qualname": fn.__qualname__, "defaults": fn.__defaults__,
              "kwdefaults": fn.__kwdefaults__, "closure": closure}
@@ -244,13 +262,14 @@ def _notebook_filenames(namespace: dict, captured: Captured) -> set[str]:
     return out
 
 
-def capture_cell(source: str, namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
+def capture_cell(source: str, namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES,
+                 warn: Callable[[str], None] | None = None) -> dict:
     """Payload part for a cell: its source plus the globals it reads from ``namespace``.
 
     Raises:
         SyntaxError: when the cell is not valid Python.
     """
-    captured = capture_names(cell_global_names(source), namespace, max_bytes)
+    captured = capture_names(cell_global_names(source), namespace, max_bytes, warn)
     return {"kind": "cell", "source": source, "globals": captured.entries, "warnings": captured.warnings,
             "sources": _source_cache(_notebook_filenames(namespace, captured))}
 

@@ -39,7 +39,7 @@ def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:
     return sinks
 
 
-def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | None = None,
+def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dict], view: TextView | None = None,
           background: bool = False) -> Job:
     """Shared by both front doors: check the machine, capture, warn, then lease GPUs and start the ranks.
 
@@ -51,10 +51,8 @@ def start(spec: LaunchSpec, build_payload: Callable[[], dict], view: TextView | 
     plan = plan_devices(spec)
     if spec.port is not None:
         check_port_free(spec.port)
-    payload = build_payload()
+    payload = build_payload(view.warn)  # warnings are shown as capture finds them
     payload["display_names"] = _cell_labels(payload.get("sources", {}))
-    for text in payload.get("warnings", ()):
-        view.warn(text)
     if plan.note:
         view.note(plan.note)
     registry = LeaseRegistry(_resolve(_FromConfig("lease_dir", "")) or None) if plan.needs_lease else None
@@ -97,10 +95,10 @@ class DistributedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.__sgpu_function__(*args, **kwargs)
 
-    def _payload(self, args: tuple, kwargs: dict) -> dict:
+    def _payload(self, args: tuple, kwargs: dict, warn: Callable[[str], None] | None = None) -> dict:
         call = f"{self.__sgpu_function__.__name__}.distributed"
         args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
-        payload = capture.capture_function(self.__sgpu_function__, self.max_capture_bytes)
+        payload = capture.capture_function(self.__sgpu_function__, self.max_capture_bytes, warn)
         payload.update(args=args_bytes, kwargs=kwargs_bytes)
         return payload
 
@@ -118,7 +116,7 @@ class DistributedFunction:
             JobTimeoutError: the job ran past ``timeout``.
             JobCancelledError: (a KeyboardInterrupt) the kernel was interrupted; every rank was stopped.
         """
-        self.last_job = start(self.spec, lambda: self._payload(args, kwargs))
+        self.last_job = start(self.spec, lambda warn: self._payload(args, kwargs, warn))
         self.last_job._follow_blocking()
         return self.last_job.result()
 
@@ -133,7 +131,7 @@ class DistributedFunction:
         Raises (before anything starts):
             CaptureError, ResourceError (also: the GPUs are leased and ``wait=False``), SpecError.
         """
-        self.last_job = start(self.spec, lambda: self._payload(args, kwargs), background=True)
+        self.last_job = start(self.spec, lambda warn: self._payload(args, kwargs, warn), background=True)
         return self.last_job
 
     def __repr__(self) -> str:

@@ -422,6 +422,9 @@ class Job:
         if self._thread is not None:
             self._done.wait(timeout_s)
             return self.state
+        if self._host is None:  # a blocking job not launched yet: wait for its GPUs, launch, follow
+            self._follow_blocking()
+            return self.state
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while not self._poll_once():

@@ -140,8 +140,8 @@ class DistributedMagics(Magics):
         source = _aligned_source(cell, self.shell.transform_cell(cell))
         filename = CELL_FILENAME
 
-        def payload() -> dict:
-            part = capture.capture_cell(source, self.shell.user_ns, self.max_capture_bytes)
+        def payload(warn) -> dict:
+            part = capture.capture_cell(source, self.shell.user_ns, self.max_capture_bytes, warn)
             part["filename"] = filename
             return part
 

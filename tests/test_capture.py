@@ -103,3 +103,21 @@ def test_format_bytes():
     assert capture.format_bytes(512) == "512 B"
     assert capture.format_bytes(3 * 2**20) == "3.0 MiB"
     assert capture.format_bytes(2**30) == "1.0 GiB"
+
+
+def test_a_large_array_is_warned_about_before_anything_is_pickled():
+    """The warning callback runs before the first global is pickled (a 1 GiB array takes seconds to pickle)."""
+    import numpy as np
+
+    events = []
+
+    class Witness:
+        def __reduce__(self):
+            events.append("pickled")
+            return (Witness, ())
+
+    big = np.ones(2**20)  # 8 MiB, over a 1 MiB limit
+    out = capture.capture_names({"a_witness", "big"}, {"a_witness": Witness(), "big": big}, max_bytes=2**20,
+                                warn=lambda text: events.append(text))
+    assert events[0].startswith("global 'big' (numpy.ndarray, 8.0 MiB) is larger than 1.0 MiB")
+    assert events[1:] == ["pickled"] and out.warnings == [events[0]]

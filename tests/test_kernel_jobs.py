@@ -115,7 +115,7 @@ def test_background_lifecycle_in_a_notebook(tmp_path):
         "%load_ext sgpu_magic",
         "from sgpu_magic import distributed\n\n@distributed(gpus=2, timeout=120)\ndef wait_for(path):\n"
         "    import os, time\n    while not os.path.exists(path):\n        time.sleep(0.02)\n"
-        "    return int(os.environ['RANK'])",
+        "    print('late line', flush=True)\n    return int(os.environ['RANK'])",
         f"job = wait_for.submit({str(go)!r})\njob.state.value in ('pending', 'starting', 'running')",
         "sum(range(10))",
         "%distributed_jobs",
@@ -138,3 +138,5 @@ def test_background_lifecycle_in_a_notebook(tmp_path):
     assert "'cancelled'" in text(6)
     final = text(7).splitlines()
     assert [row.split()[1] for row in final[1:]] == ["succeeded", "cancelled"]
+    # the job's lines, printed after its cell ended, never land in a later cell
+    assert not any("late line" in text(i) or "[rank" in text(i) for i in range(3, 8))

@@ -58,7 +58,7 @@ def _start_sleepers(piddir):
     """Start the 2-rank ``sleeper`` job in the background; return it and its rank pids once both run."""
     from sgpu_magic.decorator import start
 
-    job = start(sleeper.spec, lambda: sleeper._payload((str(piddir),), {}))
+    job = start(sleeper.spec, lambda warn: sleeper._payload((str(piddir),), {}, warn))
     deadline = time.monotonic() + 60
     while len(os.listdir(piddir)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

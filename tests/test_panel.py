@@ -16,7 +16,7 @@ from sgpu_magic.panel import Panel, TerminalBuffer, TextView, make_view, rank_st
 
 def run_with_panel(fn, *args, max_lines=2000):
     panel = Panel(max_lines=max_lines)
-    job = start(fn.spec, lambda: fn._payload(args, {}), panel)
+    job = start(fn.spec, lambda warn: fn._payload(args, {}, warn), panel)
     t0 = time.monotonic()
     try:
         job.result()
@@ -108,7 +108,7 @@ def test_failure_selects_the_root_cause_tab_and_names_it_in_the_header():
         return 0
 
     panel = Panel()
-    job = start(fails_on_rank_1.spec, lambda: fails_on_rank_1._payload((), {}), panel)
+    job = start(fails_on_rank_1.spec, lambda warn: fails_on_rank_1._payload((), {}, warn), panel)
     assert job.wait() is JobState.FAILED
     assert panel.tabs.selected_index == 1
     assert "failed" in panel.header.value and "rank 1 failed (root cause): ValueError: bad batch on rank 1" in panel.header.value
@@ -134,7 +134,7 @@ def test_stop_button_from_another_thread_cancels_a_blocking_job(tmp_path):
 
     clicker = threading.Thread(target=click_when_running)
     clicker.start()
-    job = start(sleeper.spec, lambda: sleeper._payload((str(tmp_path),), {}), panel)
+    job = start(sleeper.spec, lambda warn: sleeper._payload((str(tmp_path),), {}, warn), panel)
     with pytest.raises(JobCancelledError, match=r"was cancelled; every rank was stopped"):
         job.result()
     clicker.join()

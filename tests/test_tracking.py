@@ -58,7 +58,7 @@ def artifact_paths(client, run_id: str, folder: str) -> list[str]:
 
 def start_sleepers(fn, piddir):
     """Start ``fn(piddir)`` (2 ranks that record their pid and sleep) in the background; return the job once both run."""
-    job = start(fn.spec, lambda: fn._payload((str(piddir),), {}))
+    job = start(fn.spec, lambda warn: fn._payload((str(piddir),), {}, warn))
     wait_for(lambda: len(os.listdir(piddir)) >= 2, START_DEADLINE_S, "both ranks to record their pid")
     return job
 
