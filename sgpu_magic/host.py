@@ -186,6 +186,19 @@ class HostJob:
     def _write(self) -> None:
         atomic_write_json(self.run_dir.status_file, self.status)
 
+    def wake_fds(self) -> list[int]:
+        """File descriptors that become readable when a warm rank returns or exits (its return-value
+        pipe, its process sentinel), so the host polls at once instead of on its next tick."""
+        pc = getattr(self.ctx, "_pc", None)
+        if pc is None:
+            return []
+        fds = list(getattr(pc, "sentinels", {}))
+        for queue in getattr(self.ctx, "_ret_vals", {}).values():
+            reader = getattr(queue, "_reader", None)
+            if reader is not None and not reader.closed:
+                fds.append(reader.fileno())
+        return fds
+
     def poll(self) -> None:
         """Check the ranks once; finish the job when they are done, failed, or past the timeout."""
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -294,8 +307,12 @@ class Host:
 
     def read_commands(self) -> bool:
         """Handle every complete command line waiting on stdin; ``False`` at EOF."""
-        ready, _, _ = select.select([0], [], [], POLL_S if self.jobs else IDLE_POLL_S)
-        if not ready:
+        wake = [fd for job in self.jobs.values() for fd in job.wake_fds()]
+        try:
+            ready, _, _ = select.select([0, *wake], [], [], POLL_S if self.jobs else IDLE_POLL_S)
+        except (OSError, ValueError):  # a rank's fd closed meanwhile
+            ready = []
+        if 0 not in ready:
             return True
         chunk = os.read(0, 1 << 16)
         if not chunk:

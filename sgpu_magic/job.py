@@ -25,7 +25,10 @@ from .resources import DevicePlan, Gpu
 from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
 from .spec import LaunchSpec
 
-POLL_INTERVAL_S = 0.05
+POLL_INTERVAL_S = 0.01
+"""How often a followed job's status file is checked (an os.stat), so its end is seen within ~10 ms."""
+PUMP_INTERVAL_S = 0.05
+"""How often the rank logs are read (and the launch host's liveness checked) while nothing else changes."""
 CANCEL_WAIT_S = 15.0
 
 
@@ -156,6 +159,8 @@ class Job:
         self._cancel_reason = "cancelled"
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stamp: tuple | None = None
+        self._last_pump = 0.0
         self.background = False
         self.submitted_s = time.time()
         self.waited_s = 0.0
@@ -319,9 +324,20 @@ class Job:
             if text:
                 self._emit("output", rank, text)
 
+    def _status_stamp(self) -> tuple | None:
+        try:
+            st = os.stat(self._rd.status_file)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns  # each write is a rename: a new inode
+
     def _poll_once(self) -> bool:
         if self._final_status is not None:
             return True
+        stamp, now = self._status_stamp(), time.monotonic()
+        if stamp == self._stamp and now - self._last_pump < PUMP_INTERVAL_S:
+            return False
+        self._stamp, self._last_pump = stamp, now
         self._pump()
         status = read_json(self._rd.status_file) or {}
         state = _to_state(status)

@@ -21,6 +21,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 import types
@@ -180,15 +181,30 @@ def _write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[st
 
 
 def _teardown(ns: dict) -> None:
-    """Drop user objects, then destroy the process group (avoids DDP's teardown deadlock, pytorch#56297)."""
+    """Drop user objects, then destroy the process group (avoids DDP's teardown deadlock, pytorch#56297).
+
+    The rank's process ends with ``os._exit`` (no interpreter finalization), so destroying the
+    group only matters while the process still waits for its peers to finish: it closes the
+    group's connections, and a peer still blocked in a collective fails fast instead of
+    waiting for the collective's timeout. It runs in a thread (tens of ms for gloo), so the
+    rank reports done at once; the process exits when every rank has.
+    """
     ns.clear()
     gc.collect()
     dist = sys.modules.get("torch.distributed")
     try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return
     except Exception:  # noqa: BLE001 - teardown must not turn success into failure
-        pass
+        return
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+    threading.Thread(target=destroy, name="sgpu_magic teardown", daemon=True).start()
 
 
 def _execute(run_dir: RunDir, rank: int) -> int:
