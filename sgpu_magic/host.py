@@ -123,7 +123,22 @@ def _path_fingerprint(sys_path: list[str]) -> tuple:
 
 def _context_class(base):
     class Context(base):
-        """An elastic PContext that remembers which ranks failed before it stopped the rest."""
+        """An elastic PContext that remembers which ranks failed before it stopped the rest, and whose
+        warm ranks exit as soon as they are done (:func:`sgpu_magic.worker.elastic_wrap_no_wait`)."""
+
+        def _start(self) -> None:
+            from torch.distributed.elastic.multiprocessing import api
+
+            from . import worker
+
+            original = getattr(api, "_wrap", None)
+            if original is None or not hasattr(self, "_worker_finished_event"):
+                return super()._start()
+            api._wrap = worker.elastic_wrap_no_wait  # read by MultiprocessContext._start, pickled by name
+            try:
+                super()._start()
+            finally:
+                api._wrap = original
 
         def close(self, death_sig=None, timeout: float = GRACE_S) -> None:
             if not getattr(self, "first_failures", None):

@@ -22,6 +22,9 @@ from .errors import LauncherError
 from .rundir import RunDir, default_root, make_private_dir
 
 _HANDSHAKE_TIMEOUT_S = 30.0
+_HOST_MAIN = "import sys; from sgpu_magic.host import main; main(sys.argv)"
+"""The host runs from ``-c``, not ``-m``: its ``__main__`` then names no module, so each rank forked
+from its forkserver skips re-running the host module as ``__mp_main__`` (multiprocessing's prepare)."""
 
 
 class LaunchHost:
@@ -36,7 +39,7 @@ class LaunchHost:
         hosts = make_private_dir((root or default_root()) / "hosts")
         self.log_path = hosts / f"host-{os.getpid()}-{os.urandom(3).hex()}.log"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sgpu_magic.host", str(self.log_path), str(os.getpid())],
+            [sys.executable, "-c", _HOST_MAIN, str(self.log_path), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             start_new_session=True, cwd=os.getcwd(), env=_host_env())
         self.pid = self._handshake(proc)

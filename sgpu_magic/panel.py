@@ -2,7 +2,8 @@
 
 Both views treat carriage returns as a terminal does (a tqdm bar is one updating line),
 follow the job from the thread that waits on it, and batch what they send: the panel
-flushes at most ``MAX_FLUSHES_PER_S`` times a second.
+flushes at most ``MAX_FLUSHES_PER_S`` times a second, and refreshes the tabs not on screen
+at most ``HIDDEN_TAB_FLUSHES_PER_S`` times a second.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from .rundir import is_traceback_marker
 
 DEFAULT_MAX_LINES = 2000
 MAX_FLUSHES_PER_S = 10.0
+HIDDEN_TAB_FLUSHES_PER_S = 1.0
+"""Tabs not on screen are refreshed at most this often (each refresh resends the tab's lines);
+switching to a tab refreshes it at once."""
 
 
 def terminal_line(line: str) -> str:
@@ -57,6 +61,14 @@ class TextView(JobSink):
 
     def lines(self, rank: int, lines: list[str]) -> None:
         """Write complete lines of rank ``rank``."""
+        if rank not in self._failed_ranks and not any("\r" in line or line.startswith("[sgpu_magic] rank ")
+                                                      for line in lines):
+            if lines:  # fast path: no carriage return, no traceback marker
+                out = self._out or sys.stdout
+                prefix = f"[rank {rank}] "
+                out.write(prefix + f"\n{prefix}".join(lines) + "\n")
+                out.flush()
+            return
         shown = []
         for line in lines:
             if rank in self._failed_ranks:
@@ -112,6 +124,19 @@ class TerminalBuffer:
 
     def write(self, text: str) -> None:
         parts = text.split("\n")
+        if "\r" not in text:  # fast path (no per-line Python work): only the last max_lines lines are kept
+            self._feed(parts[0])
+            complete = len(parts) - 1
+            if complete:
+                self.total_lines += complete
+                if complete > (self.lines.maxlen or complete):
+                    self.lines.extend(parts[complete - self.lines.maxlen:complete])
+                else:
+                    self.lines.append(self.current)
+                    self.lines.extend(parts[1:complete])
+                self.current, self._cr = "", False
+                self._feed(parts[-1])
+            return
         for part in parts[:-1]:
             self._feed(part)
             self.lines.append(self.current)
@@ -171,6 +196,7 @@ class Panel(TextView):
         self._lock = threading.Lock()
         self._dirty: set[int] = set()
         self._last_flush = 0.0
+        self._last_hidden_flush = 0.0
         self.header = w.HTML()
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", tooltip=_HELP)
         self.help = w.HTML(f"<small>{html.escape(_HELP)}</small>")
@@ -188,6 +214,7 @@ class Panel(TextView):
         self.tabs.children = [w.VBox([f, o]) for f, o in zip(self.footers, self.outputs)]
         self.tabs.titles = [f"rank {r}" for r in range(job.world_size)]
         self.stop_button.on_click(lambda _: self._stop())
+        self.tabs.observe(self._tab_selected, names="selected_index")
         self._render_header(job, JobState.PENDING)
         self._render_footers(job)
         from IPython.display import display
@@ -199,6 +226,16 @@ class Panel(TextView):
 
     def started(self, job: Job) -> None:
         self._render_header(job, JobState.STARTING)
+
+    def _tab_selected(self, change) -> None:
+        """The user switched tabs (a comm message, maybe on another thread): show that rank's lines now."""
+        rank = change["new"]
+        if rank is None or not 0 <= rank < len(self.outputs):
+            return
+        with self._lock:
+            self._dirty.discard(rank)
+            text = self.buffers[rank].text()
+        self.outputs[rank].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
 
     def _stop(self) -> None:
         """Stop button handler; may run on a kernel subshell thread while the cell is busy."""
@@ -231,10 +268,16 @@ class Panel(TextView):
         self.note(summary_line(job))
 
     def _flush(self, job: Job, final: bool = False) -> None:
+        now = time.monotonic()
         with self._lock:
-            dirty, self._dirty = self._dirty, set()
+            if final or now - self._last_hidden_flush >= 1.0 / HIDDEN_TAB_FLUSHES_PER_S:
+                dirty, self._dirty = self._dirty, set()
+                self._last_hidden_flush = now
+            else:  # only the tab on screen
+                dirty = self._dirty & {self.tabs.selected_index}
+                self._dirty -= dirty
             texts = {r: self.buffers[r].text() for r in dirty}
-        self._last_flush = time.monotonic()
+        self._last_flush = now
         for rank, text in texts.items():
             self.outputs[rank].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
         self._render_footers(job, final)

@@ -43,6 +43,36 @@ def test_terminal_buffer_folds_carriage_returns_and_bounds_lines():
     assert buf.text().endswith("\x1b[31mred\x1b[0m partial")
 
 
+def reference_terminal(text: str, max_lines: int) -> tuple[list[str], str, int]:
+    """A plain model of the terminal: (last max_lines complete lines, current line, total lines)."""
+    lines, current, pending_cr = [], "", False
+    for ch in text:
+        if ch == "\n":
+            lines.append(current)
+            current, pending_cr = "", False
+        elif ch == "\r":
+            pending_cr = True
+        else:
+            current = ch if pending_cr else current + ch
+            pending_cr = False
+    return lines[-max_lines:], current, len(lines)
+
+
+def test_terminal_buffer_matches_a_plain_terminal_model_on_random_chunks():
+    import random
+
+    rng = random.Random(1234)
+    for _ in range(2000):
+        max_lines = rng.choice([1, 2, 3, 7, 50])
+        buf, fed = TerminalBuffer(max_lines=max_lines), ""
+        for _ in range(rng.randint(1, 10)):
+            chunk = "".join(rng.choice("ab\n\r") for _ in range(rng.randint(0, 40)))
+            buf.write(chunk)
+            fed += chunk
+            lines, current, total = reference_terminal(fed, max_lines)
+            assert (list(buf.lines), buf.current, buf.total_lines) == (lines, current, total), repr(fed)
+
+
 def test_rank_state_words():
     assert rank_state(None, True) == "running"
     assert rank_state(0, False) == "exited 0"
@@ -87,6 +117,23 @@ def test_panel_after_a_job_with_a_tqdm_bar_and_10000_fast_lines():
     assert panel.tabs.titles == ("rank 0", "rank 1")
     assert panel.stop_button.disabled
     assert panel.flushes <= 10 * elapsed + 2
+
+
+def test_tabs_off_screen_refresh_at_most_once_a_second_and_at_once_when_selected():
+    panel = Panel(max_lines=100)
+    updates = {0: 0, 1: 0}
+    job = start(chatty.spec, lambda warn: chatty._payload((60_000,), {}, warn), panel)
+    for rank in (0, 1):
+        panel.outputs[rank].observe(lambda change, r=rank: updates.__setitem__(r, updates[r] + 1), names="outputs")
+    t0 = time.monotonic()
+    job.result()
+    elapsed = time.monotonic() - t0
+    assert updates[0] <= 10 * elapsed + 2 and updates[1] <= 1 * elapsed + 2, (updates, elapsed)
+    assert shown(panel, 1).splitlines()[-1] == "\x1b[32mdone 1\x1b[0m"  # the final flush shows every tab
+    panel.buffers[1].write("late line\n")
+    panel._dirty.add(1)
+    panel.tabs.selected_index = 1  # what a click on the tab does
+    assert shown(panel, 1).endswith("late line\n") and 1 not in panel._dirty
 
 
 def test_panel_shows_the_bar_as_one_line():
