@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
@@ -235,13 +236,31 @@ class HostJob:
     def _finish(self, state: str) -> None:
         kill_leftovers(set(self.pids.values()))
         self.status.update(state=state, ended_s=time.time(),
-                           exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()})
+                           exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()},
+                           log_lines=_count_lines([self.run_dir.log_file(r) for r in range(self.launch["world_size"])]))
         self._write()
         try:
             self.run_dir.payload_file.unlink()
         except FileNotFoundError:
             pass
         self.done = True
+
+
+def _count_lines(paths: list[Path]) -> dict[str, int]:
+    """Lines in each rank's log (a view that skipped over fast output reports them); {} above 4 GiB."""
+    if sum(p.stat().st_size for p in paths if p.exists()) > 4 * 2**30:
+        return {}
+    counts = {}
+    for rank, path in enumerate(paths):
+        n = 0
+        try:
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    n += block.count(b"\n")
+        except FileNotFoundError:
+            continue
+        counts[str(rank)] = n
+    return counts
 
 
 def kill_leftovers(rank_pids: set[int]) -> None:

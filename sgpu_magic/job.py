@@ -28,6 +28,12 @@ from .spec import LaunchSpec
 POLL_INTERVAL_S = 0.01
 """How often a followed job's status file is checked (an os.stat), so its end is seen within ~10 ms."""
 PUMP_INTERVAL_S = 0.05
+ON_SCREEN_READ_S = 0.1
+"""How often a log on screen is read when no sink needs every line (the panel shows it at most 10 times a second)."""
+OFF_SCREEN_READ_S = 1.0
+"""How often the logs of ranks not on screen are read, when no sink needs every line."""
+TAIL_MIN_BYTES = 64 * 1024
+"""Below this much new output a log is read whole; above it, from where its last lines start."""
 """How often the rank logs are read (and the launch host's liveness checked) while nothing else changes."""
 CANCEL_WAIT_S = 15.0
 
@@ -73,6 +79,36 @@ class LogFollower:
         self.offset += len(chunk)
         return self._decoder.decode(chunk, final=final)
 
+    def read_tail(self, min_lines: int, final: bool = False) -> tuple[int, str]:
+        """Like :meth:`read`, but when much was written, skip to the last ``min_lines`` complete lines.
+
+        Returns ``(skipped_bytes, text)``: the bytes passed over (they end at a line end) and the
+        text after them. A view that shows only the last lines reads a few hundred KB however
+        fast the rank writes.
+        """
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            return 0, ""
+        if size - self.offset <= TAIL_MIN_BYTES:
+            return 0, self.read(final)
+        want = TAIL_MIN_BYTES
+        with open(self.path, "rb") as f:
+            while True:
+                start = max(self.offset, size - want)
+                f.seek(start)
+                chunk = f.read(size - start)
+                cut = chunk.find(b"\n") if start > self.offset else -1
+                if cut >= 0 and chunk.count(b"\n", cut + 1) >= min_lines:
+                    skipped = start + cut + 1 - self.offset
+                    self.offset = start + len(chunk)
+                    self._decoder.reset()  # the skipped bytes end at a newline: no character is cut
+                    return skipped, self._decoder.decode(chunk[cut + 1:], final=final)
+                if start == self.offset:
+                    self.offset += len(chunk)
+                    return 0, self._decoder.decode(chunk, final=final)
+                want *= 4
+
 
 class JobSink:
     """Receives one job's events; subclass and override what you need.
@@ -82,6 +118,16 @@ class JobSink:
     thread for a blocking call, a background thread for a submitted job). ``prepare`` runs
     once the job holds its GPUs, before the ranks start.
     """
+
+    needs_every_line = True
+    """False for a sink that shows only the last ``tail_lines`` lines of each rank: when every sink
+    says so, the job skips over the middle of fast logs (see :meth:`skipped`)."""
+    tail_lines = 0
+
+    def ranks_on_screen(self) -> set[int] | None:
+        """Ranks whose output is shown right now (read ~20 times a second); the others are read about
+        once a second when no sink needs every line. ``None``: all of them."""
+        return None
 
     def created(self, job: "Job") -> None:
         """The job exists (state pending); nothing has started yet. Runs in the starting thread."""
@@ -98,6 +144,9 @@ class JobSink:
 
     def output(self, rank: int, text: str) -> None:
         """New text from rank ``rank``'s log (stdout and stderr in order; may end mid-line)."""
+
+    def skipped(self, rank: int, nbytes: int) -> None:
+        """``nbytes`` of rank ``rank``'s log (ending at a line end) were passed over; they are in its file."""
 
     def state_changed(self, job: "Job", state: "JobState") -> None:
         """The job moved to ``state``."""
@@ -143,6 +192,7 @@ class Job:
     def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, get_host: Callable[[], LaunchHost],
                  sinks: list[JobSink] = (), registry: LeaseRegistry | None = None) -> None:
         self._rd = run_dir
+        self._status_path = run_dir.status_file
         self.spec = spec
         self.plan = plan
         self._get_host = get_host
@@ -161,6 +211,10 @@ class Job:
         self._thread: threading.Thread | None = None
         self._stamp: tuple | None = None
         self._last_pump = 0.0
+        # every line to each sink, or (when no sink needs them all) only the last tail_lines lines
+        self._tail_lines = None if any(s.needs_every_line for s in self._sinks) else max(
+            [s.tail_lines for s in self._sinks] + [1])
+        self._read_at = [0.0] * plan.world_size
         self.background = False
         self.submitted_s = time.time()
         self.waited_s = 0.0
@@ -208,7 +262,7 @@ class Job:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def _status(self) -> dict:
-        return self._final_status or read_json(self._rd.status_file) or {"state": "pending"}
+        return self._final_status or read_json(self._status_path) or {"state": "pending"}
 
     @property
     def state(self) -> JobState:
@@ -309,7 +363,7 @@ class Job:
         """End a job that never reached the launch host (cancelled while pending, or refused)."""
         self._release()
         self._final_status = {"state": state, "ended_s": time.time(), **extra}
-        atomic_write_json(self._rd.status_file, self._final_status)
+        atomic_write_json(self._status_path, self._final_status)
         self._last_state = _to_state(self._final_status)
         self._emit("state_changed", self, self._last_state)
         if self._last_state is JobState.CANCELLED:
@@ -319,14 +373,32 @@ class Job:
     # -- follow
 
     def _pump(self, final: bool = False) -> None:
+        tail = self._tail_lines
+        if tail is None:
+            for rank, follower in enumerate(self._followers):
+                text = follower.read(final)
+                if text:
+                    self._emit("output", rank, text)
+            return
+        now = time.monotonic()
+        on_screen = None
+        if not final:
+            shown = [sink.ranks_on_screen() for sink in self._sinks]
+            on_screen = None if any(s is None for s in shown) else set().union(*shown)
         for rank, follower in enumerate(self._followers):
-            text = follower.read(final)
+            every_s = ON_SCREEN_READ_S if on_screen is None or rank in on_screen else OFF_SCREEN_READ_S
+            if not final and now - self._read_at[rank] < every_s:
+                continue
+            self._read_at[rank] = now
+            skipped, text = follower.read_tail(tail, final)
+            if skipped:
+                self._emit("skipped", rank, skipped)
             if text:
                 self._emit("output", rank, text)
 
     def _status_stamp(self) -> tuple | None:
         try:
-            st = os.stat(self._rd.status_file)
+            st = os.stat(self._status_path)
         except FileNotFoundError:
             return None
         return st.st_ino, st.st_mtime_ns  # each write is a rename: a new inode
@@ -339,7 +411,7 @@ class Job:
             return False
         self._stamp, self._last_pump = stamp, now
         self._pump()
-        status = read_json(self._rd.status_file) or {}
+        status = read_json(self._status_path) or {}
         state = _to_state(status)
         if state.final:
             self._pump(final=True)

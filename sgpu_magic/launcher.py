@@ -61,7 +61,9 @@ class LaunchHost:
         if self._stdin.closed:
             return False
         try:
-            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+            if getattr(self, "_proc", None) is None:
+                self._proc = psutil.Process(self.pid)
+            return self._proc.status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import html
+import itertools
 import os
 import sys
 import threading
@@ -21,6 +22,10 @@ from .rundir import is_traceback_marker
 
 DEFAULT_MAX_LINES = 2000
 MAX_FLUSHES_PER_S = 10.0
+MAX_BYTES_PER_S = 1 << 20
+"""Flushes are spaced so that the panel sends at most about this much log text a second."""
+LIVE_LINES = 200
+"""Lines each tab shows while the job runs (all ``max_lines`` kept lines once it has ended)."""
 HIDDEN_TAB_FLUSHES_PER_S = 1.0
 """Tabs not on screen are refreshed at most this often (each refresh resends the tab's lines);
 switching to a tab refreshes it at once."""
@@ -120,9 +125,20 @@ class TerminalBuffer:
         self.lines: collections.deque[str] = collections.deque(maxlen=max_lines)
         self.current = ""
         self.total_lines = 0
+        self.skipped_bytes = 0
         self._cr = False
 
     def write(self, text: str) -> None:
+        maxlen = self.lines.maxlen
+        if maxlen and "\r" not in text:
+            complete = text.count("\n")
+            if complete > maxlen:  # only the last max_lines lines stay: split off just those
+                parts = text.rsplit("\n", maxlen + 1)
+                self.total_lines += complete
+                self.lines.extend(parts[1:-1])
+                self.current, self._cr = "", False
+                self._feed(parts[-1])
+                return
         parts = text.split("\n")
         if "\r" not in text:  # fast path (no per-line Python work): only the last max_lines lines are kept
             self._feed(parts[0])
@@ -153,20 +169,34 @@ class TerminalBuffer:
                 self.current = segment if self._cr else self.current + segment
                 self._cr = False
 
+    def skip(self, nbytes: int) -> None:
+        """``nbytes`` of output (ending at a line end) were passed over: they are only in the log file."""
+        self.lines.clear()
+        self.current, self._cr = "", False
+        self.skipped_bytes += nbytes
+
     @property
     def hidden_lines(self) -> int:
-        """Lines that dropped out of the buffer (still in the log file)."""
+        """Lines that dropped out of the buffer (still in the log file), not counting skipped output."""
         return self.total_lines - len(self.lines)
 
-    def text(self) -> str:
-        return "\n".join([*self.lines, self.current]) if self.current else "".join(f"{line}\n" for line in self.lines)
+    def text(self, last: int | None = None) -> str:
+        """What the view shows: the kept lines (only the ``last`` ones if given) and the current line."""
+        lines = self.lines
+        if last is not None and len(lines) > last:
+            lines = list(itertools.islice(lines, len(lines) - last, None))
+        body = "\n".join(lines)
+        if self.current:
+            return f"{body}\n{self.current}" if lines else self.current
+        return f"{body}\n" if lines else ""
 
 
 _BADGE_COLOURS = {JobState.PENDING: "#777", JobState.STARTING: "#1f6feb", JobState.RUNNING: "#1f6feb",
                   JobState.SUCCEEDED: "#1a7f37", JobState.FAILED: "#cf222e", JobState.CANCELLED: "#bf8700",
                   JobState.TIMED_OUT: "#bf8700"}
 _HELP = ("Stop cancels the job (every rank is stopped). If the button does not respond while the cell runs "
-         "(a frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too.")
+         "(a frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too. "
+         f"While the job runs each tab shows its last {LIVE_LINES} lines; when it ends, all the lines the view keeps.")
 
 
 def rank_state(exitcode: int | None, running: bool) -> str:
@@ -186,6 +216,8 @@ class Panel(TextView):
     lines are only in the log file.
     """
 
+    needs_every_line = False  # it shows the last max_lines lines: fast logs are read from their tail
+
     def __init__(self, max_lines: int = DEFAULT_MAX_LINES) -> None:
         import ipywidgets as w
 
@@ -197,6 +229,8 @@ class Panel(TextView):
         self._dirty: set[int] = set()
         self._last_flush = 0.0
         self._last_hidden_flush = 0.0
+        self._last_bytes = 0
+        self.live_lines = LIVE_LINES
         self.header = w.HTML()
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", tooltip=_HELP)
         self.help = w.HTML(f"<small>{html.escape(_HELP)}</small>")
@@ -209,9 +243,13 @@ class Panel(TextView):
         w = self._w
         self._job = job
         self.buffers = [TerminalBuffer(self.max_lines) for _ in range(job.world_size)]
-        self.outputs = [w.Output(layout=w.Layout(max_height="30em", overflow="auto")) for _ in range(job.world_size)]
-        self.footers = [w.HTML() for _ in range(job.world_size)]
-        self.tabs.children = [w.VBox([f, o]) for f, o in zip(self.footers, self.outputs)]
+        # one Layout / style shared by all tabs: each widget object is a comm the kernel opens and sends
+        log_layout, plain_layout = w.Layout(max_height="30em", overflow="auto"), w.Layout()
+        footer_style = type(self.header.style)()  # HTMLStyle, not exported by every ipywidgets 8
+        self.outputs = [w.Output(layout=log_layout) for _ in range(job.world_size)]
+        self.footers = [w.HTML(layout=plain_layout, style=footer_style) for _ in range(job.world_size)]
+        self._log_names = [html.escape(str(path)) for path in job.log_paths]
+        self.tabs.children = [w.VBox([f, o], layout=plain_layout) for f, o in zip(self.footers, self.outputs)]
         self.tabs.titles = [f"rank {r}" for r in range(job.world_size)]
         self.stop_button.on_click(lambda _: self._stop())
         self.tabs.observe(self._tab_selected, names="selected_index")
@@ -234,7 +272,8 @@ class Panel(TextView):
             return
         with self._lock:
             self._dirty.discard(rank)
-            text = self.buffers[rank].text()
+            running = self._job is not None and not self._job.done()
+            text = self.buffers[rank].text(min(self.live_lines, self.max_lines) if running else None)
         self.outputs[rank].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
 
     def _stop(self) -> None:
@@ -243,13 +282,27 @@ class Panel(TextView):
             self.stop_button.disabled = True
             self._job.request_cancel()
 
+    @property
+    def tail_lines(self) -> int:
+        return self.max_lines
+
+    def ranks_on_screen(self) -> set[int] | None:
+        selected = self.tabs.selected_index
+        return None if selected is None else {selected}
+
     def output(self, rank: int, text: str) -> None:
         with self._lock:
             self.buffers[rank].write(text)
             self._dirty.add(rank)
 
+    def skipped(self, rank: int, nbytes: int) -> None:
+        with self._lock:
+            self.buffers[rank].skip(nbytes)
+            self._dirty.add(rank)
+
     def tick(self, job: Job) -> None:
-        if time.monotonic() - self._last_flush >= 1.0 / MAX_FLUSHES_PER_S:
+        interval = max(1.0 / MAX_FLUSHES_PER_S, self._last_bytes / MAX_BYTES_PER_S)
+        if time.monotonic() - self._last_flush >= interval:
             self._flush(job)
 
     def state_changed(self, job: Job, state: JobState) -> None:
@@ -270,17 +323,22 @@ class Panel(TextView):
     def _flush(self, job: Job, final: bool = False) -> None:
         now = time.monotonic()
         with self._lock:
-            if final or now - self._last_hidden_flush >= 1.0 / HIDDEN_TAB_FLUSHES_PER_S:
+            if final:  # every tab, with all its kept lines (while running they show the last live_lines)
+                dirty, self._dirty = set(range(len(self.buffers))), set()
+            elif now - self._last_hidden_flush >= 1.0 / HIDDEN_TAB_FLUSHES_PER_S:
                 dirty, self._dirty = self._dirty, set()
                 self._last_hidden_flush = now
             else:  # only the tab on screen
                 dirty = self._dirty & {self.tabs.selected_index}
                 self._dirty -= dirty
-            texts = {r: self.buffers[r].text() for r in dirty}
+            live = None if final else min(self.live_lines, self.max_lines)
+            texts = {r: self.buffers[r].text(live) for r in dirty}
         self._last_flush = now
+        self._last_bytes = sum(len(t) for t in texts.values())
         for rank, text in texts.items():
             self.outputs[rank].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
-        self._render_footers(job, final)
+        if final:  # while running the footers say "running" and where the log is: nothing to resend
+            self._render_footers(job, final)
         if texts:
             self.flushes += 1
         self._render_header(job, job.state if final else self._job_state(job))
@@ -289,13 +347,22 @@ class Panel(TextView):
     def _job_state(job: Job) -> JobState:
         return job._last_state or (JobState.STARTING if job._host is not None else JobState.PENDING)
 
-    def _render_footers(self, job: Job, final: bool = False) -> None:
+    def _render_footers(self, job: Job, final: bool = False, ranks: set[int] | None = None) -> None:
         codes = job.rank_exitcodes if final else {}
+        counted = (job._status().get("log_lines") or {}) if final else {}
         for rank, footer in enumerate(self.footers):
+            if ranks is not None and rank not in ranks:
+                continue
             buf = self.buffers[rank]
-            hidden = f"{buf.hidden_lines} earlier lines are only in the log file. " if buf.hidden_lines else ""
+            if buf.skipped_bytes and str(rank) in counted:
+                earlier = counted[str(rank)] - len(buf.lines)
+                hidden = f"{earlier} earlier lines are only in the log file. "
+            elif buf.skipped_bytes:
+                hidden = f"earlier output ({buf.skipped_bytes / 2**20:.1f} MiB and more) is only in the log file. "
+            else:
+                hidden = f"{buf.hidden_lines} earlier lines are only in the log file. " if buf.hidden_lines else ""
             footer.value = (f"<small><b>{rank_state(codes.get(rank), not final)}</b> &middot; {hidden}"
-                            f"log: <code>{html.escape(str(job.log_paths[rank]))}</code></small>")
+                            f"log: <code>{self._log_names[rank]}</code></small>")
 
     def _render_header(self, job: Job, state: JobState, error: BaseException | None = None) -> None:
         colour = _BADGE_COLOURS[state]

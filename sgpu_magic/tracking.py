@@ -176,6 +176,8 @@ class MlflowTracking(JobSink):
     tracking could not start, in which case the job runs untracked after a warning.
     """
 
+    needs_every_line = False  # it reads no output (logs are attached from the files at the end)
+
     def __init__(self, default_experiment: str = DEFAULT_EXPERIMENT, ui: bool = False) -> None:
         self.default_experiment = default_experiment or DEFAULT_EXPERIMENT
         self.ui = ui

@@ -109,8 +109,8 @@ def test_panel_after_a_job_with_a_tqdm_bar_and_10000_fast_lines():
         lines = text.splitlines()
         assert len(lines) == 2000 and lines[-1] == f"\x1b[32mdone {rank}\x1b[0m"
         assert lines[0] == f"r{rank} line 8001"
-        assert panel.buffers[rank].hidden_lines == 10_001 + 1 - 2000  # the bar line, 10,000 lines, "done"
-        assert "earlier lines are only in the log file" in panel.footers[rank].value
+        # the bar line, 10,000 lines, "done": all but the last 2000 only in the log file
+        assert "8002 earlier lines are only in the log file" in panel.footers[rank].value
         assert "exited 0" in panel.footers[rank].value and str(job.log_paths[rank]) in panel.footers[rank].value
         assert job.logs(rank).count(f"rank{rank}: 100%") >= 1  # the log file keeps the final bar
     assert "succeeded" in panel.header.value and "2 x cpu (gloo)" in panel.header.value
@@ -198,3 +198,42 @@ def test_max_log_lines_follows_the_config(ip):
         assert isinstance(view, Panel) and view.max_lines == 50
     finally:
         ip.run_line_magic("config", "DistributedMagics.max_log_lines = 2000")
+
+
+def test_log_follower_skips_to_the_last_lines_of_a_fast_log(tmp_path):
+    from sgpu_magic.job import LogFollower
+
+    log = tmp_path / "rank_0.log"
+    log.write_bytes(b"start \xc3\xa9\n" + b"".join(b"line %07d\n" % i for i in range(100_000)))
+    follower = LogFollower(log)
+    skipped, text = follower.read_tail(2000)
+    lines = text.splitlines()
+    assert skipped > 0 and len(lines) >= 2000 and lines[-1] == "line 0099999"
+    assert skipped + len(text.encode()) == log.stat().st_size  # nothing between the skip and the text
+    with open(log, "ab") as f:
+        f.write(b"one more\npartial \xc3")
+    assert follower.read_tail(2000) == (0, "one more\npartial ")  # small news: read whole, UTF-8 kept intact
+    with open(log, "ab") as f:
+        f.write(b"\xa9 done\n")
+    assert follower.read_tail(2000) == (0, "\xe9 done\n")
+
+
+@distributed(gpus=2)
+def flood(n_lines):
+    import os
+    import sys
+
+    rank = os.environ["RANK"]
+    write = sys.stdout.write
+    for i in range(n_lines):
+        write(f"r{rank} line {i:07d} " + "x" * 60 + "\n")
+    return n_lines
+
+
+def test_panel_reads_only_the_tail_of_fast_logs_and_counts_every_line_at_the_end():
+    panel, job, _ = run_with_panel(flood, 200_000, max_lines=2000)
+    for rank in (0, 1):
+        lines = shown(panel, rank).splitlines()
+        assert lines == job.logs(rank).splitlines()[-2000:]
+        assert panel.buffers[rank].skipped_bytes > 0  # the middle of the log was not read
+        assert "198000 earlier lines are only in the log file" in panel.footers[rank].value
