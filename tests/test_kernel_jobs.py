@@ -65,6 +65,7 @@ def test_two_kernels_queue_for_a_fake_8_gpu_inventory(tmp_path, fake_env):
         killed_s = time.time()
         os.kill(pid_a, signal.SIGKILL)
         started_s = float(value(kc_b, "b2.result(timeout_s=60)[0]"))
+        print(f"SIGKILL of the holder's kernel -> waiting job started: {started_s - killed_s:.2f} s")
         assert started_s - killed_s < 10, f"the lease took {started_s - killed_s:.1f} s to free"
     finally:
         stop_kernel(km_a, kc_a)
