@@ -438,16 +438,20 @@ class Job:
             raise LauncherError(message)
         return False
 
+    def _run_to_end(self) -> None:
+        """Lease the GPUs (waiting in the queue) and launch, unless done already; then follow to the end."""
+        if self._host is None:
+            if self._lease is None and self.plan.needs_lease:
+                self._wait_for_lease()
+            self._launch()
+        while not self._poll_once():
+            time.sleep(POLL_INTERVAL_S)
+
     def _follow_blocking(self) -> None:
-        """Lease (waiting in the queue), launch and follow the job in the calling thread; an interrupt
-        cancels it and raises :class:`~sgpu_magic.errors.JobCancelledError`."""
+        """:meth:`_run_to_end` in the calling thread; an interrupt cancels the job and raises
+        :class:`~sgpu_magic.errors.JobCancelledError`."""
         try:
-            if self._host is None:
-                if self._lease is None and self.plan.needs_lease:
-                    self._wait_for_lease()
-                self._launch()
-            while not self._poll_once():
-                time.sleep(POLL_INTERVAL_S)
+            self._run_to_end()
         except JobCancelledError:
             if not self.done():
                 self._write_final("cancelled")
@@ -464,12 +468,7 @@ class Job:
     def _follow_background(self) -> None:
         """Body of the background thread of a submitted job."""
         try:
-            if self._host is None:
-                if self._lease is None and self.plan.needs_lease:
-                    self._wait_for_lease()
-                self._launch()
-            while not self._poll_once():
-                time.sleep(POLL_INTERVAL_S)
+            self._run_to_end()
         except JobCancelledError:
             if not self.done():
                 self._write_final("cancelled")
