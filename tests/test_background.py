@@ -35,7 +35,7 @@ def test_submit_returns_at_once_and_the_job_finishes_in_the_background(ip, run_c
     assert repr(result.result).startswith(f"<Job {job.job_id} ") and job.background
     assert not job.done()
     wait_for(lambda: all("bg started" in job.logs(r) for r in range(2)), 60, "the job to get there")
-    assert job.state.value == "running"
+    wait_for(lambda: job.state.value == "running", 60, "the job to be running")
     assert job.wait(timeout_s=0.05).value == "running"  # waiting with a timeout returns, the job goes on
     with pytest.raises(TimeoutError, match=rf"job {job.job_id} is still running after 0.05 s"):
         job.result(timeout_s=0.05)
@@ -50,8 +50,10 @@ def test_two_background_jobs_of_one_kernel_run_at_once(ip, run_cell, go):
     result, _, err = run_cell("a = wait_for_go.submit(go, 'a')\nb = wait_for_go.submit(go, 'b')")
     assert result.error_in_exec is None, err
     a, b = ip.user_ns["a"], ip.user_ns["b"]
-    wait_for(lambda: "a started" in a.logs(0) and "b started" in b.logs(0), 60, "the job to get there")
-    assert a.state.value == b.state.value == "running"
+    # both run at once: each has printed while the other has not ended (neither can end before go exists)
+    wait_for(lambda: "a started" in a.logs(0) and "b started" in b.logs(0), 60, "both jobs to print")
+    assert not a.done() and not b.done()
+    wait_for(lambda: a.state.value == b.state.value == "running", 60, "both jobs to be running")
     go.touch()
     assert a.result(timeout_s=60) == b.result(timeout_s=60) == [0, 10]
 
