@@ -9,6 +9,7 @@ Example::
         ...
 
     results = train.distributed(num_epochs=3)   # one value per rank, in rank order
+    job = train.submit(num_epochs=3)            # returns a Job at once; job.result() later
     train(1)                                    # still a plain local call
 """
 
