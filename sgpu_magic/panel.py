@@ -12,6 +12,7 @@ import collections
 import html
 import itertools
 import os
+import re
 import sys
 import threading
 import time
@@ -208,6 +209,13 @@ def rank_state(exitcode: int | None, running: bool) -> str:
     return describe_exit(exitcode) if exitcode < 0 else f"failed ({describe_exit(exitcode)})"
 
 
+class Footer:
+    """The line above a rank's log in its tab (state, earlier lines, log path), as HTML in ``value``."""
+
+    def __init__(self) -> None:
+        self.value = ""
+
+
 class Panel(TextView):
     """The ipywidgets panel: header (job, state badge, devices, elapsed, MLflow link), Stop, one tab per rank.
 
@@ -243,18 +251,19 @@ class Panel(TextView):
         w = self._w
         self._job = job
         self.buffers = [TerminalBuffer(self.max_lines) for _ in range(job.world_size)]
-        # one Layout / style shared by all tabs: each widget object is a comm the kernel opens and sends
-        log_layout, plain_layout = w.Layout(max_height="30em", overflow="auto"), w.Layout()
-        footer_style = type(self.header.style)()  # HTMLStyle, not exported by every ipywidgets 8
-        self.outputs = [w.Output(layout=log_layout) for _ in range(job.world_size)]
-        self.footers = [w.HTML(layout=plain_layout, style=footer_style) for _ in range(job.world_size)]
+        # each widget object is a comm the kernel opens and keeps in sync, so a tab is one Output widget
+        # (sharing one Layout): its first output is the footer line, its second the log text
+        self.footers = [Footer() for _ in range(job.world_size)]
         self._log_names = [html.escape(str(path)) for path in job.log_paths]
-        self.tabs.children = [w.VBox([f, o], layout=plain_layout) for f, o in zip(self.footers, self.outputs)]
+        self._render_footers(job)
+        log_layout = w.Layout(max_height="30em", overflow="auto")
+        self.outputs = [w.Output(layout=log_layout, outputs=self._tab_outputs(rank, ""))
+                        for rank in range(job.world_size)]
+        self.tabs.children = self.outputs
         self.tabs.titles = [f"rank {r}" for r in range(job.world_size)]
         self.stop_button.on_click(lambda _: self._stop())
         self.tabs.observe(self._tab_selected, names="selected_index")
         self._render_header(job, JobState.PENDING)
-        self._render_footers(job)
         from IPython.display import display
 
         display(self.widget)
@@ -274,7 +283,7 @@ class Panel(TextView):
             self._dirty.discard(rank)
             running = self._job is not None and not self._job.done()
             text = self.buffers[rank].text(min(self.live_lines, self.max_lines) if running else None)
-        self.outputs[rank].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
+        self.outputs[rank].outputs = self._tab_outputs(rank, text)
 
     def _stop(self) -> None:
         """Stop button handler; may run on a kernel subshell thread while the cell is busy."""
@@ -335,10 +344,10 @@ class Panel(TextView):
             texts = {r: self.buffers[r].text(live) for r in dirty}
         self._last_flush = now
         self._last_bytes = sum(len(t) for t in texts.values())
-        for rank, text in texts.items():
-            self.outputs[rank].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
-        if final:  # while running the footers say "running" and where the log is: nothing to resend
+        if final:  # while running the footers say "running" and where the log is: they change only now
             self._render_footers(job, final)
+        for rank, text in texts.items():
+            self.outputs[rank].outputs = self._tab_outputs(rank, text)
         if texts:
             self.flushes += 1
         self._render_header(job, job.state if final else self._job_state(job))
@@ -346,6 +355,13 @@ class Panel(TextView):
     @staticmethod
     def _job_state(job: Job) -> JobState:
         return job._last_state or (JobState.STARTING if job._host is not None else JobState.PENDING)
+
+    def _tab_outputs(self, rank: int, text: str) -> tuple[dict, dict]:
+        """A tab's content, in nbformat output form: the footer line (HTML), then the log text (a stream)."""
+        footer = self.footers[rank].value
+        return ({"output_type": "display_data", "metadata": {},
+                 "data": {"text/html": footer, "text/plain": html.unescape(re.sub(r"<[^>]+>", "", footer))}},
+                {"output_type": "stream", "name": "stdout", "text": text})
 
     def _render_footers(self, job: Job, final: bool = False, ranks: set[int] | None = None) -> None:
         codes = job.rank_exitcodes if final else {}

@@ -26,8 +26,9 @@ def run_with_panel(fn, *args, max_lines=2000):
 
 
 def shown(panel, rank):
-    (out,) = panel.outputs[rank].outputs
-    return out["text"]
+    footer, log = panel.outputs[rank].outputs
+    assert footer["data"]["text/html"] == panel.footers[rank].value  # the tab's first output is its footer
+    return log["text"]
 
 
 def test_terminal_buffer_folds_carriage_returns_and_bounds_lines():
