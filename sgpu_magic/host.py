@@ -243,7 +243,22 @@ class HostJob:
             self.run_dir.payload_file.unlink()
         except FileNotFoundError:
             pass
+        _release_lease(self.launch)
         self.done = True
+
+
+def _release_lease(launch: dict) -> None:
+    """Give back the job's GPUs as soon as its ranks are gone, also when the kernel is gone (a kernel
+    that is shut down or killed never gets to); the kernel's own release is then a no-op."""
+    if not launch.get("lease_dir"):
+        return
+    try:
+        from .leases import LeaseRegistry
+
+        LeaseRegistry(launch["lease_dir"]).release(launch["job_id"])
+    except Exception as exc:  # noqa: BLE001 - the next job reclaims it once this host is gone
+        print(f"sgpu_magic host: could not release the GPUs of job {launch['job_id']}: {exc}",
+              file=sys.stderr, flush=True)
 
 
 def _count_lines(paths: list[Path]) -> dict[str, int]:

@@ -289,6 +289,8 @@ class Job:
                 self._error = ResourceError(f"job {self.job_id} cannot start now: {why}. Leave out --no-wait / "
                                             f"wait=False to queue for the GPUs")
                 self._write_final("failed", launch_error=why)
+                with _JOBS_LOCK:  # refused before anything started: not one of the kernel's jobs
+                    _JOBS.remove(self)
                 raise self._error
             self._set_pending(why)
             return False
@@ -312,6 +314,7 @@ class Job:
     def _got_lease(self, lease: Lease) -> None:
         self._lease = lease
         self.waited_s = time.time() - self.submitted_s if self.pending_reason else 0.0
+        self.pending_reason = ""
         self.plan = self.plan.with_gpus(lease.gpus)
         by_uuid = {g.uuid: g for g in self.plan.candidates}
         for uuid, reason in getattr(self, "_skipped", {}).items():
@@ -327,6 +330,8 @@ class Job:
                   "cwd": self._cwd, "sys_path": self._sys_path, "env": {}}
         if plan.gpus:
             launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
+        if self._lease is not None:  # the launch host gives the GPUs back as soon as the ranks are gone
+            launch["lease_dir"] = str(self._registry.dir)
         prepared: list[JobSink] = []
         try:
             for sink in self._sinks:
@@ -443,6 +448,8 @@ class Job:
         if self._host is None:
             if self._lease is None and self.plan.needs_lease:
                 self._wait_for_lease()
+            if self._cancel.is_set():  # cancelled before its launch: start nothing
+                raise JobCancelledError(f"job {self.job_id} was cancelled before it started (no rank ran)")
             self._launch()
         while not self._poll_once():
             time.sleep(POLL_INTERVAL_S)
@@ -605,6 +612,8 @@ class Job:
                                    f"every rank was stopped. Logs: {self._rd.path / 'logs'}")
         if state is JobState.CANCELLED:
             how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
+            if "started_s" not in status:
+                return JobCancelledError(f"job {self.job_id} was {how} before it started (no rank ran)")
             return JobCancelledError(f"job {self.job_id} was {how}; every rank was stopped. "
                                      f"Logs: {self._rd.path / 'logs'}")
         if status.get("host_lost"):
@@ -647,10 +656,11 @@ def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable
            registry: LeaseRegistry | None = None) -> Job:
     """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
 
-    The first try for the GPUs and, when they are free, the launch happen in the calling
-    thread, so ``wait=False`` refusals and launch errors raise here. A background job is then
-    followed by a daemon thread; for a blocking one the caller runs :meth:`Job._follow_blocking`
-    (which waits in the GPU queue if needed; an interrupt cancels the job).
+    The first try for the GPUs happens in the calling thread, so ``wait=False`` refusals raise
+    here. A background job is then launched and followed by a daemon thread (its launch errors
+    are the job's error); for a blocking one the launch happens here and the caller runs
+    :meth:`Job._follow_blocking` (which waits in the GPU queue if needed; an interrupt cancels
+    the job).
 
     ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
     one is asked once more, so a dead host never fails a launch.
@@ -663,7 +673,9 @@ def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable
     job._cwd, job._sys_path = os.getcwd(), list(sys.path)
     job._emit("created", job)
     try:
-        if job._try_lease():
+        # the first try for the GPUs is here, so that wait=False refuses at once; a background job is
+        # launched by its own thread (creating its MLflow run can take seconds), a blocking one here
+        if job._try_lease() and not background:
             job._launch()
     except KeyboardInterrupt:
         if not job.done():

@@ -81,6 +81,7 @@ class TextView(JobSink):
                 continue
             if is_traceback_marker(line):
                 self._failed_ranks.add(rank)
+                line = line.replace("its traceback follows", "its traceback is in its log file")
             shown.append(f"[rank {rank}] {terminal_line(line)}\n")
         if shown:
             out = self._out or sys.stdout

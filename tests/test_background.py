@@ -79,7 +79,7 @@ def test_background_magic_and_the_jobs_table_and_stop(ip, run_cell, go):
     assert result.error_in_exec is None, err
     job = ip.user_ns["bgjob"]
     assert result.result is job
-    wait_for(lambda: "magic started" in job.logs(0), 60, "the job to get there")
+    wait_for(lambda: "magic started" in job.logs(0) and job.state.value == "running", 60, "the job to run")
     result, out, err = run_cell("%distributed_jobs")
     table = repr(result.result)
     header, *rows = table.splitlines()
@@ -142,8 +142,12 @@ def test_leased_fake_gpus_reach_the_ranks_and_are_released(ip, run_cell, fake_gp
 def test_no_wait_fails_naming_the_holder_and_a_queued_job_starts_when_gpus_free(ip, run_cell, go, fake_gpus):
     import os
 
+    from sgpu_magic.job import jobs
+
     holder = fake_gpus.acquire("other-job", 7, fake_gpus_list())
+    before = len(jobs())
     result, out, err = run_cell("%%distributed --gpus 2 --no-wait\npass")
+    assert len(jobs()) == before  # a refused job never started: %distributed_jobs does not list it
     error = str(result.error_in_exec)
     assert type(result.error_in_exec).__name__ == "ResourceError"
     assert "cannot start now: waiting for 2 GPU(s): 1 of 8 free; GPUs 0,1,2,3,4,5,6 held by job other-job " \
@@ -155,7 +159,7 @@ def test_no_wait_fails_naming_the_holder_and_a_queued_job_starts_when_gpus_free(
     _, out, _ = run_cell("%distributed_jobs")
     holder.release()
     wait_for(lambda: job.state.value == "running", 60, "the job to get there")
-    assert job.gpus == [0, 1] and job.waited_s > 0
+    assert job.gpus == [0, 1] and job.waited_s > 0 and job.pending_reason == ""
     go.touch()
     assert job.result(timeout_s=60) == [0, 10]
     assert fake_gpus.snapshot() == {"holders": [], "queue": []}
@@ -170,6 +174,10 @@ def test_cancelling_a_pending_job_removes_it_from_the_queue(ip, run_cell, go, fa
     wait_for(lambda: [w["job_id"] for w in fake_gpus.snapshot()["queue"]] == [job.job_id], 30, "the job to get there")
     job.cancel()
     assert job.state.value == "cancelled" and fake_gpus.snapshot()["queue"] == []
+    from sgpu_magic.errors import JobCancelledError
+
+    with pytest.raises(JobCancelledError, match=rf"job {job.job_id} was cancelled before it started \(no rank ran\)"):
+        job.result()
     holder.release()
 
 

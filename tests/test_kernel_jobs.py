@@ -72,6 +72,25 @@ def test_two_kernels_queue_for_a_fake_8_gpu_inventory(tmp_path, fake_env):
         stop_kernel(km_b, kc_b)
 
 
+def test_kernel_shutdown_gives_back_the_gpus_at_once(tmp_path, fake_env):
+    """The launch host releases a job's lease when it stops the ranks on its way down."""
+    from sgpu_magic.leases import LeaseRegistry
+
+    registry = LeaseRegistry(fake_env["SGPU_MAGIC_LEASE_DIR"])
+    km, kc = start_kernel(env=fake_env)
+    try:
+        out = execute(kc, f"%%distributed --gpus 2 --background -o held\nimport os, time\n"
+                          f"while not os.path.exists({str(tmp_path / 'never')!r}):\n    time.sleep(0.02)\n")
+        assert out.error is None, out.error
+        wait_state(kc, "held", "running")
+        assert [h["indices"] for h in registry.snapshot()["holders"]] == [[0, 1]]
+        km.shutdown_kernel(now=False)  # what Jupyter's "Shut down kernel" does
+        registry_file = registry.file
+        wait_for(lambda: '"holders": []' in registry_file.read_text(), 10, "the lease to be released")
+    finally:
+        stop_kernel(km, kc)
+
+
 def test_late_output_goes_to_the_starting_cell_and_interrupt_spares_background_jobs(tmp_path):
     go = tmp_path / "go"
     km, kc = start_kernel()
@@ -133,8 +152,8 @@ def test_background_lifecycle_in_a_notebook(tmp_path):
     assert text(2).endswith("True")
     assert text(3) == "45"
     table = text(4).splitlines()
-    assert table[0].split()[:2] == ["job", "state"] and table[1].split()[1:4] in (["running", "2", "cpu"],
-                                                                                  ["starting", "2", "cpu"])
+    assert table[0].split()[:2] == ["job", "state"]
+    assert table[1].split()[1:4] in (["pending", "2", "cpu"], ["starting", "2", "cpu"], ["running", "2", "cpu"])
     assert "[0, 1]" in text(5)
     assert "'cancelled'" in text(6)
     final = text(7).splitlines()
