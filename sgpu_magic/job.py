@@ -28,13 +28,13 @@ from .spec import LaunchSpec
 POLL_INTERVAL_S = 0.01
 """How often a followed job's status file is checked (an os.stat), so its end is seen within ~10 ms."""
 PUMP_INTERVAL_S = 0.05
+"""How often the rank logs are read (and the launch host's liveness checked) while nothing else changes."""
 ON_SCREEN_READ_S = 0.1
 """How often a log on screen is read when no sink needs every line (the panel shows it at most 10 times a second)."""
 OFF_SCREEN_READ_S = 1.0
 """How often the logs of ranks not on screen are read, when no sink needs every line."""
 TAIL_MIN_BYTES = 64 * 1024
 """Below this much new output a log is read whole; above it, from where its last lines start."""
-"""How often the rank logs are read (and the launch host's liveness checked) while nothing else changes."""
 CANCEL_WAIT_S = 15.0
 
 
@@ -125,8 +125,8 @@ class JobSink:
     tail_lines = 0
 
     def ranks_on_screen(self) -> set[int] | None:
-        """Ranks whose output is shown right now (read ~20 times a second); the others are read about
-        once a second when no sink needs every line. ``None``: all of them."""
+        """Ranks whose output is shown right now (read every ``ON_SCREEN_READ_S``); the others are read
+        every ``OFF_SCREEN_READ_S`` when no sink needs every line. ``None``: all of them."""
         return None
 
     def created(self, job: "Job") -> None:
@@ -199,6 +199,7 @@ class Job:
         self._host: LaunchHost | None = None
         self._registry = registry
         self._lease: Lease | None = None
+        self._skipped: dict[str, str] = {}  # free GPUs the last lease try passed over: uuid -> why
         self._sinks = list(sinks)
         self._last_state: JobState | None = None
         self._followers = [LogFollower(run_dir.log_file(r)) for r in range(plan.world_size)]
@@ -317,7 +318,7 @@ class Job:
         self.pending_reason = ""
         self.plan = self.plan.with_gpus(lease.gpus)
         by_uuid = {g.uuid: g for g in self.plan.candidates}
-        for uuid, reason in getattr(self, "_skipped", {}).items():
+        for uuid, reason in self._skipped.items():
             if hasattr(self._sinks[-1], "warn"):
                 self._sinks[-1].warn(f"GPU {by_uuid[uuid].index} skipped: it runs processes outside sgpu_magic "
                                      f"({reason}); pass gpu_ids=[...] / --gpu-ids to use it anyway")

@@ -43,6 +43,7 @@ class LaunchHost:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             start_new_session=True, cwd=os.getcwd(), env=_host_env())
         self.pid = self._handshake(proc)
+        self._proc: psutil.Process | None = None  # for alive(), made on first use
         self._stdin = proc.stdin
         self._lock = threading.Lock()
 
@@ -61,7 +62,7 @@ class LaunchHost:
         if self._stdin.closed:
             return False
         try:
-            if getattr(self, "_proc", None) is None:
+            if self._proc is None:
                 self._proc = psutil.Process(self.pid)
             return self._proc.status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:

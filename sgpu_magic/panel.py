@@ -101,7 +101,7 @@ class TextView(JobSink):
             # nobody waits on a background job to raise its error: say what happened here
             error = job.exception()
             if error is not None:
-                self.warn(str(error).splitlines()[0] + f" (job.result() raises it)")
+                self.warn(str(error).splitlines()[0] + " (job.result() raises it)")
 
     def note(self, text: str) -> None:
         """One line for the user (e.g. the CPU fallback), on stdout."""
@@ -131,30 +131,26 @@ class TerminalBuffer:
         self._cr = False
 
     def write(self, text: str) -> None:
-        maxlen = self.lines.maxlen
-        if maxlen and "\r" not in text:
+        if "\r" not in text:  # fast path (no per-line Python work): only the last max_lines lines are kept
             complete = text.count("\n")
-            if complete > maxlen:  # only the last max_lines lines stay: split off just those
+            maxlen = self.lines.maxlen
+            if maxlen and complete > maxlen:  # split off just the lines that stay
                 parts = text.rsplit("\n", maxlen + 1)
                 self.total_lines += complete
                 self.lines.extend(parts[1:-1])
                 self.current, self._cr = "", False
                 self._feed(parts[-1])
                 return
-        parts = text.split("\n")
-        if "\r" not in text:  # fast path (no per-line Python work): only the last max_lines lines are kept
+            parts = text.split("\n")
             self._feed(parts[0])
-            complete = len(parts) - 1
             if complete:
                 self.total_lines += complete
-                if complete > (self.lines.maxlen or complete):
-                    self.lines.extend(parts[complete - self.lines.maxlen:complete])
-                else:
-                    self.lines.append(self.current)
-                    self.lines.extend(parts[1:complete])
+                self.lines.append(self.current)
+                self.lines.extend(parts[1:complete])
                 self.current, self._cr = "", False
                 self._feed(parts[-1])
             return
+        parts = text.split("\n")
         for part in parts[:-1]:
             self._feed(part)
             self.lines.append(self.current)
@@ -364,12 +360,10 @@ class Panel(TextView):
                  "data": {"text/html": footer, "text/plain": html.unescape(re.sub(r"<[^>]+>", "", footer))}},
                 {"output_type": "stream", "name": "stdout", "text": text})
 
-    def _render_footers(self, job: Job, final: bool = False, ranks: set[int] | None = None) -> None:
+    def _render_footers(self, job: Job, final: bool = False) -> None:
         codes = job.rank_exitcodes if final else {}
         counted = (job._status().get("log_lines") or {}) if final else {}
         for rank, footer in enumerate(self.footers):
-            if ranks is not None and rank not in ranks:
-                continue
             buf = self.buffers[rank]
             if buf.skipped_bytes and str(rank) in counted:
                 earlier = counted[str(rank)] - len(buf.lines)
