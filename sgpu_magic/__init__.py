@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from . import runtime
 from .decorator import DistributedFunction, distributed
-from .errors import (CaptureError, JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, ResourceError, SgpuError,
+from .errors import (CaptureError, CheckpointError, JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, ResourceError, SgpuError,
                      SpecError, UnpicklableGlobalError)
 from .job import Job, JobState
 
 __all__ = ["distributed", "DistributedFunction", "Job", "JobState", "runtime", "SgpuError", "SpecError",
            "ResourceError", "CaptureError", "LauncherError", "RankFailedError", "JobTimeoutError", "JobCancelledError",
-           "UnpicklableGlobalError", "load_ipython_extension"]
+           "UnpicklableGlobalError", "CheckpointError", "load_ipython_extension"]
 
 __version__ = "0.1.0"
 

@@ -35,6 +35,10 @@ class LauncherError(SgpuError, RuntimeError):
     """The launch host process failed or could not be started."""
 
 
+class CheckpointError(SgpuError, RuntimeError):
+    """A checkpoint cannot be written there, or the one there is incomplete or damaged (see ``sgpu_magic.checkpoint``)."""
+
+
 class UnpicklableGlobalError(SgpuError, RuntimeError):
     """Raised inside a rank on first use of a notebook global that could not be sent."""
 
@@ -93,9 +97,15 @@ class RankFailure:
         """``ValueError: bad batch`` (first line, at most 200 characters), or that it left no exception."""
         if not self.exc_type:
             return "exited without a Python exception"
-        message = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        lines = self.message.strip().splitlines()
+        exc_type, message = self.exc_type, lines[0] if lines else ""
+        if len(lines) > 1 and message.startswith(f"Caught {exc_type} in DataLoader worker") and ": " in lines[-1]:
+            # torch re-raises a worker's error as "Caught ValueError in DataLoader worker process 0.\nOriginal
+            # Traceback ...\nValueError: <message>": show the worker's own message
+            where = message[len(f"Caught {exc_type} in "):].rstrip(".")
+            exc_type, message = lines[-1].split(": ", 1)[0], f"{lines[-1].split(': ', 1)[1]} (in {where})"
         message = message if len(message) <= 200 else message[:197] + "..."
-        return f"{self.exc_type}: {message}"
+        return f"{exc_type}: {message}"
 
     def summary(self) -> str:
         """One line: ``rank 1: ValueError: bad batch (exit code 1)``."""

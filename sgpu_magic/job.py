@@ -630,7 +630,12 @@ class Job:
 
 
 def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailedError:
-    """Build the :class:`RankFailedError` for a failed job: the earliest failure is the root cause."""
+    """Build the :class:`RankFailedError` for a failed job: the earliest failure is the root cause.
+
+    Ranks the host saw exit with an error before it stopped the rest come first: a rank killed outright
+    (SIGKILL, SIGSEGV) leaves no error file, and the exceptions it then causes in the other ranks
+    (connection reset) carry earlier timestamps than the host's observation of its death.
+    """
     exitcodes = {int(k): v for k, v in (status.get("exitcodes") or {}).items()}
     observed = {f["rank"]: f for f in status.get("failures", [])}
     failures = []
@@ -646,7 +651,7 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
             time_s=err["time_s"] if err else seen.get("time_s", float("inf"))))
     if not failures:
         failures.append(RankFailure(rank=0, exitcode=exitcodes.get(0), log_path=str(rd.log_file(0))))
-    failures.sort(key=lambda f: (f.time_s, f.rank))
+    failures.sort(key=lambda f: (f.rank not in observed, f.time_s, f.rank))
     failed = {f.rank for f in failures}
     stopped = [r for r in range(world_size) if r not in failed and not rd.result_file(r).exists()]
     return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))

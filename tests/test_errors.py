@@ -49,3 +49,30 @@ def test_errors_before_launch_render_as_one_line():
 
     assert CaptureError("argument 0 is bad")._render_traceback_() == ["CaptureError: argument 0 is bad"]
     assert issubclass(JobCancelledError, KeyboardInterrupt) and not issubclass(JobCancelledError, Exception)
+
+
+def test_a_rank_killed_outright_is_the_root_cause_not_the_reset_it_caused(tmp_path):
+    """Found by the checkpoint tests: rank 0 SIGKILLed itself; rank 1 then raised on the reset connection and
+    wrote its error file before the host noticed rank 0's death, so rank 1 looked earlier."""
+    from sgpu_magic.job import failure_from_status
+    from sgpu_magic.rundir import RunDir, atomic_write_json
+
+    rd = RunDir.create(tmp_path, job_id="j")
+    rd.error_file(1).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(rd.error_file(1), {"rank": 1, "exc_type": "RuntimeError", "message": "Connection reset by peer",
+                                         "traceback": "", "time_s": 100.0})
+    status = {"failures": [{"rank": 0, "exitcode": -9, "time_s": 100.5}], "exitcodes": {"0": -9, "1": -15}}
+    error = failure_from_status(rd, status, 2)
+    assert str(error).splitlines()[:2] == [
+        "rank 0 failed (root cause): exited without a Python exception (killed by signal SIGKILL (9))",
+        "  rank 1 stopped by sgpu_magic because rank 0 failed (it had raised RuntimeError: Connection reset by peer)"]
+    # a rank whose own exception made it exit, seen by the host, stays the root cause over later observations
+    status["failures"].append({"rank": 1, "exitcode": 1, "time_s": 100.5})
+    assert str(failure_from_status(rd, status, 2)).startswith("rank 1 failed (root cause): RuntimeError")
+
+
+def test_a_data_loader_workers_error_shows_the_workers_own_message():
+    wrapped = ("Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+               "  File \"x.py\", line 1, in f\nValueError: bad shard 3")
+    failure = RankFailure(rank=1, exitcode=1, exc_type="ValueError", message=wrapped)
+    assert failure.what() == "ValueError: bad shard 3 (in DataLoader worker process 0)"

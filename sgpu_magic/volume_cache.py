@@ -1,0 +1,149 @@
+"""A per-machine file cache for :class:`sgpu_magic.data.VolumeDataset`.
+
+Files of one volume (a directory or fsspec URL) are copied to ``<cache_dir>/<volume key>/<relative
+path>``. Every process on the machine (ranks and their DataLoader workers) shares the cache:
+
+- a copy is written to a temporary name in the same directory and renamed into place, so a reader
+  never sees a torn file;
+- a per-file ``filelock.FileLock`` makes the first toucher fetch while the others wait, so each
+  file is fetched once per machine;
+- with ``max_bytes`` set, a size ledger (``.ledger``, changed under one cache-wide lock) tracks
+  the bytes held; when an insert takes it over the bound, the least recently served files are
+  removed (never the one just fetched) until the cache is at 90% of the bound.
+
+A cached copy is trusted when its size equals the size the listing reported (or the listing had
+no size, as for plain HTTP directory pages); files changed in place at the same size are not
+noticed. Clear the cache directory to force a refetch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from filelock import FileLock
+
+LOCKS_DIR = ".locks"
+LEDGER = ".ledger"
+EVICT_TO = 0.9
+
+
+def default_cache_dir() -> Path:
+    """``$SGPU_MAGIC_CACHE_DIR``, else ``<sgpu_magic home>/cache`` (see :func:`sgpu_magic.rundir.default_root`)."""
+    env = os.environ.get("SGPU_MAGIC_CACHE_DIR")
+    if env:
+        return Path(env)
+    from .rundir import default_root
+
+    return default_root() / "cache"
+
+
+def volume_key(protocol: str, root: str) -> str:
+    """Directory name of one volume in the cache: readable tail plus a hash of the full URL."""
+    url = f"{protocol}://{root}"
+    tail = "".join(c if c.isalnum() or c in "-_." else "_" for c in root.rstrip("/").rsplit("/", 1)[-1])[:40]
+    return f"{tail or 'root'}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+
+
+class VolumeCache:
+    """The cached copies of one volume's files on this machine.
+
+    Args:
+        directory: the volume's cache directory (created if missing).
+        max_bytes: bound on the bytes held in ``directory``; ``None`` = unbounded.
+    """
+
+    def __init__(self, directory: Path, max_bytes: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        (self.directory / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
+
+    def local_path(self, relative: str) -> Path:
+        return self.directory / relative
+
+    def get(self, relative: str, size: int | None, fetch) -> tuple[Path, bool]:
+        """Return ``(local path, fetched)``: the cached copy, calling ``fetch(tmp_path)`` first if there is none.
+
+        ``fetch`` writes the whole file to the path it is given; it runs at most once per file on
+        this machine while the copy stays cached.
+        """
+        local = self.local_path(relative)
+        if self._valid(local, size):
+            self._touch(local)
+            return local, False
+        digest = hashlib.sha256(relative.encode()).hexdigest()[:24]
+        with FileLock(str(self.directory / LOCKS_DIR / f"{digest}.lock")):
+            if self._valid(local, size):
+                self._touch(local)
+                return local, False
+            local.parent.mkdir(parents=True, exist_ok=True)
+            tmp = local.with_name(f".{local.name}.{os.getpid()}.part")
+            try:
+                fetch(str(tmp))
+                os.replace(tmp, local)
+            finally:
+                tmp.unlink(missing_ok=True)
+        if self.max_bytes is not None:
+            self._account(local)
+        return local, True
+
+    @staticmethod
+    def _valid(local: Path, size: int | None) -> bool:
+        try:
+            st = local.stat()
+        except FileNotFoundError:
+            return False
+        return size is None or st.st_size == size
+
+    def _touch(self, local: Path) -> None:
+        if self.max_bytes is not None:
+            try:
+                os.utime(local)  # the mtime orders eviction: least recently served first
+            except FileNotFoundError:
+                pass
+
+    def _account(self, added: Path) -> None:
+        """Add ``added``'s bytes to the ledger; evict least recently served files when over the bound."""
+        with FileLock(str(self.directory / LOCKS_DIR / "cache.lock")):
+            ledger = self.directory / LEDGER
+            try:
+                held = json.loads(ledger.read_text())["bytes"]
+            except (FileNotFoundError, ValueError, KeyError):
+                held = None
+            held = self._scan_bytes() if held is None else held + added.stat().st_size
+            if held > self.max_bytes:
+                held = self._evict(keep=added)
+            tmp = ledger.with_name(f"{LEDGER}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"bytes": held}))
+            os.replace(tmp, ledger)
+
+    def _files(self) -> list[Path]:
+        out = []
+        for dirpath, dirnames, filenames in os.walk(self.directory):
+            dirnames[:] = [d for d in dirnames if d != LOCKS_DIR]
+            out += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
+        return out
+
+    def _scan_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self._files() if p.exists())
+
+    def _evict(self, keep: Path) -> int:
+        """Remove least recently served files until the cache holds at most 90% of ``max_bytes``; return bytes held."""
+        entries = []
+        for p in self._files():
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime, st.st_size, p))
+        held = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries, key=lambda e: e[0]):
+            if held <= self.max_bytes * EVICT_TO:
+                break
+            if path == keep:
+                continue
+            path.unlink(missing_ok=True)
+            held -= size
+        return held

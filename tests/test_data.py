@@ -1,0 +1,233 @@
+"""VolumeDataset and DataLoader (sgpu_magic.data): files served over real HTTP, read by real ranks.
+
+A ``http.server`` on 127.0.0.1 in this process serves a directory and counts every request,
+so the tests see exactly what the ranks and their DataLoader workers fetched.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import http.server
+import multiprocessing
+import os
+import re
+import threading
+import uuid
+
+import pytest
+
+from sgpu_magic import distributed
+from sgpu_magic.data import DataLoader, VolumeDataset
+from sgpu_magic.errors import RankFailedError
+
+N_FILES = 37
+
+
+class CountingServer:
+    """A threaded HTTP server for ``directory`` on 127.0.0.1 that counts requests per (method, path)."""
+
+    def __init__(self, directory) -> None:
+        self.requests: collections.Counter = collections.Counter()
+        counter, lock = self.requests, threading.Lock()
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                with lock:
+                    counter[("GET", self.path)] += 1
+                super().do_GET()
+
+            def do_HEAD(self):
+                with lock:
+                    counter[("HEAD", self.path)] += 1
+                super().do_HEAD()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(directory)))
+        self.url = f"http://127.0.0.1:{self.server.server_port}/"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def file_gets(self) -> dict[str, int]:
+        return {p: n for (m, p), n in self.requests.items() if m == "GET" and not p.endswith("/")}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def volume(tmp_path):
+    """37 small files (``shard_000.bin`` ... ``shard_036.bin``, content = own name) served over HTTP."""
+    data = tmp_path / "volume"
+    data.mkdir()
+    for i in range(N_FILES):
+        (data / f"shard_{i:03d}.bin").write_bytes(f"shard_{i:03d}.bin".encode() * 100)
+    (data / "README.txt").write_text("not a shard")
+    server = CountingServer(data)
+    yield server, data
+    server.close()
+
+
+@distributed(gpus=2, timeout=180)
+def read_epochs(url, cache_dir, num_workers, epochs):
+    """Each rank: join the process group, read the volume ``epochs`` times; return names read per epoch."""
+    import os
+
+    import torch.distributed as dist
+
+    from sgpu_magic.data import DataLoader, VolumeDataset
+
+    dist.init_process_group("gloo")
+    workers = num_workers[dist.get_rank()] if isinstance(num_workers, list) else num_workers
+    ds = VolumeDataset(url, pattern="shard_*.bin", cache_dir=cache_dir)
+    loader = DataLoader(ds, batch_size=None, num_workers=workers)
+    seen = []
+    for _ in range(epochs):
+        names = []
+        for path in loader:
+            with open(path, "rb") as f:
+                assert f.read(13).decode() == os.path.basename(path)
+            names.append(os.path.basename(path))
+        seen.append(names)
+    dist.barrier()  # rank 0 hosts the rendezvous store: keep it up until every rank has read
+    return {"seen": seen, "batches": len(loader.fetch_times_s)}
+
+
+def test_two_ranks_two_workers_read_every_file_once_per_epoch_and_the_second_epoch_fetches_nothing(volume, tmp_path):
+    server, _ = volume
+    results = read_epochs.distributed(server.url, str(tmp_path / "cache"), 2, 2)
+    expected = sorted(f"shard_{i:03d}.bin" for i in range(N_FILES))
+    for epoch in range(2):
+        names = [n for r in results for n in r["seen"][epoch]]
+        assert sorted(names) == expected  # every file, none twice
+    # the files split by a stride of world_size x num_workers = 4: rank 0 / worker 1 reads shard 1, 5, 9 ...
+    assert set(results[0]["seen"][0]) == {f"shard_{i:03d}.bin" for i in range(N_FILES) if i % 4 in (0, 1)}
+    assert results[0]["seen"][0] == results[0]["seen"][1]
+    gets = server.file_gets()
+    assert gets == {f"/shard_{i:03d}.bin": 1 for i in range(N_FILES)}  # the second epoch made no file request
+    listings = sum(n for (m, p), n in server.requests.items() if m == "GET" and p.endswith("/"))
+    assert listings == 2  # one directory listing per rank, when the dataset was built
+    assert [r["batches"] for r in results] == [2 * len(r["seen"][0]) for r in results]
+
+
+def test_ranks_with_different_worker_counts_are_told_so(volume, tmp_path):
+    server, _ = volume
+    with pytest.raises(RankFailedError, match=r"failed \(root cause\): ValueError: VolumeDataset\('http://127"
+                                              r".*\.\.\. \(exit code 1\)") as caught:
+        read_epochs.distributed(server.url, str(tmp_path / "cache"), [2, 1], 1)
+    assert re.search(r"ranks read it with different numbers of DataLoader workers \(rank 0: 2, rank 1: 1; 0 workers "
+                     r"count as 1\)\..*Give every rank's DataLoader the same num_workers\.",
+                     caught.value.root_cause.message, re.S)
+
+
+def _touch_first(url, cache_dir, barrier, out):
+    from sgpu_magic.data import VolumeDataset
+
+    ds = VolumeDataset(url, pattern="shard_000.bin", cache_dir=cache_dir)
+    barrier.wait()
+    out.put((ds.fetch("shard_000.bin"), ds.fetches))
+
+
+def test_a_concurrent_first_touch_fetches_once(volume, tmp_path):
+    server, data = volume
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_touch_first, args=(server.url, str(tmp_path / "cache"), barrier, out)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert server.file_gets() == {"/shard_000.bin": 1}
+    assert sum(fetched for _, fetched in got) == 1
+    (path,) = {p for p, _ in got}
+    assert open(path, "rb").read() == (data / "shard_000.bin").read_bytes()
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if ".part" in p.name] == []
+
+
+def test_local_directory_pattern_and_subdirectories(tmp_path):
+    root = tmp_path / "vol"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "x.pt").write_bytes(b"1")
+    (root / "b.pt").write_bytes(b"22")
+    (root / "c.txt").write_bytes(b"333")
+    ds = VolumeDataset(root, pattern="*.pt", cache_dir=tmp_path / "cache")
+    assert ds.files == ["a/x.pt", "b.pt"]
+    ds = VolumeDataset(f"file://{root}", cache_dir=tmp_path / "cache", transform=lambda p: open(p, "rb").read())
+    assert list(ds) == [b"1", b"22", b"333"]
+    assert ds.fetches == 3 and list(ds) == [b"1", b"22", b"333"] and ds.fetches == 3
+
+
+def test_cache_bound_evicts_least_recently_served(tmp_path):
+    root = tmp_path / "vol"
+    root.mkdir()
+    for i in range(10):
+        (root / f"f{i}").write_bytes(bytes(1000))
+    ds = VolumeDataset(root, cache_dir=tmp_path / "cache", cache_max_bytes=3500)
+    assert len(list(ds)) == 10 and ds.fetches == 10
+    held = [p for p in ds.cache.directory.iterdir() if not p.name.startswith(".")]
+    assert sum(p.stat().st_size for p in held) <= 3500
+    assert "f9" in {p.name for p in held}  # the newest stays
+    list(ds)
+    assert ds.fetches > 10  # evicted files were fetched again
+
+
+def test_only_one_of_rank_and_world_size_is_an_error(tmp_path, monkeypatch):
+    (tmp_path / "f").write_bytes(b"x")
+    ds = VolumeDataset(tmp_path, cache_dir=tmp_path / "cache")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="RANK is set but WORLD_SIZE is not; set both"):
+        list(ds)
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE is set but RANK is not; set both"):
+        list(ds)
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 is not a rank of WORLD_SIZE=2; need 0 <= RANK < WORLD_SIZE"):
+        list(ds)
+
+
+def test_bad_paths_and_bounds_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"VolumeDataset: .*missing does not exist"):
+        VolumeDataset(tmp_path / "missing")
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"no file matching '\*.pt' under"):
+        VolumeDataset(tmp_path, pattern="*.pt")
+    with pytest.raises(ValueError, match="cache_max_bytes=0 must be a positive int of bytes, or None"):
+        VolumeDataset(tmp_path, cache_max_bytes=0)
+
+
+def test_data_loader_reports_fetch_times_to_the_jobs_mlflow_run(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", f"test-{uuid.uuid4().hex[:8]}")
+    for i in range(6):
+        (tmp_path / f"f{i}").write_bytes(b"x")
+
+    @distributed(gpus=2, timeout=180)
+    def two_passes(path, cache_dir):
+        from sgpu_magic.data import DataLoader, VolumeDataset
+
+        loader = DataLoader(VolumeDataset(path, cache_dir=cache_dir), batch_size=1, num_workers=1)
+        return [len(list(loader)) for _ in range(2)]
+
+    assert two_passes.distributed(str(tmp_path), str(tmp_path / "cache")) == [[3, 3], [3, 3]]
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run_id = two_passes.last_job.mlflow_run_id
+    for rank in (0, 1):
+        per_batch = client.get_metric_history(run_id, f"data/fetch_s/rank_{rank}")
+        assert sorted(m.step for m in per_batch) == list(range(6))
+        assert all(m.value >= 0 for m in per_batch)
+        assert [m.value for m in client.get_metric_history(run_id, f"data/batches/rank_{rank}")] == [3.0, 3.0]
+        assert len(client.get_metric_history(run_id, f"data/fetch_s_mean/rank_{rank}")) == 2
+
+
+def test_data_loader_defaults():
+    loader = DataLoader(list(range(4)), batch_size=2)
+    assert loader.num_workers >= 1 and loader.prefetch_factor == 4 and loader.persistent_workers
+    assert DataLoader(list(range(4)), num_workers=0).prefetch_factor is None
