@@ -16,12 +16,16 @@ Example, inside a decorated function::
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import fnmatch
+import functools
 import hashlib
 import itertools
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -79,11 +83,14 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         cache_dir (str | os.PathLike | None): cache root; default ``$SGPU_MAGIC_CACHE_DIR``, else
             ``<sgpu_magic home>/cache``. Each volume gets its own subdirectory.
         cache_max_bytes (int | None): bound on the bytes this volume keeps cached; least recently served
-            files are evicted past it. Default ``None`` (unbounded). Keep it above what the DataLoader
-            prefetches, or a file may be evicted between being yielded and being opened.
+            files are evicted past it. Default ``None`` (unbounded). Keep it above what is fetched ahead
+            (ranks x DataLoader workers x ``prefetch_files`` files on the machine), or a file may be evicted
+            between being yielded and being opened.
         transform (Callable[[str], Any] | None): applied to each local path in the worker that fetched it
             (``torch.load``, an image decoder ...); default ``None`` yields the path (``str``).
         storage_options (dict | None): passed to the fsspec filesystem (credentials, endpoint ...).
+        prefetch_files (int): files not yet cached are fetched this many ahead of the one being yielded, in
+            threads of the reading process (each DataLoader worker has its own). Default 8; 1 = one at a time.
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no file matching ``pattern``.
@@ -93,9 +100,11 @@ class VolumeDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, path: str | os.PathLike, pattern: str | None = None, cache_dir: str | os.PathLike | None = None,
                  cache_max_bytes: int | None = None, transform: Callable[[str], Any] | None = None,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, prefetch_files: int = 8) -> None:
         import fsspec.core
 
+        if not isinstance(prefetch_files, int) or prefetch_files < 1:
+            raise ValueError(f"VolumeDataset: prefetch_files={prefetch_files!r} must be an int >= 1 (1 = fetch one file at a time)")
         if cache_max_bytes is not None and (not isinstance(cache_max_bytes, int) or cache_max_bytes <= 0):
             raise ValueError(f"VolumeDataset: cache_max_bytes={cache_max_bytes!r} must be a positive int of bytes, or None")
         self.url = os.fspath(path)
@@ -108,6 +117,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self.cache = VolumeCache(Path(cache_dir or default_cache_dir()) / volume_key(_protocol(fs), self._root),
                                  cache_max_bytes)
         self._fs, self._fs_pid = fs, os.getpid()
+        self.prefetch_files = prefetch_files
+        self._count_lock = threading.Lock()
         self.fetches = 0  # files this process fetched (not served from the cache); DataLoader workers count their own
         ident = hashlib.sha256(f"{self.url}\n{pattern}\n{len(self.files)}".encode()).hexdigest()[:16]
         self._check_key = f"{_CHECK_PREFIX}/{ident}/{next(_ordinals.setdefault(ident, itertools.count()))}"
@@ -139,10 +150,14 @@ class VolumeDataset(torch.utils.data.IterableDataset):
 
     def fetch(self, relative: str) -> str:
         """Local path of the file ``relative`` (a path under ``path``), copying it into the cache if needed."""
-        remote = f"{self._root}/{relative}"
-        local, fetched = self.cache.get(relative, self._sizes.get(relative), lambda tmp: self._filesystem().get_file(remote, tmp))
-        self.fetches += fetched
-        return str(local)
+        local, fetched = self.cache.get(relative, self._sizes.get(relative), functools.partial(self._get, relative))
+        if fetched:
+            with self._count_lock:
+                self.fetches += 1
+        return local
+
+    def _get(self, relative: str, local_path: str) -> None:
+        self._filesystem().get_file(f"{self._root}/{relative}", local_path)
 
     def _filesystem(self):
         """This process's fsspec filesystem (async ones such as HTTP are not fork-safe: a DataLoader worker makes its own)."""
@@ -154,7 +169,10 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         return self._fs
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fs": None}
+        return {**self.__dict__, "_fs": None, "_count_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _count_lock=threading.Lock())
 
     def __iter__(self) -> Iterator[Any]:
         rank, world = rank_and_world()
@@ -162,9 +180,35 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         worker_id, num_workers = (0, 0) if info is None else (info.id, info.num_workers)
         if worker_id == 0 and world > 1:
             self._check_workers(rank, world, max(1, num_workers))
-        for relative in self.slice_for(rank, world, worker_id, num_workers):
-            local = self.fetch(relative)
+        for local in self._local_paths(self.slice_for(rank, world, worker_id, num_workers)):
             yield local if self.transform is None else self.transform(local)
+
+    def _local_paths(self, files: list[str]) -> Iterator[str]:
+        """Local paths of ``files`` in order; files not yet cached are fetched up to ``prefetch_files`` ahead, in threads."""
+        window: collections.deque = collections.deque()
+        pool = None
+        pending = iter(files)
+        try:
+            while True:
+                while len(window) < max(1, self.prefetch_files):
+                    relative = next(pending, None)
+                    if relative is None:
+                        break
+                    cached = self.cache.lookup(relative, self._sizes.get(relative))
+                    if cached is None and self.prefetch_files > 1:
+                        pool = pool or concurrent.futures.ThreadPoolExecutor(self.prefetch_files, "sgpu-volume-fetch")
+                        window.append(pool.submit(self.fetch, relative))
+                    else:
+                        window.append(cached or self.fetch(relative))
+                if not window:
+                    return
+                head = window.popleft()
+                local = head if isinstance(head, str) else head.result()
+                self.cache.served(local)
+                yield local
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def _check_workers(self, rank: int, world: int, slices: int) -> None:
         """Compare DataLoader worker counts with the ranks that got here before us (through the rendezvous store).

@@ -9,7 +9,11 @@ path>``. Every process on the machine (ranks and their DataLoader workers) share
   file is fetched once per machine;
 - with ``max_bytes`` set, a size ledger (``.ledger``, changed under one cache-wide lock) tracks
   the bytes held; when an insert takes it over the bound, the least recently served files are
-  removed (never the one just fetched) until the cache is at 90% of the bound.
+  removed (never the one just fetched) until the cache is at 90% of the bound. Eviction order is
+  the files' mtime: a file looked up or fetched for a reader is pinned (mtime one day ahead) until
+  the reader is handed it (:meth:`VolumeCache.served` sets the mtime to now), so files fetched ahead
+  go last. Keep the bound above what all readers fetch ahead (ranks x workers x ``prefetch_files``
+  files), or a file may still be evicted between being handed out and being opened.
 
 A cached copy is trusted when its size equals the size the listing reported (or the listing had
 no size, as for plain HTTP directory pages); files changed in place at the same size are not
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 from filelock import FileLock
@@ -28,6 +33,7 @@ from filelock import FileLock
 LOCKS_DIR = ".locks"
 LEDGER = ".ledger"
 EVICT_TO = 0.9
+PIN_S = 86400.0
 
 
 def default_cache_dir() -> Path:
@@ -58,53 +64,76 @@ class VolumeCache:
     def __init__(self, directory: Path, max_bytes: int | None = None) -> None:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
+        self._dir = str(self.directory)
         (self.directory / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
 
-    def local_path(self, relative: str) -> Path:
-        return self.directory / relative
+    def local_path(self, relative: str) -> str:
+        return os.path.join(self._dir, relative)
 
-    def get(self, relative: str, size: int | None, fetch) -> tuple[Path, bool]:
+    def lookup(self, relative: str, size: int | None) -> str | None:
+        """The cached copy's local path, or ``None`` when there is none yet (nothing is fetched)."""
+        local = os.path.join(self._dir, relative)
+        if not self._valid(local, size):
+            return None
+        if self.max_bytes is not None:
+            self._pin(local)
+        return local
+
+    def get(self, relative: str, size: int | None, fetch) -> tuple[str, bool]:
         """Return ``(local path, fetched)``: the cached copy, calling ``fetch(tmp_path)`` first if there is none.
 
         ``fetch`` writes the whole file to the path it is given; it runs at most once per file on
         this machine while the copy stays cached.
         """
-        local = self.local_path(relative)
+        local = os.path.join(self._dir, relative)  # str paths: this is the per-file hot path of a cached epoch
         if self._valid(local, size):
-            self._touch(local)
+            if self.max_bytes is not None:
+                self._pin(local)
             return local, False
         digest = hashlib.sha256(relative.encode()).hexdigest()[:24]
         with FileLock(str(self.directory / LOCKS_DIR / f"{digest}.lock")):
             if self._valid(local, size):
-                self._touch(local)
                 return local, False
-            local.parent.mkdir(parents=True, exist_ok=True)
-            tmp = local.with_name(f".{local.name}.{os.getpid()}.part")
+            folder, name = os.path.split(local)
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f".{name}.{os.getpid()}.part")
             try:
-                fetch(str(tmp))
+                fetch(tmp)
                 os.replace(tmp, local)
             finally:
-                tmp.unlink(missing_ok=True)
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
         if self.max_bytes is not None:
+            self._pin(local)
             self._account(local)
         return local, True
 
     @staticmethod
-    def _valid(local: Path, size: int | None) -> bool:
+    def _valid(local: str, size: int | None) -> bool:
         try:
-            st = local.stat()
+            st = os.stat(local)
         except FileNotFoundError:
             return False
         return size is None or st.st_size == size
 
-    def _touch(self, local: Path) -> None:
+    @staticmethod
+    def _pin(local: str) -> None:
+        """Mark a file as about to be served: an mtime in the future puts it last in the eviction order."""
+        now = time.time()
+        try:
+            os.utime(local, (now, now + PIN_S))
+        except FileNotFoundError:
+            pass
+
+    def served(self, local: str) -> None:
+        """Record that ``local`` was handed to the reader now (it becomes the most recently served file)."""
         if self.max_bytes is not None:
             try:
-                os.utime(local)  # the mtime orders eviction: least recently served first
+                os.utime(local)
             except FileNotFoundError:
                 pass
 
-    def _account(self, added: Path) -> None:
+    def _account(self, added: str) -> None:
         """Add ``added``'s bytes to the ledger; evict least recently served files when over the bound."""
         with FileLock(str(self.directory / LOCKS_DIR / "cache.lock")):
             ledger = self.directory / LEDGER
@@ -112,7 +141,11 @@ class VolumeCache:
                 held = json.loads(ledger.read_text())["bytes"]
             except (FileNotFoundError, ValueError, KeyError):
                 held = None
-            held = self._scan_bytes() if held is None else held + added.stat().st_size
+            try:
+                size = os.stat(added).st_size
+            except FileNotFoundError:  # already evicted by another process: the bound is below what is in use
+                size = 0
+            held = self._scan_bytes() if held is None else held + size
             if held > self.max_bytes:
                 held = self._evict(keep=added)
             tmp = ledger.with_name(f"{LEDGER}.{os.getpid()}.tmp")
@@ -127,9 +160,15 @@ class VolumeCache:
         return out
 
     def _scan_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self._files() if p.exists())
+        total = 0
+        for p in self._files():
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
 
-    def _evict(self, keep: Path) -> int:
+    def _evict(self, keep: str) -> int:
         """Remove least recently served files until the cache holds at most 90% of ``max_bytes``; return bytes held."""
         entries = []
         for p in self._files():
@@ -142,7 +181,7 @@ class VolumeCache:
         for _, size, path in sorted(entries, key=lambda e: e[0]):
             if held <= self.max_bytes * EVICT_TO:
                 break
-            if path == keep:
+            if str(path) == keep:
                 continue
             path.unlink(missing_ok=True)
             held -= size

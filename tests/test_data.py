@@ -167,13 +167,17 @@ def test_cache_bound_evicts_least_recently_served(tmp_path):
     root.mkdir()
     for i in range(10):
         (root / f"f{i}").write_bytes(bytes(1000))
-    ds = VolumeDataset(root, cache_dir=tmp_path / "cache", cache_max_bytes=3500)
+    ds = VolumeDataset(root, cache_dir=tmp_path / "cache", cache_max_bytes=3500, prefetch_files=1)
     assert len(list(ds)) == 10 and ds.fetches == 10
     held = [p for p in ds.cache.directory.iterdir() if not p.name.startswith(".")]
     assert sum(p.stat().st_size for p in held) <= 3500
     assert "f9" in {p.name for p in held}  # the newest stays
     list(ds)
     assert ds.fetches > 10  # evicted files were fetched again
+    # with files fetched 8 ahead, a bound above those 8 files keeps every yielded file readable
+    ds = VolumeDataset(root, cache_dir=tmp_path / "cache8", cache_max_bytes=9500, transform=lambda p: open(p, "rb").read())
+    assert list(ds) == [bytes(1000)] * 10 and list(ds) == [bytes(1000)] * 10
+    assert sum(p.stat().st_size for p in ds.cache.directory.iterdir() if not p.name.startswith(".")) <= 9500
 
 
 def test_only_one_of_rank_and_world_size_is_an_error(tmp_path, monkeypatch):
@@ -200,6 +204,8 @@ def test_bad_paths_and_bounds_are_named(tmp_path):
         VolumeDataset(tmp_path, pattern="*.pt")
     with pytest.raises(ValueError, match="cache_max_bytes=0 must be a positive int of bytes, or None"):
         VolumeDataset(tmp_path, cache_max_bytes=0)
+    with pytest.raises(ValueError, match=r"prefetch_files=0 must be an int >= 1 \(1 = fetch one file at a time\)"):
+        VolumeDataset(tmp_path, prefetch_files=0)
 
 
 def test_data_loader_reports_fetch_times_to_the_jobs_mlflow_run(tmp_path, monkeypatch):
