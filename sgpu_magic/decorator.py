@@ -167,7 +167,7 @@ def distributed(gpus: int, gpu_type: str | None = None,
                 widgets: bool | None = _FromConfig("widgets", None),
                 max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
                 mlflow: bool = _FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
-                ) -> Callable[[Callable], DistributedFunction]:
+                max_restarts: int = 0) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
     Follows the serverless GPU API's ``@distributed(gpus, gpu_type, remote=False)`` shape.
@@ -190,9 +190,14 @@ def distributed(gpus: int, gpu_type: str | None = None,
         wait: when other sgpu_magic jobs (from any kernel sharing the lease directory) hold the
             GPUs, queue for them in arrival order (True, default; the job is ``pending`` meanwhile)
             or raise ``ResourceError`` at once naming the holders (False).
+        max_restarts: when a rank fails, stop the others and start all ranks again, up to this many
+            times (torchrun's ``--max-restarts``; default 0). Each attempt appends to the same rank logs
+            after a ``[sgpu_magic] attempt K of N`` line; ranks read ``TORCHELASTIC_RESTART_COUNT`` (0 on the
+            first attempt) and resume from their own checkpoint. The timeout covers all attempts.
 
     Raises:
-        SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port`` or ``gpu_ids`` (at decoration time).
+        SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``gpu_ids`` or ``max_restarts``
+            (at decoration time).
     """
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
@@ -203,8 +208,8 @@ def distributed(gpus: int, gpu_type: str | None = None,
         if not callable(fn):
             raise SpecError(f"@distributed(...) decorates a function, got {type(fn).__name__}")
         spec = make_spec(gpus, gpu_type, timeout, port, name=getattr(fn, "__qualname__", "function"), widgets=widgets,
-                         mlflow=mlflow, gpu_ids=gpu_ids, wait=wait)
+                         mlflow=mlflow, gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts)
         return DistributedFunction(fn, spec, max_capture_bytes)
 
-    make_spec(gpus, gpu_type, timeout, port, gpu_ids=gpu_ids)  # fail at the decorator line, not later
+    make_spec(gpus, gpu_type, timeout, port, gpu_ids=gpu_ids, max_restarts=max_restarts)  # fail at the decorator line
     return wrap

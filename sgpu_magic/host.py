@@ -29,6 +29,7 @@ from pathlib import Path
 
 import psutil
 
+from .errors import describe_exit
 from .rundir import RunDir, atomic_write_json, read_json
 
 GRACE_S = 3.0
@@ -37,15 +38,15 @@ IDLE_POLL_S = 0.5
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def _rank_env(launch: dict, rank: int, port: int, env: dict) -> dict[str, str]:
+def _rank_env(launch: dict, rank: int, port: int, env: dict, restart_count: int = 0) -> dict[str, str]:
     world = launch["world_size"]
     out = dict(env)
     out.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
         "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
         "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "TORCHELASTIC_RUN_ID": launch["job_id"], "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_RUN_ID": launch["job_id"], "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(launch.get("max_restarts", 0)), "TORCHELASTIC_USE_AGENT_STORE": "False",
         "PYTHONUNBUFFERED": "1", "SGPU_MAGIC_HOST_PID": str(os.getpid()), "SGPU_MAGIC_JOB_ID": launch["job_id"],
     })
     if launch.get("cuda_visible_devices") is not None:  # "" for a fake GPU inventory: ranks on CPU
@@ -149,14 +150,14 @@ def _context_class(base):
     return Context
 
 
-def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict, warm: bool):
+def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict, warm: bool, restart_count: int = 0):
     from torch.distributed.elastic.multiprocessing.api import (DefaultLogsSpecs, MultiprocessContext,
                                                                  SubprocessContext)
 
     from . import worker
 
     world = launch["world_size"]
-    envs = {r: _rank_env(launch, r, port, env) for r in range(world)}
+    envs = {r: _rank_env(launch, r, port, env, restart_count) for r in range(world)}
     logs = DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir))
     if warm:
         args = {r: (str(run_dir.path), envs[r]) for r in range(world)}
@@ -190,14 +191,20 @@ class HostJob:
         os.environ.update(env)
         if self.launch.get("mlflow"):
             _import_mlflow_in_background()  # so that ending its run on the way down takes no import time
-        warm = pool is not None and pool.ready(self.launch["sys_path"])  # cold while the pool is still warming up
+        self.env, self.pool = env, pool
+        self.attempt, self.max_restarts = 1, int(self.launch.get("max_restarts") or 0)
+        self.done = False
+        self._start_attempt()
+
+    def _start_attempt(self) -> None:
+        """Start every rank for attempt ``self.attempt`` (1-based; ranks see TORCHELASTIC_RESTART_COUNT = attempt - 1)."""
+        warm = self.pool is not None and self.pool.ready(self.launch["sys_path"])  # cold while the pool warms up
         self.status["start_method"] = "forkserver" if warm else "subprocess"
-        self.ctx = _make_context(run_dir, self.launch, self.port, env, warm)
+        self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.attempt - 1)
         self.ctx.start()
         self.pids = self.ctx.pids()
-        self.status.update(state="running", pids={str(k): v for k, v in self.pids.items()})
+        self.status.update(state="running", attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()})
         self._write()
-        self.done = False
 
     def _write(self) -> None:
         atomic_write_json(self.run_dir.status_file, self.status)
@@ -226,7 +233,43 @@ class HostJob:
         failures = getattr(self.ctx, "first_failures", None) or result.failures
         now = time.time()
         self.status["failures"] = [{"rank": r, "exitcode": f.exitcode, "time_s": now} for r, f in sorted(failures.items())]
+        if failures and self.attempt <= self.max_restarts:
+            self._restart()
+            return
         self._finish("failed" if failures else "succeeded")
+
+    def _restart(self) -> None:
+        """torchrun's restart policy: stop every rank, keep this attempt's record, start them all again.
+
+        The failed attempt's error files move to ``errors/attempt_<k>/`` and its results are dropped, so
+        the next attempt is judged on its own; the rank logs go on, after a line naming the new attempt.
+        """
+        self.ctx.close(timeout=GRACE_S)
+        kill_leftovers(set(self.pids.values()))
+        world = self.launch["world_size"]
+        failed = self.status.pop("failures")
+        self.status.setdefault("attempts", []).append(
+            {"attempt": self.attempt, "failures": failed, "ended_s": time.time(),
+             "exitcodes": {str(r): code for r, code in _exitcodes(self.ctx).items()}})
+        keep = self.run_dir.path / "errors" / f"attempt_{self.attempt}"
+        for rank in range(world):
+            for path, target in ((self.run_dir.error_file(rank), keep / f"rank_{rank}.json"),
+                                 (self.run_dir.result_file(rank), None)):
+                if path.exists():
+                    if target is None:
+                        path.unlink()
+                    else:
+                        keep.mkdir(mode=0o700, exist_ok=True)
+                        os.replace(path, target)
+        why = ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failed)
+        self.attempt += 1
+        for rank in range(world):
+            with open(self.run_dir.log_file(rank), "a") as log:
+                log.write(f"[sgpu_magic] attempt {self.attempt} of {self.max_restarts + 1}: all ranks restarted "
+                          f"after {why}\n")
+        if not self.launch.get("port"):
+            self.port = _free_port()  # rank 0's store of the last attempt may still hold the old one
+        self._start_attempt()
 
     def stop(self, state: str) -> None:
         """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end in ``state``."""

@@ -154,6 +154,9 @@ class JobSink:
     def tick(self, job: "Job") -> None:
         """Called on every poll of the job (about 20 times a second): flush what is buffered."""
 
+    def restarted(self, job: "Job", attempt: int) -> None:
+        """A rank failed and every rank was started again (``max_restarts``); ``attempt`` counts from 1."""
+
     def finished(self, job: "Job") -> None:
         """The job reached a final state; every line of its logs was delivered before this."""
 
@@ -202,6 +205,7 @@ class Job:
         self._skipped: dict[str, str] = {}  # free GPUs the last lease try passed over: uuid -> why
         self._sinks = list(sinks)
         self._last_state: JobState | None = None
+        self._attempt = 1
         self._followers = [LogFollower(run_dir.log_file(r)) for r in range(plan.world_size)]
         self._results: list[Any] | None = None
         self._error: BaseException | None = None
@@ -261,6 +265,17 @@ class Job:
             raise IndexError(f"rank {rank} is not in this job (world_size={self.world_size})")
         path = self._rd.log_file(rank)
         return path.read_text(errors="replace") if path.exists() else ""
+
+    @property
+    def attempt(self) -> int:
+        """Which attempt runs (or ran last): 1, then 2 after the first restart (see ``max_restarts``)."""
+        return int(self._status().get("attempt", 1))
+
+    @property
+    def attempts(self) -> list[dict]:
+        """The failed attempts before the current one: ``[{"attempt": 1, "failures": [{"rank", "exitcode",
+        "time_s"}], "ended_s", "exitcodes"}]``; their error files are in ``<run_dir>/errors/attempt_<k>/``."""
+        return list(self._status().get("attempts", []))
 
     def _status(self) -> dict:
         return self._final_status or read_json(self._status_path) or {"state": "pending"}
@@ -328,7 +343,7 @@ class Job:
         rd, plan, spec = self._rd, self.plan, self.spec
         launch = {"job_id": rd.job_id, "name": spec.name, "world_size": plan.world_size, "backend": plan.backend,
                   "cuda_visible_devices": plan.cuda_visible_devices, "timeout_s": spec.timeout_s, "port": spec.port,
-                  "cwd": self._cwd, "sys_path": self._sys_path, "env": {}}
+                  "max_restarts": spec.max_restarts, "cwd": self._cwd, "sys_path": self._sys_path, "env": {}}
         if plan.gpus:
             launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
         if self._lease is not None:  # the launch host gives the GPUs back as soon as the ranks are gone
@@ -419,6 +434,9 @@ class Job:
         self._pump()
         status = read_json(self._status_path) or {}
         state = _to_state(status)
+        if status.get("attempt", 1) != self._attempt:
+            self._attempt = status["attempt"]
+            self._emit("restarted", self, self._attempt)
         if state.final:
             self._pump(final=True)
             self._final_status = status

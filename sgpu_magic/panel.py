@@ -48,6 +48,13 @@ def summary_line(job: Job) -> str:
             f"logs: {job.run_dir / 'logs'}{link}")
 
 
+def _restart_reason(job: Job) -> str:
+    """``rank 1 failed (exit code 1)`` for the attempt that ended last."""
+    attempts = job.attempts
+    failures = attempts[-1]["failures"] if attempts else []
+    return ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failures) or "a rank failed"
+
+
 class TextView(JobSink):
     """Streams each rank's lines to the cell's output, prefixed ``[rank N]``; notes and warnings to stderr.
 
@@ -90,6 +97,11 @@ class TextView(JobSink):
 
     def pending(self, job: Job, why: str) -> None:
         self.note(f"sgpu_magic: job {job.job_id} is pending, {why}")
+
+    def restarted(self, job: Job, attempt: int) -> None:
+        self._failed_ranks.clear()  # the new attempt's lines are shown again
+        self.note(f"sgpu_magic: job {job.job_id}: {_restart_reason(job)}; attempt {attempt} of "
+                  f"{job.spec.max_restarts + 1} started")
 
     def finished(self, job: Job) -> None:
         for rank, rest in sorted(self._partial.items()):
@@ -311,6 +323,9 @@ class Panel(TextView):
         if time.monotonic() - self._last_flush >= interval:
             self._flush(job)
 
+    def restarted(self, job: Job, attempt: int) -> None:
+        self._render_header(job, JobState.RUNNING)
+
     def state_changed(self, job: Job, state: JobState) -> None:
         if state.final:
             self.stop_button.disabled = True
@@ -387,6 +402,11 @@ class Panel(TextView):
         problem = f"<br><code>{html.escape(str(error).splitlines()[0])}</code>" if error else ""
         if state is JobState.PENDING and job.pending_reason:
             problem = f"<br><small>{html.escape(job.pending_reason)}</small>"
+        attempt = job.attempt if job.spec.max_restarts else 1
+        if attempt > 1:
+            badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"
+            if not problem:
+                problem = f"<br><small>{html.escape(_restart_reason(job))}; all ranks restarted</small>"
         self.header.value = (f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
                              f"{html.escape(job.plan.device_kind)} &middot; {elapsed}{link}{problem}")
 

@@ -16,6 +16,7 @@ DEFAULT_TIMEOUT_S: float = 3 * 3600.0
 """Default job timeout, 3 hours, as in the serverless GPU API."""
 
 MAX_RANKS = 1024
+MAX_RESTARTS = 1000
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class LaunchSpec:
         mlflow: track the job as an MLflow run.
         gpu_ids: physical GPU indices (NVML order) to run on, one per rank; ``None`` = any free GPUs.
         wait: when the GPUs are leased by other jobs, wait in the queue (True) or fail at once (False).
+        max_restarts: how many times a failed rank group is restarted, all ranks together, before the
+            job fails (torchrun's ``--max-restarts``; ranks see ``TORCHELASTIC_RESTART_COUNT``). Default 0.
     """
 
     gpus: int
@@ -45,6 +48,7 @@ class LaunchSpec:
     mlflow: bool = True
     gpu_ids: tuple[int, ...] | None = None
     wait: bool = True
+    max_restarts: int = 0
 
 
 def _check_gpus(gpus: object) -> int:
@@ -98,9 +102,17 @@ def _check_gpu_ids(gpu_ids: object, gpus: int) -> tuple[int, ...] | None:
     return tuple(int(i) for i in ids)
 
 
+def _check_max_restarts(max_restarts: object) -> int:
+    if (isinstance(max_restarts, bool) or not isinstance(max_restarts, numbers.Integral)
+            or not 0 <= int(max_restarts) <= MAX_RESTARTS):
+        raise SpecError(f"max_restarts must be an int between 0 and {MAX_RESTARTS} (restarts of the whole rank group "
+                        f"after a failure; 0 = none), got {max_restarts!r}")
+    return int(max_restarts)
+
+
 def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S,
               port: object = None, name: str = "job", widgets: bool | None = None, mlflow: bool = True,
-              gpu_ids: object = None, wait: bool = True) -> LaunchSpec:
+              gpu_ids: object = None, wait: bool = True, max_restarts: object = 0) -> LaunchSpec:
     """Validate user input into a :class:`LaunchSpec`.
 
     Raises:
@@ -110,4 +122,5 @@ def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_T
     return LaunchSpec(gpus=count, gpu_type=_check_gpu_type(gpu_type),
                       timeout_s=_check_timeout(timeout), port=_check_port(port), name=name,
                       widgets=None if widgets is None else bool(widgets), mlflow=bool(mlflow),
-                      gpu_ids=_check_gpu_ids(gpu_ids, count), wait=bool(wait))
+                      gpu_ids=_check_gpu_ids(gpu_ids, count), wait=bool(wait),
+                      max_restarts=_check_max_restarts(max_restarts))

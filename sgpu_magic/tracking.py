@@ -238,7 +238,7 @@ class MlflowTracking(JobSink):
         params = {"gpus": spec.gpus, "gpu_type": spec.gpu_type or "any",
                   "device": plan.gpus[0].name if plan.gpus else "cpu", "world_size": plan.world_size,
                   "backend": plan.backend, "timeout_s": "none" if spec.timeout_s is None else f"{spec.timeout_s:g}",
-                  "name": spec.name}
+                  "name": spec.name, "max_restarts": spec.max_restarts}
         client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
 
     def _experiment(self, client, uri: str, parent) -> tuple[str, str]:
