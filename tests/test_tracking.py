@@ -113,7 +113,7 @@ def test_c20_one_run_per_execution_with_both_ranks_metrics_params_tags_and_logs(
     assert [len(client.get_metric_history(run_id, k)) for k in ("loss_rank0", "loss_rank1")] == [3, 3]
     assert [m.value for m in client.get_metric_history(run_id, "loss_rank1")] == [1.0, 0.5, 1.0 / 3]
     assert run.data.params == {"gpus": "2", "gpu_type": "any", "device": "cpu", "world_size": "2", "backend": "gloo",
-                               "timeout_s": "10800", "name": "%%distributed cell"}
+                               "timeout_s": "10800", "name": "%%distributed cell", "max_restarts": "0"}
     job_id = run.data.tags["sgpu_magic.job_id"]
     assert (sgpu_home / "runs" / job_id).is_dir()
     assert run.data.tags["sgpu_magic.state"] == "succeeded"
