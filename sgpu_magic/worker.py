@@ -181,7 +181,8 @@ def _write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[st
 
 
 def _teardown(ns: dict) -> None:
-    """Drop user objects, then destroy the process group (avoids DDP's teardown deadlock, pytorch#56297).
+    """Drop user objects, then destroy the process group (avoids DDP's teardown deadlock, pytorch#56297);
+    when the user code destroyed the group itself, do nothing.
 
     The rank's process ends with ``os._exit`` (no interpreter finalization), so destroying the
     group only matters while the process still waits for its peers to finish: it closes the
@@ -189,14 +190,17 @@ def _teardown(ns: dict) -> None:
     waiting for the collective's timeout. It runs in a thread (tens of ms for gloo), so the
     rank reports done at once; the process exits when every rank has.
     """
-    ns.clear()
-    gc.collect()
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is None or not dist.is_available() or not dist.is_initialized():
+            # Nothing to order: leave the user's objects alone. Dropping a DDP model after its process
+            # group was destroyed (user code that calls destroy_process_group first) can block for good
+            # in the reducer's destructor; the process ends with os._exit, which runs no destructor.
             return
     except Exception:  # noqa: BLE001 - teardown must not turn success into failure
         return
+    ns.clear()
+    gc.collect()
 
     def destroy() -> None:
         try:
