@@ -47,6 +47,8 @@ def _rank_env(launch: dict, rank: int, port: int, env: dict, restart_count: int 
         "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "TORCHELASTIC_RUN_ID": launch["job_id"], "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(launch.get("max_restarts", 0)), "TORCHELASTIC_USE_AGENT_STORE": "False",
+        # DeepSpeed's launcher also sets these; its CPU accelerator counts devices from LOCAL_SIZE
+        "LOCAL_SIZE": str(world), "CROSS_RANK": "0", "CROSS_SIZE": "1",
         "PYTHONUNBUFFERED": "1", "SGPU_MAGIC_HOST_PID": str(os.getpid()), "SGPU_MAGIC_JOB_ID": launch["job_id"],
     })
     if launch.get("cuda_visible_devices") is not None:  # "" for a fake GPU inventory: ranks on CPU
