@@ -147,8 +147,10 @@ class VolumeReader(FileSystemReader):
         storage_options (dict | None): passed to the fsspec filesystem.
 
     Raises:
-        CheckpointError: when made, and again in ``dcp.load``: the directory is missing, has no ``.metadata`` (a save that did
-            not finish), or lacks a shard file its ``.metadata`` names.
+        CheckpointError: when made: the directory is missing, has no ``.metadata`` (a save that did not finish),
+            or (local paths) lacks a shard file its ``.metadata`` names. Inside ``dcp.load`` (a remote shard found
+            missing while reading, or a reader made before the checkpoint changed) DCP wraps the same message in
+            its ``CheckpointException``.
     """
 
     def __init__(self, path: str | os.PathLike, *, staging_dir: str | os.PathLike | None = None,
@@ -157,6 +159,8 @@ class VolumeReader(FileSystemReader):
         self._target(path)
         super().__init__(self._local)
         self._fetch(METADATA, self._incomplete_message)  # here, where the error is not wrapped by DCP
+        if not self._staged:
+            self._check_shards()
 
     def _target(self, path) -> None:
         self.url = os.fspath(path)
@@ -183,8 +187,7 @@ class VolumeReader(FileSystemReader):
     def read_data(self, plan, planner):
         names = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
         for name in names:
-            self._fetch(name, lambda: f"checkpoint at {self.url} is damaged: shard file {name!r} named in its "
-                                      f".metadata is missing; load another checkpoint")
+            self._fetch(name, lambda: self._damaged_message(name))
         try:
             return super().read_data(plan, planner)
         finally:
@@ -192,6 +195,17 @@ class VolumeReader(FileSystemReader):
                 for name in names:
                     Path(self._local, name).unlink(missing_ok=True)
                 shutil.rmtree(self._local, ignore_errors=True)
+
+    def _check_shards(self) -> None:
+        """Every shard file a local checkpoint's ``.metadata`` names must exist (remote ones are checked as they are read)."""
+        names = {info.relative_path for info in super().read_metadata().storage_data.values()}
+        missing = sorted(n for n in names if not os.path.exists(os.path.join(self._local, n)))
+        if missing:
+            raise CheckpointError(self._damaged_message(missing[0]))
+
+    def _damaged_message(self, name: str) -> str:
+        return (f"checkpoint at {self.url} is damaged: shard file {name!r} named in its .metadata is missing; "
+                f"load another checkpoint")
 
     def _fetch(self, name: str, message) -> None:
         """Make ``name`` readable under the local path (download it when staged), or raise CheckpointError."""

@@ -95,7 +95,12 @@ class VolumeDataset(torch.utils.data.IterableDataset):
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no file matching ``pattern``.
         ValueError: at iteration, only one of ``RANK`` / ``WORLD_SIZE`` is set, or ranks use different
-            numbers of DataLoader workers (found through the job's rendezvous store, when it is reachable).
+            numbers of DataLoader workers (compared through the job's rendezvous store once a process group
+            exists, else through files beside the cache when every rank runs on this machine).
+
+    Ranks get different numbers of files when the count is not a multiple of world_size x num_workers
+    (37 files over 4 slices: 10, 9, 9, 9). With DDP every rank must take the same number of steps: stop
+    at the smallest count (``all_reduce`` it with ``MIN``) or give the volume a divisible number of files.
     """
 
     def __init__(self, path: str | os.PathLike, pattern: str | None = None, cache_dir: str | os.PathLike | None = None,
@@ -183,6 +188,14 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         for local in self._local_paths(self.slice_for(rank, world, worker_id, num_workers)):
             yield local if self.transform is None else self.transform(local)
 
+    def _file_board(self, world: int) -> "_FileBoard | None":
+        """Files under the cache, per job (``TORCHELASTIC_RUN_ID``), when all ``world`` ranks run on this machine."""
+        job = os.environ.get("TORCHELASTIC_RUN_ID")
+        if not job or os.environ.get("LOCAL_WORLD_SIZE") != str(world):
+            return None
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
+        return _FileBoard(self.cache.directory.parent / ".worker_counts" / safe)
+
     def _local_paths(self, files: list[str]) -> Iterator[str]:
         """Local paths of ``files`` in order; files not yet cached are fetched up to ``prefetch_files`` ahead, in threads."""
         window: collections.deque = collections.deque()
@@ -211,12 +224,13 @@ class VolumeDataset(torch.utils.data.IterableDataset):
                 pool.shutdown(wait=True, cancel_futures=True)
 
     def _check_workers(self, rank: int, world: int, slices: int) -> None:
-        """Compare DataLoader worker counts with the ranks that got here before us (through the rendezvous store).
+        """Compare DataLoader worker counts with the ranks that got here before us: through the job's rendezvous
+        store, or, before any process group exists, through files beside the cache when every rank is on this machine.
 
         Non-blocking: a rank that iterates alone (evaluation on rank 0) is not held up. Of two ranks
         that disagree, the later one to arrive always sees the other's count and raises.
         """
-        store = _rendezvous_store()
+        store = _rendezvous_store() or self._file_board(world)
         if store is None:
             return
         key = self._check_key
@@ -233,6 +247,29 @@ class VolumeDataset(torch.utils.data.IterableDataset):
                 f"0 workers count as 1). Files are split by a stride of world_size x num_workers, so with different "
                 f"counts some files would be skipped and others read twice. Give every rank's DataLoader the same "
                 f"num_workers.")
+
+
+class _FileBoard:
+    """The three store calls :meth:`VolumeDataset._check_workers` makes, on files in one directory of this machine."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.directory / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    def set(self, key: str, value: str) -> None:
+        path = self._path(key)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(value)
+        os.replace(tmp, path)
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._path(k).exists() for k in keys)
+
+    def get(self, key: str) -> str:
+        return self._path(key).read_text()
 
 
 def _protocol(fs) -> str:

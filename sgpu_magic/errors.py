@@ -133,12 +133,14 @@ class RankFailedError(SgpuError, RuntimeError):
         others: other failed ranks (secondary failures).
         stopped_ranks: ranks that were still running and were stopped by sgpu_magic.
         run_dir: the job's run directory, where every rank's log stays.
+        attempt_note: with ``max_restarts``, which attempt failed and how many restarts came before.
     """
 
     root_cause: RankFailure
     others: list[RankFailure] = field(default_factory=list)
     stopped_ranks: list[int] = field(default_factory=list)
     run_dir: str = ""
+    attempt_note: str = ""
 
     def __post_init__(self) -> None:
         super().__init__(self._message())
@@ -154,6 +156,8 @@ class RankFailedError(SgpuError, RuntimeError):
             ranks = ", ".join(str(r) for r in self.stopped_ranks)
             lines.append(f"  rank {ranks} stopped by sgpu_magic because rank {rc.rank} failed")
         lines.append(f"  log of rank {rc.rank}: {rc.log_path}")
+        if self.attempt_note:
+            lines.append(f"  {self.attempt_note}")
         return "\n".join(lines)
 
     def _render_traceback_(self) -> list[str]:

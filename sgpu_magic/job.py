@@ -275,7 +275,8 @@ class Job:
     def attempts(self) -> list[dict]:
         """The failed attempts before the current one: ``[{"attempt": 1, "failures": [{"rank", "exitcode",
         "time_s"}], "ended_s", "exitcodes"}]``; their error files are in ``<run_dir>/errors/attempt_<k>/``."""
-        return list(self._status().get("attempts", []))
+        return [{**a, "exitcodes": {int(r): code for r, code in a.get("exitcodes", {}).items()}}
+                for a in self._status().get("attempts", [])]
 
     def _status(self) -> dict:
         return self._final_status or read_json(self._status_path) or {"state": "pending"}
@@ -639,7 +640,11 @@ class Job:
             return LauncherError(status["host_lost"])
         if status.get("launch_error"):
             return LauncherError(f"job {self.job_id} could not start: {status['launch_error']}")
-        return failure_from_status(self._rd, status, self.world_size)
+        error = failure_from_status(self._rd, status, self.world_size)
+        if status.get("attempts"):
+            error.attempt_note = (f"attempt {status.get('attempt', 1)} of {self.spec.max_restarts + 1} failed, after "
+                                  f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures")
+        return error
 
     def __repr__(self) -> str:
         gpus = f" gpus={self.gpus}" if self.gpus else ""

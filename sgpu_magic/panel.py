@@ -48,6 +48,10 @@ def summary_line(job: Job) -> str:
             f"logs: {job.run_dir / 'logs'}{link}")
 
 
+ATTEMPT_PREFIX = "[sgpu_magic] attempt "
+"""How the launch host's line that starts a new attempt in every rank log begins."""
+
+
 def _restart_reason(job: Job) -> str:
     """``rank 1 failed (exit code 1)`` for the attempt that ended last."""
     attempts = job.attempts
@@ -84,6 +88,8 @@ class TextView(JobSink):
             return
         shown = []
         for line in lines:
+            if line.startswith(ATTEMPT_PREFIX):  # a new attempt: this rank's lines are shown again
+                self._failed_ranks.discard(rank)
             if rank in self._failed_ranks:
                 continue
             if is_traceback_marker(line):

@@ -123,10 +123,14 @@ def _complete_copy(tmp_path) -> str:
 
 def test_a_missing_shard_or_directory_is_named(tmp_path):
     path = _complete_copy(tmp_path)
+    reader = VolumeReader(path)  # made while the checkpoint was whole
     os.remove(os.path.join(path, "__0_0.distcp"))
-    with pytest.raises(BaseException, match=r"checkpoint at .*other is damaged: shard file '__0_0.distcp' named in "
-                                            r"its \.metadata is missing; load another checkpoint"):
-        dcp.load({"w": torch.zeros(ROWS, COLS)}, storage_reader=VolumeReader(path), no_dist=True)
+    damaged = r"checkpoint at .*other is damaged: shard file '__0_0.distcp' named in its \.metadata is missing; " \
+              r"load another checkpoint"
+    with pytest.raises(CheckpointError, match=damaged):
+        VolumeReader(path)
+    with pytest.raises(BaseException, match=damaged):  # found while reading: wrapped by DCP
+        dcp.load({"w": torch.zeros(ROWS, COLS)}, storage_reader=reader, no_dist=True)
     with pytest.raises(CheckpointError, match=r"no checkpoint at .*nowhere: the directory does not exist"):
         VolumeReader(tmp_path / "nowhere")
     assert not is_complete(tmp_path / "nowhere")

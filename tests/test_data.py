@@ -123,6 +123,27 @@ def test_ranks_with_different_worker_counts_are_told_so(volume, tmp_path):
                      caught.value.root_cause.message, re.S)
 
 
+@distributed(gpus=2, timeout=180, mlflow=False)
+def read_without_a_group(path, cache_dir, num_workers):
+    """Each rank reads the volume once with its own worker count, with no process group (no c10d store)."""
+    import os
+
+    from sgpu_magic.data import DataLoader, VolumeDataset
+
+    loader = DataLoader(VolumeDataset(path, cache_dir=cache_dir), batch_size=None,
+                        num_workers=num_workers[int(os.environ["RANK"])])
+    return len(list(loader))
+
+
+def test_different_worker_counts_are_found_without_a_process_group(volume, tmp_path):
+    _, data = volume
+    with pytest.raises(RankFailedError) as caught:
+        read_without_a_group.distributed(str(data), str(tmp_path / "cache"), [1, 2])
+    assert re.search(r"ranks read it with different numbers of DataLoader workers \(rank 0: 1, rank 1: 2; 0 workers "
+                     r"count as 1\)", caught.value.root_cause.message)
+    assert read_without_a_group.distributed(str(data), str(tmp_path / "cache"), [2, 2]) == [20, 18]  # 38 files, 4 slices
+
+
 def _touch_first(url, cache_dir, barrier, out):
     from sgpu_magic.data import VolumeDataset
 

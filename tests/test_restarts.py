@@ -55,10 +55,13 @@ def test_a_rank_killed_once_is_restarted_and_attempt_2_succeeds():
 
 
 def test_each_failed_attempts_errors_are_kept_and_the_last_one_fails_the_job():
-    with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails on restart count 2"):
+    with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails on restart count 2"
+                                              r"(.|\n)*attempt 3 of 3 failed, after 2 restart\(s\); job.attempts lists "
+                                              r"the earlier failures"):
         flaky.distributed("raise", 3)
     job = flaky.last_job
     assert job.attempt == 3 and [a["attempt"] for a in job.attempts] == [1, 2]
+    assert job.attempts[0]["exitcodes"][1] == 1  # rank keys are ints
     for k in (1, 2):
         kept = json.loads((job.run_dir / "errors" / f"attempt_{k}" / "rank_1.json").read_text())
         assert kept["message"] == f"rank 1 fails on restart count {k - 1}"
@@ -84,6 +87,9 @@ def test_the_magic_restarts_and_says_so(ip, capsys):
     job = ip.user_ns["restarted_job"]
     assert job.state is JobState.SUCCEEDED and job.results == ["1", "1"]
     assert f"sgpu_magic: job {job.job_id}: rank 0 failed (exit code 1); attempt 2 of 2 started" in out
+    # the failed rank's lines are hidden after its traceback marker, and shown again from the new attempt on
+    assert "[rank 0] [sgpu_magic] attempt 2 of 2: all ranks restarted after rank 0 failed (exit code 1)" in out
+    assert "[rank 1] [sgpu_magic] attempt 2 of 2: all ranks restarted after rank 0 failed (exit code 1)" in out
 
 
 @pytest.mark.parametrize("bad", [-1, 1001, "2", True, 1.5])
