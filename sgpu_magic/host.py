@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 from .errors import describe_exit
-from .rundir import RunDir, atomic_write_json, read_json
+from .rundir import RunDir, atomic_write_json, attempt_marker, read_json
 
 GRACE_S = 3.0
 POLL_S = 0.02
@@ -255,20 +255,17 @@ class HostJob:
              "exitcodes": {str(r): code for r, code in _exitcodes(self.ctx).items()}})
         keep = self.run_dir.path / "errors" / f"attempt_{self.attempt}"
         for rank in range(world):
-            for path, target in ((self.run_dir.error_file(rank), keep / f"rank_{rank}.json"),
-                                 (self.run_dir.result_file(rank), None)):
-                if path.exists():
-                    if target is None:
-                        path.unlink()
-                    else:
-                        keep.mkdir(mode=0o700, exist_ok=True)
-                        os.replace(path, target)
+            self.run_dir.result_file(rank).unlink(missing_ok=True)
+            error = self.run_dir.error_file(rank)
+            if error.exists():
+                keep.mkdir(mode=0o700, exist_ok=True)
+                os.replace(error, keep / error.name)
         why = ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failed)
         self.attempt += 1
+        line = attempt_marker(self.attempt, self.max_restarts + 1, why)
         for rank in range(world):
             with open(self.run_dir.log_file(rank), "a") as log:
-                log.write(f"[sgpu_magic] attempt {self.attempt} of {self.max_restarts + 1}: all ranks restarted "
-                          f"after {why}\n")
+                log.write(line + "\n")
         if not self.launch.get("port"):
             self.port = _free_port()  # rank 0's store of the last attempt may still hold the old one
         self._start_attempt()

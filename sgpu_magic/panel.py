@@ -19,7 +19,7 @@ import time
 
 from .errors import describe_exit
 from .job import Job, JobSink, JobState
-from .rundir import is_traceback_marker
+from .rundir import is_attempt_marker, is_traceback_marker
 
 DEFAULT_MAX_LINES = 2000
 MAX_FLUSHES_PER_S = 10.0
@@ -46,10 +46,6 @@ def summary_line(job: Job) -> str:
     link = f"; MLflow run: {job.run_url}" if getattr(job, "run_url", None) else ""
     return (f"sgpu_magic: job {job.job_id} {job.state.value}{elapsed} on {job.plan.device_kind}; "
             f"logs: {job.run_dir / 'logs'}{link}")
-
-
-ATTEMPT_PREFIX = "[sgpu_magic] attempt "
-"""How the launch host's line that starts a new attempt in every rank log begins."""
 
 
 def _restart_reason(job: Job) -> str:
@@ -88,7 +84,7 @@ class TextView(JobSink):
             return
         shown = []
         for line in lines:
-            if line.startswith(ATTEMPT_PREFIX):  # a new attempt: this rank's lines are shown again
+            if is_attempt_marker(line):  # a new attempt: this rank's lines are shown again
                 self._failed_ranks.discard(rank)
             if rank in self._failed_ranks:
                 continue

@@ -86,6 +86,18 @@ def is_traceback_marker(line: str) -> bool:
     return line.startswith("[sgpu_magic] rank ") and line.endswith("; its traceback follows")
 
 
+ATTEMPT_MARK = "[sgpu_magic] attempt "
+
+
+def attempt_marker(attempt: int, attempts: int, why: str) -> str:
+    """The line the launch host appends to every rank log before it starts attempt ``attempt`` (max_restarts)."""
+    return f"{ATTEMPT_MARK}{attempt} of {attempts}: all ranks restarted after {why}"
+
+
+def is_attempt_marker(line: str) -> bool:
+    return line.startswith(ATTEMPT_MARK)
+
+
 def new_job_id() -> str:
     """A sortable, unique job id: ``20261130-015715-3fa2c1``."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
