@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
+from .rundir import atomic_write_bytes
 from .volume_cache import VolumeCache, default_cache_dir, volume_key
 
 __all__ = ["VolumeDataset", "DataLoader"]
@@ -260,10 +261,7 @@ class _FileBoard:
         return self.directory / hashlib.sha256(key.encode()).hexdigest()[:32]
 
     def set(self, key: str, value: str) -> None:
-        path = self._path(key)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(value)
-        os.replace(tmp, path)
+        atomic_write_bytes(self._path(key), value.encode())
 
     def check(self, keys: list[str]) -> bool:
         return all(self._path(k).exists() for k in keys)

@@ -23,12 +23,13 @@ noticed. Clear the cache directory to force a refetch.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
 
 from filelock import FileLock
+
+from .rundir import atomic_write_json, read_json
 
 LOCKS_DIR = ".locks"
 LEDGER = ".ledger"
@@ -67,12 +68,9 @@ class VolumeCache:
         self._dir = str(self.directory)
         (self.directory / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
 
-    def local_path(self, relative: str) -> str:
-        return os.path.join(self._dir, relative)
-
     def lookup(self, relative: str, size: int | None) -> str | None:
         """The cached copy's local path, or ``None`` when there is none yet (nothing is fetched)."""
-        local = os.path.join(self._dir, relative)
+        local = os.path.join(self._dir, relative)  # str paths: this is the per-file hot path of a cached epoch
         if not self._valid(local, size):
             return None
         if self.max_bytes is not None:
@@ -85,11 +83,10 @@ class VolumeCache:
         ``fetch`` writes the whole file to the path it is given; it runs at most once per file on
         this machine while the copy stays cached.
         """
-        local = os.path.join(self._dir, relative)  # str paths: this is the per-file hot path of a cached epoch
-        if self._valid(local, size):
-            if self.max_bytes is not None:
-                self._pin(local)
-            return local, False
+        cached = self.lookup(relative, size)
+        if cached is not None:
+            return cached, False
+        local = os.path.join(self._dir, relative)
         digest = hashlib.sha256(relative.encode()).hexdigest()[:24]
         with FileLock(str(self.directory / LOCKS_DIR / f"{digest}.lock")):
             if self._valid(local, size):
@@ -137,10 +134,7 @@ class VolumeCache:
         """Add ``added``'s bytes to the ledger; evict least recently served files when over the bound."""
         with FileLock(str(self.directory / LOCKS_DIR / "cache.lock")):
             ledger = self.directory / LEDGER
-            try:
-                held = json.loads(ledger.read_text())["bytes"]
-            except (FileNotFoundError, ValueError, KeyError):
-                held = None
+            held = (read_json(ledger) or {}).get("bytes")
             try:
                 size = os.stat(added).st_size
             except FileNotFoundError:  # already evicted by another process: the bound is below what is in use
@@ -148,35 +142,30 @@ class VolumeCache:
             held = self._scan_bytes() if held is None else held + size
             if held > self.max_bytes:
                 held = self._evict(keep=added)
-            tmp = ledger.with_name(f"{LEDGER}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"bytes": held}))
-            os.replace(tmp, ledger)
+            atomic_write_json(ledger, {"bytes": held})
 
-    def _files(self) -> list[Path]:
-        out = []
+    def _entries(self) -> list[tuple[float, int, Path]]:
+        """``(mtime, size, path)`` of every cached file (not locks, the ledger or temporary copies)."""
+        entries = []
         for dirpath, dirnames, filenames in os.walk(self.directory):
             dirnames[:] = [d for d in dirnames if d != LOCKS_DIR]
-            out += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
-        return out
+            for name in filenames:
+                if name.startswith("."):
+                    continue
+                path = Path(dirpath, name)
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue
+                entries.append((st.st_mtime, st.st_size, path))
+        return entries
 
     def _scan_bytes(self) -> int:
-        total = 0
-        for p in self._files():
-            try:
-                total += p.stat().st_size
-            except FileNotFoundError:
-                pass
-        return total
+        return sum(size for _, size, _ in self._entries())
 
     def _evict(self, keep: str) -> int:
         """Remove least recently served files until the cache holds at most 90% of ``max_bytes``; return bytes held."""
-        entries = []
-        for p in self._files():
-            try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            entries.append((st.st_mtime, st.st_size, p))
+        entries = self._entries()
         held = sum(size for _, size, _ in entries)
         for _, size, path in sorted(entries, key=lambda e: e[0]):
             if held <= self.max_bytes * EVICT_TO:
