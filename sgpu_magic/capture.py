@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import builtins
 import dis
+import functools
 import inspect
 import io
 import linecache
@@ -182,14 +183,20 @@ def cell_global_names(source: str) -> set[str]:
 
 def code_global_names(code: types.CodeType) -> set[str]:
     """Global names a code object and its nested code objects load or store."""
+    return set(_code_global_names(code))
+
+
+@functools.lru_cache(maxsize=256)
+def _code_global_names(code: types.CodeType) -> frozenset[str]:
+    """:func:`code_global_names`, remembered per code object (a function launched again is not re-disassembled)."""
     names: set[str] = set()
     for ins in dis.get_instructions(code):
         if ins.opname in _GLOBAL_OPS:
             names.add(ins.argval)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= code_global_names(const)
-    return names
+            names |= _code_global_names(const)
+    return frozenset(names)
 
 
 def _importable_reference(fn: Callable) -> tuple[str, str] | None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 from .errors import describe_exit
-from .rundir import RunDir, atomic_write_json, attempt_marker, read_json
+from .rundir import RunDir, atomic_write_json, attempt_marker, read_json, signal_status
 
 GRACE_S = 3.0
 POLL_S = 0.02
@@ -210,6 +210,7 @@ class HostJob:
 
     def _write(self) -> None:
         atomic_write_json(self.run_dir.status_file, self.status)
+        signal_status(self.run_dir)
 
     def wake_fds(self) -> list[int]:
         """File descriptors that become readable when a warm rank returns or exits (its return-value
@@ -391,6 +392,7 @@ class Host:
                 self.jobs[run_dir.job_id] = HostJob(run_dir, cmd["env"], self.pool)
             except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
                 atomic_write_json(run_dir.status_file, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
+                signal_status(run_dir)
         elif cmd["op"] == "cancel" and run_dir.job_id in self.jobs:
             job = self.jobs.pop(run_dir.job_id)
             job.stop(cmd.get("reason", "cancelled"))

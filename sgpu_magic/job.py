@@ -11,6 +11,7 @@ import contextvars
 import enum
 import os
 import pickle
+import select
 import sys
 import threading
 import time
@@ -26,15 +27,19 @@ from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
 from .spec import LaunchSpec
 
 POLL_INTERVAL_S = 0.01
-"""How often a followed job's status file is checked (an os.stat), so its end is seen within ~10 ms."""
+"""How often a followed job's status file is checked (an os.stat) when its status FIFO could not be made;
+with the FIFO the follower sleeps until the launch host signals a status write (or ``PUMP_INTERVAL_S``)."""
 PUMP_INTERVAL_S = 0.05
 """How often the rank logs are read (and the launch host's liveness checked) while nothing else changes."""
-ON_SCREEN_READ_S = 0.1
-"""How often a log on screen is read when no sink needs every line (the panel shows it at most 10 times a second)."""
+ON_SCREEN_READ_S = 0.2
+"""How often a log on screen is read when no sink needs every line (the panel shows it at most 5 times a second)."""
 OFF_SCREEN_READ_S = 1.0
 """How often the logs of ranks not on screen are read, when no sink needs every line."""
 TAIL_MIN_BYTES = 64 * 1024
-"""Below this much new output a log is read whole; above it, from where its last lines start."""
+"""Below this much new output a log is read whole; above it, from where its last lines start (the
+first window read back from the end; later windows fit the lines seen so far)."""
+HOST_CHECK_S = 0.5
+"""How often a followed job checks that its launch host process still runs."""
 CANCEL_WAIT_S = 15.0
 
 
@@ -61,21 +66,42 @@ def _to_state(status: dict) -> JobState:
 
 
 class LogFollower:
-    """Follows one rank's log file by byte offset and returns the new text (UTF-8 decoded incrementally)."""
+    """Follows one rank's log file by byte offset and returns the new text (UTF-8 decoded incrementally).
+
+    The file is kept open from its first read until :meth:`close` (logs are only appended to), so a
+    read with nothing new costs one ``fstat``.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
+        self.skipped_total = 0
+        """Bytes passed over so far (they are only in the log file)."""
+        self._line_bytes = 0.0  # mean length of the lines read from the tail last time
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._file = None
+
+    def _open(self):
+        if self._file is None:
+            try:
+                self._file = open(self.path, "rb")  # noqa: SIM115 - kept open until close()
+            except FileNotFoundError:
+                return None
+        return self._file
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def read(self, final: bool = False) -> str:
         """Text written since the last call; with ``final`` also a trailing incomplete character."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
+        f = self._open()
+        if f is None or os.fstat(f.fileno()).st_size <= self.offset:
             chunk = b""
+        else:
+            f.seek(self.offset)
+            chunk = f.read()
         self.offset += len(chunk)
         return self._decoder.decode(chunk, final=final)
 
@@ -86,28 +112,45 @@ class LogFollower:
         text after them. A view that shows only the last lines reads a few hundred KB however
         fast the rank writes.
         """
-        try:
-            size = os.stat(self.path).st_size
-        except FileNotFoundError:
+        f = self._open()
+        if f is None:
             return 0, ""
+        size = os.fstat(f.fileno()).st_size
         if size - self.offset <= TAIL_MIN_BYTES:
             return 0, self.read(final)
-        want = TAIL_MIN_BYTES
-        with open(self.path, "rb") as f:
-            while True:
-                start = max(self.offset, size - want)
-                f.seek(start)
-                chunk = f.read(size - start)
-                cut = chunk.find(b"\n") if start > self.offset else -1
-                if cut >= 0 and chunk.count(b"\n", cut + 1) >= min_lines:
-                    skipped = start + cut + 1 - self.offset
-                    self.offset = start + len(chunk)
-                    self._decoder.reset()  # the skipped bytes end at a newline: no character is cut
-                    return skipped, self._decoder.decode(chunk[cut + 1:], final=final)
-                if start == self.offset:
-                    self.offset += len(chunk)
-                    return 0, self._decoder.decode(chunk, final=final)
-                want *= 4
+        # a window that holds min_lines lines of the length seen so far (a fifth more), at least 4 KiB
+        want = max(4096, int(min_lines * self._line_bytes * 1.2)) if self._line_bytes else TAIL_MIN_BYTES
+        while True:
+            start = max(self.offset, size - want)
+            f.seek(start)
+            chunk = f.read(size - start)
+            cut = chunk.find(b"\n") if start > self.offset else -1
+            lines = chunk.count(b"\n", cut + 1) if cut >= 0 else 0
+            if lines:
+                self._line_bytes = (len(chunk) - cut - 1) / lines
+            if cut >= 0 and lines >= min_lines:
+                skipped = start + cut + 1 - self.offset
+                self.skipped_total += skipped
+                self.offset = start + len(chunk)
+                self._decoder.reset()  # the skipped bytes end at a newline: no character is cut
+                return skipped, self._decoder.decode(chunk[cut + 1:], final=final)
+            if start == self.offset:
+                self.offset += len(chunk)
+                return 0, self._decoder.decode(chunk, final=final)
+            want *= 4
+
+    def reread_tail(self, min_lines: int) -> tuple[int, str]:
+        """The last ``min_lines`` complete lines of the whole log (and any unfinished last line), read
+        again from the file, after :meth:`read_tail` passed over the middle with fewer lines.
+
+        Returns ``(skipped_bytes, text)`` like :meth:`read_tail`; ``skipped_bytes`` counts only bytes
+        not reported as skipped before, so the sum over calls stays the bytes before the text.
+        """
+        before = self.skipped_total
+        self.offset, self.skipped_total = 0, 0
+        self._decoder.reset()
+        skipped, text = self.read_tail(min_lines, final=True)
+        return max(0, skipped - before), text
 
 
 class JobSink:
@@ -123,6 +166,10 @@ class JobSink:
     """False for a sink that shows only the last ``tail_lines`` lines of each rank: when every sink
     says so, the job skips over the middle of fast logs (see :meth:`skipped`)."""
     tail_lines = 0
+    """Lines of each rank the sink keeps at the end (read from the log's tail when it skips)."""
+    live_tail_lines = 0
+    """Lines of each rank the sink shows while the job runs (0: ``tail_lines``); the logs are read from
+    their tail with this many lines, and once more with ``tail_lines`` when the job ends."""
 
     def ranks_on_screen(self) -> set[int] | None:
         """Ranks whose output is shown right now (read every ``ON_SCREEN_READ_S``); the others are read
@@ -146,7 +193,8 @@ class JobSink:
         """New text from rank ``rank``'s log (stdout and stderr in order; may end mid-line)."""
 
     def skipped(self, rank: int, nbytes: int) -> None:
-        """``nbytes`` of rank ``rank``'s log (ending at a line end) were passed over; they are in its file."""
+        """``nbytes`` of rank ``rank``'s log (ending at a line end) were passed over; they are in its file.
+        The lines the sink holds are dropped (``nbytes`` may be 0 when the job's end reads a longer tail again)."""
 
     def state_changed(self, job: "Job", state: "JobState") -> None:
         """The job moved to ``state``."""
@@ -196,6 +244,7 @@ class Job:
                  sinks: list[JobSink] = (), registry: LeaseRegistry | None = None) -> None:
         self._rd = run_dir
         self._status_path = run_dir.status_file
+        self._status_path_str = str(self._status_path)  # stat-ed every poll: no pathlib on that path
         self.spec = spec
         self.plan = plan
         self._get_host = get_host
@@ -215,10 +264,15 @@ class Job:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._stamp: tuple | None = None
+        self._status_cache: tuple[tuple, float, dict] | None = None
         self._last_pump = 0.0
+        self._host_checked = 0.0
+        self._signal_fd: int | None = None
         # every line to each sink, or (when no sink needs them all) only the last tail_lines lines
         self._tail_lines = None if any(s.needs_every_line for s in self._sinks) else max(
             [s.tail_lines for s in self._sinks] + [1])
+        self._live_tail_lines = None if self._tail_lines is None else max(
+            [s.live_tail_lines or s.tail_lines for s in self._sinks] + [1])
         self._read_at = [0.0] * plan.world_size
         self.background = False
         self.submitted_s = time.time()
@@ -279,7 +333,19 @@ class Job:
                 for a in self._status().get("attempts", [])]
 
     def _status(self) -> dict:
-        return self._final_status or read_json(self._status_path) or {"state": "pending"}
+        """The job's status file as last written (re-read only when the file was replaced since)."""
+        if self._final_status is not None:
+            return self._final_status
+        stamp, now = self._status_stamp(), time.monotonic()
+        cached = self._status_cache
+        # a replaced file has a new stamp; the age bound covers a reused inode with the same times
+        if stamp is not None and cached is not None and cached[0] == stamp and now - cached[1] < PUMP_INTERVAL_S:
+            return cached[2]
+        status = read_json(self._status_path)
+        if status is None:
+            return {"state": "pending"}
+        self._status_cache = (stamp, now, status)
+        return status
 
     @property
     def state(self) -> JobState:
@@ -359,6 +425,7 @@ class Job:
             atomic_write_json(rd.launch_file, launch)
             for rank in range(plan.world_size):
                 rd.log_file(rank).touch(mode=0o600)
+            self._open_status_signal()
             host = self._get_host()
             try:
                 host.launch(rd)
@@ -377,7 +444,37 @@ class Job:
         if self._cancel.is_set():
             self.request_cancel(self._cancel_reason)
 
+    def _open_status_signal(self) -> None:
+        """Make the job's status FIFO and hold it open for reading and writing (so it never reads as
+        closed); without it the follower polls every ``POLL_INTERVAL_S``."""
+        path = self._rd.status_signal
+        try:
+            os.mkfifo(path, 0o600)
+            self._signal_fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        except (OSError, AttributeError):  # a file system without FIFOs
+            self._signal_fd = None
+
+    def _close_status_signal(self) -> None:
+        fd, self._signal_fd = self._signal_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _wait_for_status(self) -> None:
+        """Sleep until the launch host writes the job's status, or ``PUMP_INTERVAL_S`` (time to read the
+        logs again) passes."""
+        fd = self._signal_fd
+        if fd is None:
+            time.sleep(POLL_INTERVAL_S)
+            return
+        try:
+            ready, _, _ = select.select([fd], [], [], PUMP_INTERVAL_S)
+            if ready:
+                os.read(fd, 4096)
+        except (OSError, ValueError):  # closed by the thread that saw the job end
+            time.sleep(POLL_INTERVAL_S)
+
     def _release(self) -> None:
+        self._close_status_signal()
         if self._lease is not None:
             self._lease.release()
 
@@ -395,6 +492,15 @@ class Job:
     # -- follow
 
     def _pump(self, final: bool = False) -> None:
+        """Hand what the ranks wrote since the last call to the sinks; ``final``: all of it, then close the logs."""
+        try:
+            self._read_logs(final)
+        finally:
+            if final:
+                for follower in self._followers:
+                    follower.close()
+
+    def _read_logs(self, final: bool) -> None:
         tail = self._tail_lines
         if tail is None:
             for rank, follower in enumerate(self._followers):
@@ -412,18 +518,24 @@ class Job:
             if not final and now - self._read_at[rank] < every_s:
                 continue
             self._read_at[rank] = now
-            skipped, text = follower.read_tail(tail, final)
-            if skipped:
+            if final and follower.skipped_total and self._live_tail_lines < tail:
+                # while running only the last live lines were read: the sinks keep the last tail lines,
+                # read again (the skip clears what they hold)
+                skipped, text = follower.reread_tail(tail)
                 self._emit("skipped", rank, skipped)
+            else:
+                skipped, text = follower.read_tail(tail if final else self._live_tail_lines, final)
+                if skipped:
+                    self._emit("skipped", rank, skipped)
             if text:
                 self._emit("output", rank, text)
 
     def _status_stamp(self) -> tuple | None:
         try:
-            st = os.stat(self._status_path)
+            st = os.stat(self._status_path_str)
         except FileNotFoundError:
             return None
-        return st.st_ino, st.st_mtime_ns  # each write is a rename: a new inode
+        return st.st_ino, st.st_mtime_ns, st.st_size  # each write is a rename: a new inode
 
     def _poll_once(self) -> bool:
         if self._final_status is not None:
@@ -433,7 +545,7 @@ class Job:
             return False
         self._stamp, self._last_pump = stamp, now
         self._pump()
-        status = read_json(self._status_path) or {}
+        status = self._status()
         state = _to_state(status)
         if status.get("attempt", 1) != self._attempt:
             self._attempt = status["attempt"]
@@ -450,7 +562,7 @@ class Job:
             self._done.set()
             return True
         self._emit("tick", self)
-        if not self._host.alive():
+        if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
             message = (f"the launch host died while job {self.job_id} ran; see {self._host.log_path} "
                        f"and the rank logs in {self._rd.path / 'logs'}")
             self._pump(final=True)
@@ -463,6 +575,10 @@ class Job:
             raise LauncherError(message)
         return False
 
+    def _host_alive(self, now: float) -> bool:
+        self._host_checked = now
+        return self._host.alive()
+
     def _run_to_end(self) -> None:
         """Lease the GPUs (waiting in the queue) and launch, unless done already; then follow to the end."""
         if self._host is None:
@@ -472,7 +588,7 @@ class Job:
                 raise JobCancelledError(f"job {self.job_id} was cancelled before it started (no rank ran)")
             self._launch()
         while not self._poll_once():
-            time.sleep(POLL_INTERVAL_S)
+            self._wait_for_status()
 
     def _follow_blocking(self) -> None:
         """:meth:`_run_to_end` in the calling thread; an interrupt cancels the job and raises
@@ -522,7 +638,7 @@ class Job:
             self._done.wait(timeout_s)
             return
         while self._host is not None and not self._poll_once() and time.monotonic() < deadline:
-            time.sleep(POLL_INTERVAL_S)
+            self._wait_for_status()
 
     def wait(self, timeout_s: float | None = None) -> JobState:
         """Block until the job ends or ``timeout_s`` seconds pass; return its state.
@@ -544,7 +660,7 @@ class Job:
             while not self._poll_once():
                 if deadline is not None and time.monotonic() > deadline:
                     break
-                time.sleep(POLL_INTERVAL_S)
+                self._wait_for_status()
         except KeyboardInterrupt:
             self.cancel(_reason="interrupted")
             raise JobCancelledError(f"job {self.job_id} was interrupted; every rank was stopped. "

@@ -9,6 +9,7 @@ at most ``HIDDEN_TAB_FLUSHES_PER_S`` times a second.
 from __future__ import annotations
 
 import collections
+import functools
 import html
 import itertools
 import os
@@ -22,7 +23,7 @@ from .job import Job, JobSink, JobState
 from .rundir import is_attempt_marker, is_traceback_marker
 
 DEFAULT_MAX_LINES = 2000
-MAX_FLUSHES_PER_S = 10.0
+MAX_FLUSHES_PER_S = 5.0
 MAX_BYTES_PER_S = 1 << 20
 """Flushes are spaced so that the panel sends at most about this much log text a second."""
 LIVE_LINES = 200
@@ -227,6 +228,21 @@ class Footer:
         self.value = ""
 
 
+@functools.cache
+def _panel_box_class():
+    """The panel's outer box class, made on first use (ipywidgets is imported only for a panel)."""
+    import ipywidgets as w
+
+    class PanelBox(w.VBox):
+        """The panel's outer box; its plain-text form (computed at every ``display``) is one short line
+        instead of the repr of every child widget and the text they hold."""
+
+        def __repr__(self) -> str:
+            return "sgpu_magic panel"
+
+    return PanelBox
+
+
 class Panel(TextView):
     """The ipywidgets panel: header (job, state badge, devices, elapsed, MLflow link), Stop, one tab per rank.
 
@@ -250,11 +266,17 @@ class Panel(TextView):
         self._last_hidden_flush = 0.0
         self._last_bytes = 0
         self.live_lines = LIVE_LINES
-        self.header = w.HTML()
+        # every widget is a comm the kernel opens and keeps in sync: the widgets that set no layout or
+        # style of their own share one default Layout and one HTMLStyle instead of making one each
+        from ipywidgets.widgets.widget_string import HTMLStyle
+
+        layout, style = w.Layout(), HTMLStyle()
+        self.header = w.HTML(layout=layout, style=style)
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", tooltip=_HELP)
-        self.help = w.HTML(f"<small>{html.escape(_HELP)}</small>")
-        self.tabs = w.Tab()
-        self.widget = w.VBox([w.HBox([self.header, self.stop_button]), self.tabs, self.help])
+        self.help = w.HTML(f"<small>{html.escape(_HELP)}</small>", layout=layout, style=style)
+        self.tabs = w.Tab(layout=layout)
+        self.widget = _panel_box_class()([w.HBox([self.header, self.stop_button], layout=layout), self.tabs, self.help],
+                                layout=layout)
         self._job: Job | None = None
 
     def created(self, job: Job) -> None:
@@ -266,7 +288,8 @@ class Panel(TextView):
         # (sharing one Layout): its first output is the footer line, its second the log text
         self.footers = [Footer() for _ in range(job.world_size)]
         self._log_names = [html.escape(str(path)) for path in job.log_paths]
-        self._render_footers(job)
+        self._exitcodes: dict[int, int | None] | None = None  # set once the job has ended
+        self._counted: dict[str, int] | None = None
         log_layout = w.Layout(max_height="30em", overflow="auto")
         self.outputs = [w.Output(layout=log_layout, outputs=self._tab_outputs(rank, ""))
                         for rank in range(job.world_size)]
@@ -293,7 +316,7 @@ class Panel(TextView):
         with self._lock:
             self._dirty.discard(rank)
             running = self._job is not None and not self._job.done()
-            text = self.buffers[rank].text(min(self.live_lines, self.max_lines) if running else None)
+            text = self.buffers[rank].text(self.live_tail_lines if running else None)
         self.outputs[rank].outputs = self._tab_outputs(rank, text)
 
     def _stop(self) -> None:
@@ -305,6 +328,10 @@ class Panel(TextView):
     @property
     def tail_lines(self) -> int:
         return self.max_lines
+
+    @property
+    def live_tail_lines(self) -> int:
+        return min(self.live_lines, self.max_lines)
 
     def ranks_on_screen(self) -> set[int] | None:
         selected = self.tabs.selected_index
@@ -345,21 +372,23 @@ class Panel(TextView):
 
     def _flush(self, job: Job, final: bool = False) -> None:
         now = time.monotonic()
+        on_screen = self.tabs.selected_index
         with self._lock:
-            if final:  # every tab, with all its kept lines (while running they show the last live_lines)
+            if final:  # every tab: the one on screen with all its kept lines, the others with their last
+                # live_lines until selected (a selection, once the kernel is free, shows all kept lines)
                 dirty, self._dirty = set(range(len(self.buffers))), set()
             elif now - self._last_hidden_flush >= 1.0 / HIDDEN_TAB_FLUSHES_PER_S:
                 dirty, self._dirty = self._dirty, set()
                 self._last_hidden_flush = now
             else:  # only the tab on screen
-                dirty = self._dirty & {self.tabs.selected_index}
+                dirty = self._dirty & {on_screen}
                 self._dirty -= dirty
-            live = None if final else min(self.live_lines, self.max_lines)
-            texts = {r: self.buffers[r].text(live) for r in dirty}
+            live = self.live_tail_lines
+            texts = {r: self.buffers[r].text(None if final and r == on_screen else live) for r in dirty}
         self._last_flush = now
         self._last_bytes = sum(len(t) for t in texts.values())
         if final:  # while running the footers say "running" and where the log is: they change only now
-            self._render_footers(job, final)
+            self._final_footers(job)
         for rank, text in texts.items():
             self.outputs[rank].outputs = self._tab_outputs(rank, text)
         if texts:
@@ -372,25 +401,33 @@ class Panel(TextView):
 
     def _tab_outputs(self, rank: int, text: str) -> tuple[dict, dict]:
         """A tab's content, in nbformat output form: the footer line (HTML), then the log text (a stream)."""
-        footer = self.footers[rank].value
+        footer = self._render_footer(rank, text.count("\n"))  # complete lines shown (each ends with a newline)
         return ({"output_type": "display_data", "metadata": {},
                  "data": {"text/html": footer, "text/plain": html.unescape(re.sub(r"<[^>]+>", "", footer))}},
                 {"output_type": "stream", "name": "stdout", "text": text})
 
-    def _render_footers(self, job: Job, final: bool = False) -> None:
-        codes = job.rank_exitcodes if final else {}
-        counted = (job._status().get("log_lines") or {}) if final else {}
-        for rank, footer in enumerate(self.footers):
-            buf = self.buffers[rank]
-            if buf.skipped_bytes and str(rank) in counted:
-                earlier = counted[str(rank)] - len(buf.lines)
-                hidden = f"{earlier} earlier lines are only in the log file. "
-            elif buf.skipped_bytes:
-                hidden = f"earlier output ({buf.skipped_bytes / 2**20:.1f} MiB and more) is only in the log file. "
-            else:
-                hidden = f"{buf.hidden_lines} earlier lines are only in the log file. " if buf.hidden_lines else ""
-            footer.value = (f"<small><b>{rank_state(codes.get(rank), not final)}</b> &middot; {hidden}"
-                            f"log: <code>{self._log_names[rank]}</code></small>")
+    def _final_footers(self, job: Job) -> None:
+        """Once the job has ended: each rank's exit state, and its line count from the launch host."""
+        self._exitcodes = job.rank_exitcodes
+        self._counted = job._status().get("log_lines") or {}
+
+    def _render_footer(self, rank: int, shown_lines: int) -> str:
+        """The footer of ``rank``'s tab when it shows ``shown_lines`` complete lines: state, earlier lines, log."""
+        final = self._exitcodes is not None
+        buf = self.buffers[rank]
+        shown_complete = shown_lines
+        counted = (self._counted or {}).get(str(rank))
+        if buf.skipped_bytes and counted is not None:
+            hidden = f"{counted - shown_complete} earlier lines are only in the log file. "
+        elif buf.skipped_bytes:
+            hidden = f"earlier output ({buf.skipped_bytes / 2**20:.1f} MiB and more) is only in the log file. "
+        else:
+            earlier = buf.total_lines - shown_complete
+            hidden = f"{earlier} earlier lines are only in the log file. " if earlier > 0 else ""
+        state = rank_state((self._exitcodes or {}).get(rank), not final)
+        value = f"<small><b>{state}</b> &middot; {hidden}log: <code>{self._log_names[rank]}</code></small>"
+        self.footers[rank].value = value
+        return value
 
     def _render_header(self, job: Job, state: JobState, error: BaseException | None = None) -> None:
         colour = _BADGE_COLOURS[state]

@@ -65,6 +65,21 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=1, default=str).encode())
 
 
+def signal_status(run_dir: "RunDir") -> None:
+    """Wake whoever follows ``run_dir`` (one byte into its status FIFO). Does nothing when there is no
+    FIFO or nobody reads it; a full FIFO already holds a wake-up."""
+    try:
+        fd = os.open(run_dir.status_signal, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no FIFO, or no reader (ENXIO)
+        return
+    try:
+        os.write(fd, b"\n")
+    except OSError:  # EAGAIN: full
+        pass
+    finally:
+        os.close(fd)
+
+
 def read_json(path: Path) -> dict | None:
     """Read a JSON file written by :func:`atomic_write_json`; ``None`` when it does not exist yet."""
     try:
@@ -134,6 +149,12 @@ class RunDir:
     @property
     def status_file(self) -> Path:
         return self.path / "status.json"
+
+    @property
+    def status_signal(self) -> Path:
+        """A FIFO the kernel makes and reads; the launch host writes a byte to it after each status write
+        (see :func:`signal_status`), so a followed job wakes at once instead of polling."""
+        return self.path / "status.fifo"
 
     @property
     def elastic_dir(self) -> Path:

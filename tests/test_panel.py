@@ -105,6 +105,10 @@ def chatty(n_lines):
 
 def test_panel_after_a_job_with_a_tqdm_bar_and_10000_fast_lines():
     panel, job, elapsed = run_with_panel(chatty, 10_000, max_lines=2000)
+    # the tab off screen shows its last 200 lines until selected (the kernel is free then)
+    assert shown(panel, 1).splitlines()[0] == "r1 line 9801"
+    assert "9802 earlier lines are only in the log file" in panel.footers[1].value
+    panel.tabs.selected_index = 1  # what a click on the tab does
     for rank in (0, 1):
         text = shown(panel, rank)
         lines = text.splitlines()
@@ -130,7 +134,7 @@ def test_tabs_off_screen_refresh_at_most_once_a_second_and_at_once_when_selected
     job.result()
     elapsed = time.monotonic() - t0
     assert updates[0] <= 10 * elapsed + 2 and updates[1] <= 1 * elapsed + 2, (updates, elapsed)
-    assert shown(panel, 1).splitlines()[-1] == "\x1b[32mdone 1\x1b[0m"  # the final flush shows every tab
+    assert shown(panel, 1).splitlines()[-1] == "\x1b[32mdone 1\x1b[0m"  # the final flush updates every tab
     panel.buffers[1].write("late line\n")
     panel._dirty.add(1)
     panel.tabs.selected_index = 1  # what a click on the tab does
@@ -219,6 +223,63 @@ def test_log_follower_skips_to_the_last_lines_of_a_fast_log(tmp_path):
     assert follower.read_tail(2000) == (0, "\xe9 done\n")
 
 
+def test_log_follower_reads_a_short_tail_live_and_the_long_one_again_at_the_end(tmp_path):
+    from sgpu_magic.job import LogFollower
+
+    log = tmp_path / "rank_0.log"
+    with open(log, "wb") as f:
+        f.write(b"".join(b"line %07d\n" % i for i in range(50_000)))
+    follower = LogFollower(log)
+    first_skip, text = follower.read_tail(200)  # what the panel reads while the job runs
+    assert first_skip > 0 and len(text.splitlines()) >= 200  # the first window: TAIL_MIN_BYTES
+    with open(log, "ab") as f:  # the file stays open between reads: appended lines are seen
+        f.write(b"".join(b"line %07d\n" % i for i in range(50_000, 100_000)))
+    second_skip, text = follower.read_tail(200)
+    assert text.splitlines()[-1] == "line 0099999" and len(text.splitlines()) < 1000  # the window fits the lines
+    more_skip, text = follower.reread_tail(2000)  # the job ended: the last 2000 lines, read again
+    lines = text.splitlines()
+    assert len(lines) >= 2000 and lines[-1] == "line 0099999"
+    # the skips reported add up to the bytes before the text, each byte counted once
+    assert first_skip + second_skip + more_skip + len(text.encode()) == log.stat().st_size
+    follower.close()
+    with open(log, "ab") as f:
+        f.write(b"after close\n")
+    assert follower.read_tail(2000) == (0, "after close\n")  # reopened where it stopped
+
+
+def test_the_launch_host_wakes_the_follower_through_the_status_fifo(tmp_path):
+    import select
+    import stat
+
+    from sgpu_magic.rundir import RunDir, signal_status
+
+    rd = RunDir.create(tmp_path)
+    signal_status(rd)  # no FIFO yet: nothing happens, nothing is made
+    assert not rd.status_signal.exists()
+    os.mkfifo(rd.status_signal, 0o600)
+    signal_status(rd)  # a FIFO nobody reads: the host does not block
+    fd = os.open(rd.status_signal, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        assert select.select([fd], [], [], 0)[0] == []
+        signal_status(rd)
+        assert select.select([fd], [], [], 0)[0] == [fd] and os.read(fd, 16) == b"\n"
+        for _ in range(100_000):  # far more than a pipe holds: the writer never blocks
+            signal_status(rd)
+    finally:
+        os.close(fd)
+    assert stat.S_ISFIFO(rd.status_signal.stat().st_mode) and stat.S_IMODE(rd.status_signal.stat().st_mode) == 0o600
+
+
+def test_a_job_without_its_status_fifo_is_followed_by_polling(monkeypatch):
+    def no_fifos(*args, **kwargs):
+        raise OSError(95, "Operation not supported")  # as on a file system without FIFOs
+
+    monkeypatch.setattr(os, "mkfifo", no_fifos)
+    panel, job, _ = run_with_panel(chatty, 5)
+    assert job.state is JobState.SUCCEEDED and job._signal_fd is None
+    assert shown(panel, 0).splitlines()[-1] == "\x1b[32mdone 0\x1b[0m"
+
+
 @distributed(gpus=2)
 def flood(n_lines):
     import os
@@ -234,6 +295,7 @@ def flood(n_lines):
 def test_panel_reads_only_the_tail_of_fast_logs_and_counts_every_line_at_the_end():
     panel, job, _ = run_with_panel(flood, 200_000, max_lines=2000)
     for rank in (0, 1):
+        panel.tabs.selected_index = rank
         lines = shown(panel, rank).splitlines()
         assert lines == job.logs(rank).splitlines()[-2000:]
         assert panel.buffers[rank].skipped_bytes > 0  # the middle of the log was not read
