@@ -301,6 +301,8 @@ class Panel(TextView):
         from IPython.display import display
 
         display(self.widget)
+        for widget in (self.stop_button, self.tabs):  # clicks and tab switches while the cell runs
+            _forget_reply_route(widget)
 
     def pending(self, job: Job, why: str) -> None:
         self._render_header(job, JobState.PENDING)
@@ -448,6 +450,24 @@ class Panel(TextView):
                 problem = f"<br><small>{html.escape(_restart_reason(job))}; all ranks restarted</small>"
         self.header.value = (f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
                              f"{html.escape(job.plan.device_kind)} &middot; {elapsed}{link}{problem}")
+
+
+def _forget_reply_route(widget) -> None:
+    """Let the frontend's messages on ``widget``'s comm go to the kernel subshell the frontend picked.
+
+    JupyterLab 4.4+ sends widget messages to a kernel subshell, which ipykernel 7 runs on its own
+    thread while a cell runs. But ipykernel 7.4 sends a comm's incoming messages to the subshell that
+    last published on that comm (``BaseComm._reply_subshell_for``, meant for replies to a request a
+    cell waits on): for the panel's widgets, made by the running cell, that is the main shell, so a
+    click on Stop would wait until the cell ends. The Stop button and the tab bar send no replies, so
+    their route is dropped after they are shown. Nothing happens on kernels without that attribute.
+    """
+    comm = getattr(widget, "comm", None)
+    lock = getattr(comm, "_reply_subshell_lock", None)
+    if lock is None:
+        return
+    with lock:
+        vars(comm).pop("_reply_subshell_id", None)
 
 
 def _in_kernel_with_widgets() -> bool:

@@ -1,0 +1,216 @@
+"""The panel as a person sees it: JupyterLab in headless chromium, cells run and buttons clicked in the page.
+
+1. The quickstart notebook's ``%%distributed --gpus 2`` cell: the panel appears, its header goes to
+   succeeded, each rank's tab (switched by clicking) shows that rank's lines, the tqdm bar is one line,
+   and the MLflow link points at a server that answers for that run.
+2. A blocking ``fn.distributed(...)`` job stopped with the panel's Stop button while its cell runs.
+3. The same with a ``%%distributed --background`` job.
+
+Screenshots of each scenario are written to ``tests/browser/screenshots/``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+JOB_TIMEOUT_MS = 240_000
+"""A 2-rank CPU job on a loaded 2-core machine, first launch included."""
+
+
+def open_notebook(page, lab, name: str):
+    """Open ``name`` alone, in a workspace of its own (``reset``: nothing restored from an earlier page)."""
+    page.goto(lab.url(f"lab/workspaces/{Path(name).stem}/tree/{name}") + "&reset")
+    notebook = page.locator(".jp-NotebookPanel .jp-Notebook")
+    expect_count(page.locator(".jp-NotebookPanel"), 1)
+    # a cell run before the notebook's kernel is up is dropped: wait for the status bar's "| Idle"
+    from playwright.sync_api import expect
+
+    expect(page.locator("#jp-main-statusbar")).to_contain_text("(ipykernel) | Idle", timeout=120_000)
+    notebook.locator(".jp-CodeCell").first.wait_for()
+    return notebook
+
+
+def expect_count(locator, n: int) -> None:
+    from playwright.sync_api import expect
+
+    expect(locator).to_have_count(n)
+
+
+def run_cell(page, notebook, index: int):
+    """Click into code cell ``index`` and press Shift+Enter, as a person runs a cell; return the cell."""
+    cell = notebook.locator(".jp-CodeCell").nth(index)
+    cell.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+    return cell
+
+
+def wait_cell_done(cell, timeout_ms: int = JOB_TIMEOUT_MS) -> None:
+    """The cell's prompt shows its execution count (``[*]`` while it runs)."""
+    from playwright.sync_api import expect
+
+    expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=timeout_ms)
+
+
+def panel_of(cell):
+    return cell.locator(".jp-OutputArea-output .widget-vbox").filter(has_text="sgpu_magic job").first
+
+
+def shown_log(panel) -> str:
+    """The text of the rank tab on screen (the other tabs' outputs are hidden)."""
+    return panel.locator(".widget-tab-contents .widget-output:visible .jp-RenderedText").last.inner_text()
+
+
+def write_notebook(path: Path, cells: list[str]) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    nbformat.write(nb, path)
+
+
+def running_job_pids(lab, timeout_s: float = 120) -> tuple[str, list[int]]:
+    """(job id, rank pids) of the one running job under the server's sgpu_magic home, from its status.json."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for status_file in sorted((lab.home / "runs").glob("*/status.json")):
+            try:
+                status = json.loads(status_file.read_text())
+            except (OSError, ValueError):  # replaced while read
+                continue
+            if status.get("state") == "running" and status.get("pids"):
+                return status_file.parent.name, [int(pid) for pid in status["pids"].values()]
+        time.sleep(0.2)  # the launch host writes it: look again shortly
+    raise AssertionError(f"no running job under {lab.home / 'runs'} within {timeout_s} s")
+
+
+def assert_gone(pids: list[int], timeout_s: float = 30) -> None:
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"rank processes still running after Stop: {[p.pid for p in alive]}"
+
+
+def test_quickstart_panel_tabs_tqdm_and_mlflow_link(lab, page, screenshots):
+    from playwright.sync_api import expect
+
+    notebook = open_notebook(page, lab, "01_quickstart.ipynb")
+    for index in (0, 1, 2, 3):  # %load_ext, imports, the model, setup/make_loader
+        wait_cell_done(run_cell(page, notebook, index), 120_000)
+    magic_cell = notebook.locator(".jp-CodeCell").nth(7)
+    assert magic_cell.locator(".jp-InputArea-editor").inner_text().startswith("%%distributed --gpus 2")
+    run_cell(page, notebook, 7)
+
+    panel = panel_of(magic_cell)
+    panel.wait_for(timeout=60_000)  # shown when the job is created, before the ranks start
+    header = panel.locator(".widget-html").filter(has_text="sgpu_magic job").first
+    expect(header).to_contain_text("2 x cpu (gloo)")
+    expect(header).to_contain_text("succeeded", timeout=JOB_TIMEOUT_MS)
+    wait_cell_done(magic_cell)
+
+    tabs = panel.locator(".lm-TabBar-tab")
+    expect(tabs).to_have_text(["rank 0", "rank 1"])
+    for rank in (0, 1):
+        tabs.nth(rank).click()  # switch tabs as a person does
+        expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text(
+            f"rank {rank}: epoch 3/3", timeout=30_000)
+        lines = shown_log(panel).splitlines()
+        assert not any(line.startswith(f"rank {1 - rank}") for line in lines), lines  # only this rank's lines
+        assert [line for line in lines if line.startswith(f"rank {rank}: epoch ")] == [
+            line for line in lines if re.match(rf"rank {rank}: epoch \d/3 total loss", line)] and len(
+            [line for line in lines if line.startswith(f"rank {rank}: epoch ")]) == 3, lines
+        bars = [line for line in lines if line.startswith(f"rank {rank} epochs:")]
+        assert len(bars) == 1 and "100%" in bars[0] and "3/3" in bars[0], lines  # the bar is one updating line
+        footer = panel.locator(".widget-tab-contents .widget-output:visible").locator("small").first
+        expect(footer).to_contain_text("exited 0")
+    page.screenshot(path=str(screenshots / "quickstart-page.png"))
+    panel.screenshot(path=str(screenshots / "quickstart-panel.png"))
+
+    link = header.locator("a", has_text="MLflow run")
+    href = link.get_attribute("href")
+    parts = re.match(r"(http://127\.0\.0\.1:\d+)/#/experiments/(\w+)/runs/(\w+)$", href or "")
+    assert parts, href
+    base, experiment_id, run_id = parts.groups()
+    run = _get_run(base, run_id)
+    assert run["info"]["run_id"] == run_id and run["info"]["experiment_id"] == experiment_id
+    assert run["info"]["status"] == "FINISHED"
+    with urllib.request.urlopen(href.split("#")[0], timeout=30) as response:  # the page the link opens
+        assert response.status == 200 and b"<html" in response.read(2000).lower()
+
+
+def _get_run(base: str, run_id: str, timeout_s: float = 90) -> dict:
+    """The run from the MLflow server behind the link (it may still be starting: retried until it answers)."""
+    url = f"{base}/api/2.0/mlflow/runs/get?{urllib.parse.urlencode({'run_id': run_id})}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return json.loads(response.read())["run"]
+        except (urllib.error.URLError, ConnectionError) as exc:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the MLflow server at {base} did not answer for run {run_id}: {exc}") from None
+            time.sleep(0.5)  # another process's server, not listening yet: ask again shortly
+
+
+SLEEPER = '''\
+from sgpu_magic import distributed
+
+@distributed(gpus=2, mlflow=False)
+def sleeper(seconds):
+    import os
+    import time
+
+    print(f"rank {os.environ['RANK']} sleeping", flush=True)
+    time.sleep(seconds)
+'''
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_stop_button_cancels_a_running_job(lab, page, mode, screenshots):
+    from playwright.sync_api import expect
+
+    call = ("sleeper.distributed(600)" if mode == "blocking" else
+            "%%distributed --gpus 2 --background --no-mlflow -o bg\nimport os, time\n"
+            "print(f\"rank {os.environ['RANK']} sleeping\", flush=True)\ntime.sleep(600)")
+    name = f"stop_{mode}.ipynb"
+    write_notebook(lab.root / name, ["%load_ext sgpu_magic", SLEEPER, call])
+    notebook = open_notebook(page, lab, name)
+    for index in (0, 1):
+        wait_cell_done(run_cell(page, notebook, index), 120_000)
+    job_cell = run_cell(page, notebook, 2)
+    panel = panel_of(job_cell)
+    panel.wait_for(timeout=60_000)
+    header = panel.locator(".widget-html").filter(has_text="sgpu_magic job").first
+    expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text(
+        "rank 0 sleeping", timeout=JOB_TIMEOUT_MS)
+    job_id, pids = running_job_pids(lab)
+    expect(header).to_contain_text(job_id)
+    if mode == "blocking":
+        expect(job_cell.locator(".jp-InputPrompt")).to_have_text("[*]:")  # the cell is still executing
+    else:
+        wait_cell_done(job_cell, 60_000)  # a background job's cell ends at once; its panel stays live
+        expect(header).to_contain_text("running")
+
+    panel.locator("button", has_text="Stop").click()
+    expect(header).to_contain_text("cancelled", timeout=60_000)
+    wait_cell_done(job_cell, 60_000)
+    assert_gone(pids)
+    status = json.loads((lab.home / "runs" / job_id / "status.json").read_text())
+    assert status["state"] == "cancelled"
+    if mode == "blocking":  # the blocking call raised: the job was cancelled, not finished
+        expect(job_cell.locator(".jp-Cell-outputArea")).to_contain_text("JobCancelledError")
+    expect(panel.locator("button", has_text="Stop")).to_be_disabled()
+    page.screenshot(path=str(screenshots / f"stop-{mode}-page.png"))
