@@ -14,6 +14,7 @@ never with a fixed sleep.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -356,3 +357,52 @@ def test_c15_two_kernels_launching_at_the_same_moment_get_distinct_ports():
     finally:
         for km, kc in kernels:
             stop_kernel(km, kc)
+
+
+STOP_CELL = """
+from sgpu_magic import distributed
+@distributed(gpus=2, mlflow=False, widgets=True)
+def sleeper():
+    import time
+    print("sleeping", flush=True)
+    time.sleep(600)
+sleeper.distributed()
+"""
+
+
+def test_stop_button_clicked_on_a_kernel_subshell_cancels_a_blocking_job():
+    """What JupyterLab 4.4+ does: the Stop click comes on a kernel subshell while the blocking cell runs
+    (the browser test clicks it for real); the job is cancelled and the cell ends with JobCancelledError."""
+    km, kc = start_kernel()
+    try:
+        subshell = kc.session.msg("create_subshell_request", {})
+        kc.control_channel.send(subshell)
+        subshell_id = kc.control_channel.get_msg(timeout=30)["content"]["subshell_id"]
+        msg_id = kc.execute(STOP_CELL)
+        stop_comm, running, clicked_at = None, False, None
+        while True:
+            msg = kc.get_iopub_msg(timeout=180)
+            kind, content = msg["msg_type"], msg["content"]
+            if clicked_at is not None and time.monotonic() - clicked_at > 60:
+                raise AssertionError("the cell still runs 60 s after Stop was clicked on a subshell")
+            if kind == "comm_open" and content["data"]["state"].get("description") == "Stop":
+                stop_comm = content["comm_id"]
+            if kind == "stream" and "sleeping" in content.get("text", ""):
+                running = True
+            if kind == "comm_msg" and content["data"].get("state", {}).get("outputs"):
+                running = running or "sleeping" in json.dumps(content["data"]["state"]["outputs"])
+            if running and clicked_at is None and stop_comm is not None:
+                click = kc.session.msg("comm_msg", {"comm_id": stop_comm,
+                                                    "data": {"method": "custom", "content": {"event": "click"}}})
+                click["header"]["subshell_id"] = subshell_id
+                kc.shell_channel.send(click)
+                clicked_at = time.monotonic()
+            if msg["parent_header"].get("msg_id") == msg_id and kind == "error":
+                error = content
+            if (msg["parent_header"].get("msg_id") == msg_id and kind == "status"
+                    and content["execution_state"] == "idle"):
+                break
+        assert clicked_at is not None, "the job never showed its first line"
+        assert error["ename"] == "JobCancelledError", error
+    finally:
+        stop_kernel(km, kc)
