@@ -33,8 +33,9 @@ PUMP_INTERVAL_S = 0.05
 """How often the rank logs are read (and the launch host's liveness checked) while nothing else changes."""
 ON_SCREEN_READ_S = 0.2
 """How often a log on screen is read when no sink needs every line (the panel shows it at most 5 times a second)."""
-OFF_SCREEN_READ_S = 1.0
-"""How often the logs of ranks not on screen are read, when no sink needs every line."""
+OFF_SCREEN_READ_S = 5.0
+"""How often the logs of ranks not on screen are read, when no sink needs every line (the panel
+refreshes tabs off screen every 5 s, and a tab at once when it is selected)."""
 TAIL_MIN_BYTES = 64 * 1024
 """Below this much new output a log is read whole; above it, from where its last lines start (the
 first window read back from the end; later windows fit the lines seen so far)."""

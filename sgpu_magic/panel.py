@@ -28,9 +28,11 @@ MAX_BYTES_PER_S = 1 << 20
 """Flushes are spaced so that the panel sends at most about this much log text a second."""
 LIVE_LINES = 200
 """Lines each tab shows while the job runs (all ``max_lines`` kept lines once it has ended)."""
-HIDDEN_TAB_FLUSHES_PER_S = 1.0
-"""Tabs not on screen are refreshed at most this often (each refresh resends the tab's lines);
-switching to a tab refreshes it at once."""
+HIDDEN_TAB_FLUSHES_PER_S = 0.2
+"""Tabs not on screen are refreshed at most this often (each refresh resends the tab's lines).
+Switching to a tab refreshes it at once, also while a blocking cell runs where the frontend sends
+widget messages to kernel subshells (JupyterLab 4.4+); elsewhere this is how a tab picked during a
+blocking cell catches up."""
 
 
 def terminal_line(line: str) -> str:
