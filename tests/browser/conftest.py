@@ -21,6 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,18 +128,33 @@ class Lab:
                            f"{self.log_path.read_text()[-3000:]}")
 
     def stop(self) -> None:
+        """Stop the server (it shuts its kernels down) and wait until everything it started is gone:
+        the kernels, their launch hosts, ranks and MLflow UI servers (each goes when its kernel does)."""
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the server and its kernels
+            started = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            started = []
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=30)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        _, alive = psutil.wait_procs(started, timeout=30)
+        for proc in alive:  # not expected: named in the failure below, then killed
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
         self._log.close()
+        assert not alive, f"processes started by JupyterLab outlived it by 30 s: {alive}"
 
 
-@pytest.fixture(scope="session")
+# module scope: the server, its kernels and the browser are gone before the next test module, whose
+# tests check that nothing they started is left running
+@pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     missing = _missing()
     if missing:
@@ -150,7 +166,7 @@ def lab(tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(lab):
     from playwright.sync_api import sync_playwright
 
