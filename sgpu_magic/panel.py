@@ -391,7 +391,7 @@ class Panel(TextView):
             texts = {r: self.buffers[r].text(None if final and r == on_screen else live) for r in dirty}
         self._last_flush = now
         self._last_bytes = sum(len(t) for t in texts.values())
-        if final:  # while running the footers say "running" and where the log is: they change only now
+        if final:  # the ranks' exit states and line counts are known only now
             self._final_footers(job)
         for rank, text in texts.items():
             self.outputs[rank].outputs = self._tab_outputs(rank, text)
@@ -419,14 +419,13 @@ class Panel(TextView):
         """The footer of ``rank``'s tab when it shows ``shown_lines`` complete lines: state, earlier lines, log."""
         final = self._exitcodes is not None
         buf = self.buffers[rank]
-        shown_complete = shown_lines
         counted = (self._counted or {}).get(str(rank))
         if buf.skipped_bytes and counted is not None:
-            hidden = f"{counted - shown_complete} earlier lines are only in the log file. "
+            hidden = f"{counted - shown_lines} earlier lines are only in the log file. "
         elif buf.skipped_bytes:
             hidden = f"earlier output ({buf.skipped_bytes / 2**20:.1f} MiB and more) is only in the log file. "
         else:
-            earlier = buf.total_lines - shown_complete
+            earlier = buf.total_lines - shown_lines
             hidden = f"{earlier} earlier lines are only in the log file. " if earlier > 0 else ""
         state = rank_state((self._exitcodes or {}).get(rank), not final)
         value = f"<small><b>{state}</b> &middot; {hidden}log: <code>{self._log_names[rank]}</code></small>"
