@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 from .errors import describe_exit
-from .rundir import RunDir, atomic_write_json, attempt_marker, read_json, signal_status
+from .rundir import RunDir, attempt_marker, read_json, write_status
 
 GRACE_S = 3.0
 POLL_S = 0.02
@@ -209,8 +209,7 @@ class HostJob:
         self._write()
 
     def _write(self) -> None:
-        atomic_write_json(self.run_dir.status_file, self.status)
-        signal_status(self.run_dir)
+        write_status(self.run_dir, self.status)
 
     def wake_fds(self) -> list[int]:
         """File descriptors that become readable when a warm rank returns or exits (its return-value
@@ -391,8 +390,7 @@ class Host:
             try:
                 self.jobs[run_dir.job_id] = HostJob(run_dir, cmd["env"], self.pool)
             except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
-                atomic_write_json(run_dir.status_file, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
-                signal_status(run_dir)
+                write_status(run_dir, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
         elif cmd["op"] == "cancel" and run_dir.job_id in self.jobs:
             job = self.jobs.pop(run_dir.job_id)
             job.stop(cmd.get("reason", "cancelled"))

@@ -65,6 +65,12 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=1, default=str).encode())
 
 
+def write_status(run_dir: "RunDir", status: dict) -> None:
+    """The launch host's report: ``status.json`` written atomically, then its follower woken."""
+    atomic_write_json(run_dir.status_file, status)
+    signal_status(run_dir)
+
+
 def signal_status(run_dir: "RunDir") -> None:
     """Wake whoever follows ``run_dir`` (one byte into its status FIFO). Does nothing when there is no
     FIFO or nobody reads it; a full FIFO already holds a wake-up."""
