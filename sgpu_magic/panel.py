@@ -209,6 +209,9 @@ class TerminalBuffer:
 _BADGE_COLOURS = {JobState.PENDING: "#777", JobState.STARTING: "#1f6feb", JobState.RUNNING: "#1f6feb",
                   JobState.SUCCEEDED: "#1a7f37", JobState.FAILED: "#cf222e", JobState.CANCELLED: "#bf8700",
                   JobState.TIMED_OUT: "#bf8700"}
+_TEXT_STYLE = "line-height: 1.4"
+"""For the panel's HTML text: ipywidgets gives an HTML widget its one-line height as line height, which
+spreads text that wraps or has a second line."""
 _HELP = ("Stop cancels the job (every rank is stopped). If the button does not respond while the cell runs "
          "(a frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too. "
          f"While the job runs each tab shows its last {LIVE_LINES} lines; when it ends, all the lines the view keeps.")
@@ -275,7 +278,8 @@ class Panel(TextView):
         layout, style = w.Layout(), HTMLStyle()
         self.header = w.HTML(layout=layout, style=style)
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", tooltip=_HELP)
-        self.help = w.HTML(f"<small>{html.escape(_HELP)}</small>", layout=layout, style=style)
+        self.help = w.HTML(f'<div style="{_TEXT_STYLE}"><small>{html.escape(_HELP)}</small></div>',
+                           layout=layout, style=style)
         self.tabs = w.Tab(layout=layout)
         self.widget = _panel_box_class()([w.HBox([self.header, self.stop_button], layout=layout), self.tabs, self.help],
                                 layout=layout)
@@ -327,6 +331,7 @@ class Panel(TextView):
         """Stop button handler; may run on a kernel subshell thread while the cell is busy."""
         if self._job is not None:
             self.stop_button.disabled = True
+            self.stop_button.description = "Stopping"
             self._job.request_cancel()
 
     @property
@@ -361,12 +366,18 @@ class Panel(TextView):
 
     def state_changed(self, job: Job, state: JobState) -> None:
         if state.final:
-            self.stop_button.disabled = True
+            self._retire_stop_button()
         self._render_header(job, state)
+
+    def _retire_stop_button(self) -> None:
+        """The job has ended: Stop is disabled and grey (not a red button that looks live)."""
+        self.stop_button.disabled = True
+        self.stop_button.button_style = ""
+        self.stop_button.description = "Stop"
 
     def finished(self, job: Job) -> None:
         self._flush(job, final=True)
-        self.stop_button.disabled = True
+        self._retire_stop_button()
         error = job.exception() if job.state is not JobState.SUCCEEDED else None
         root = getattr(error, "root_cause", None)
         if root is not None:
@@ -449,8 +460,9 @@ class Panel(TextView):
             badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"
             if not problem:
                 problem = f"<br><small>{html.escape(_restart_reason(job))}; all ranks restarted</small>"
-        self.header.value = (f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
-                             f"{html.escape(job.plan.device_kind)} &middot; {elapsed}{link}{problem}")
+        self.header.value = (f'<div style="{_TEXT_STYLE}">'
+                             f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
+                             f"{html.escape(job.plan.device_kind)} &middot; {elapsed}{link}{problem}</div>")
 
 
 def _forget_reply_route(widget) -> None:
