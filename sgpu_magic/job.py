@@ -333,11 +333,12 @@ class Job:
         return [{**a, "exitcodes": {int(r): code for r, code in a.get("exitcodes", {}).items()}}
                 for a in self._status().get("attempts", [])]
 
-    def _status(self) -> dict:
-        """The job's status file as last written (re-read only when the file was replaced since)."""
+    def _status(self, stamp: tuple | None = None) -> dict:
+        """The job's status file as last written (re-read only when the file was replaced since);
+        ``stamp``: its :meth:`_status_stamp` if the caller has just taken it."""
         if self._final_status is not None:
             return self._final_status
-        stamp, now = self._status_stamp(), time.monotonic()
+        stamp, now = stamp or self._status_stamp(), time.monotonic()
         cached = self._status_cache
         # a replaced file has a new stamp; the age bound covers a reused inode with the same times
         if stamp is not None and cached is not None and cached[0] == stamp and now - cached[1] < PUMP_INTERVAL_S:
@@ -456,9 +457,11 @@ class Job:
             self._signal_fd = None
 
     def _close_status_signal(self) -> None:
+        """Close the FIFO and remove it: a FIFO left in the run directory would block whoever copies it."""
         fd, self._signal_fd = self._signal_fd, None
         if fd is not None:
             os.close(fd)
+            self._rd.status_signal.unlink(missing_ok=True)
 
     def _wait_for_status(self) -> None:
         """Sleep until the launch host writes the job's status, or ``PUMP_INTERVAL_S`` (time to read the
@@ -546,7 +549,7 @@ class Job:
             return False
         self._stamp, self._last_pump = stamp, now
         self._pump()
-        status = self._status()
+        status = self._status(stamp)
         state = _to_state(status)
         if status.get("attempt", 1) != self._attempt:
             self._attempt = status["attempt"]

@@ -249,6 +249,12 @@ def test_log_follower_reads_a_short_tail_live_and_the_long_one_again_at_the_end(
     assert follower.read_tail(2000) == (0, "after close\n")  # reopened where it stopped
 
 
+def test_a_followed_job_removes_its_status_fifo_when_it_ends():
+    panel, job, _ = run_with_panel(chatty, 5)
+    assert job.state is JobState.SUCCEEDED and job._signal_fd is None
+    assert not (job.run_dir / "status.fifo").exists()  # nothing left that would block a copy of the run dir
+
+
 def test_the_launch_host_wakes_the_follower_through_the_status_fifo(tmp_path):
     import select
     import stat
