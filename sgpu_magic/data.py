@@ -70,7 +70,8 @@ def rank_and_world() -> tuple[int, int]:
 class VolumeDataset(torch.utils.data.IterableDataset):
     """Yield the local, cached path of every file under ``path``, each file to exactly one (rank, worker).
 
-    Files are listed once, when the dataset is built (sorted by their path under ``path``). On first
+    Files are listed once, when the dataset is built (sorted by their path under ``path``; a ``cache_dir``
+    inside a local ``path`` is left out of the listing). On first
     access a file is copied to a cache on local disk shared by every process of the machine; later
     accesses (the next epoch, another job) read the copy and touch nothing remote. Each (rank,
     DataLoader worker) reads the slice ``files[rank * num_workers + worker_id :: world_size * num_workers]``,
@@ -95,9 +96,10 @@ class VolumeDataset(torch.utils.data.IterableDataset):
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no file matching ``pattern``.
-        ValueError: at iteration, only one of ``RANK`` / ``WORLD_SIZE`` is set, or ranks use different
-            numbers of DataLoader workers (compared through the job's rendezvous store once a process group
-            exists, else through files beside the cache when every rank runs on this machine).
+        ValueError: at iteration, only one of ``RANK`` / ``WORLD_SIZE`` is set, or ranks listed different
+            files (the volume changed while the job started) or use different numbers of DataLoader workers
+            (compared through the job's rendezvous store once a process group exists, else through files
+            beside the cache when every rank runs on this machine).
 
     Ranks get different numbers of files when the count is not a multiple of world_size x num_workers
     (37 files over 4 slices: 10, 9, 9, 9). With DDP every rank must take the same number of steps: stop
@@ -119,17 +121,18 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self.storage_options = dict(storage_options or {})
         fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self._root = root.rstrip("/")
-        self.files, self._sizes = self._list(fs)
-        self.cache = VolumeCache(Path(cache_dir or default_cache_dir()) / volume_key(_protocol(fs), self._root),
-                                 cache_max_bytes)
+        cache_root = Path(cache_dir or default_cache_dir())
+        self.files, self._sizes = self._list(fs, cache_root)
+        self.cache = VolumeCache(cache_root / volume_key(_protocol(fs), self._root), cache_max_bytes)
         self._fs, self._fs_pid = fs, os.getpid()
         self.prefetch_files = prefetch_files
         self._count_lock = threading.Lock()
         self.fetches = 0  # files this process fetched (not served from the cache); DataLoader workers count their own
-        ident = hashlib.sha256(f"{self.url}\n{pattern}\n{len(self.files)}".encode()).hexdigest()[:16]
+        ident = hashlib.sha256(f"{self.url}\n{pattern}".encode()).hexdigest()[:16]
+        self._listing = hashlib.sha256("\n".join(self.files).encode()).hexdigest()[:16]
         self._check_key = f"{_CHECK_PREFIX}/{ident}/{next(_ordinals.setdefault(ident, itertools.count()))}"
 
-    def _list(self, fs) -> tuple[list[str], dict[str, int | None]]:
+    def _list(self, fs, cache_root: Path) -> tuple[list[str], dict[str, int | None]]:
         try:
             found = fs.find(self._root, detail=True)
         except FileNotFoundError:
@@ -137,9 +140,13 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         if not found and not fs.exists(self._root):  # one listing request when the path is there
             raise FileNotFoundError(f"VolumeDataset: {self.url} does not exist (or is not readable with the given "
                                     f"storage_options)")
+        # A cache inside a local volume (cache_dir=path/"cache") fills while ranks list: never list it.
+        skip = f"{os.path.realpath(cache_root)}/" if _protocol(fs) in ("file", "local") else None
         sizes: dict[str, int | None] = {}
         for name, info in found.items():
             if info.get("type", "file") != "file":
+                continue
+            if skip is not None and os.path.realpath(name).startswith(skip):
                 continue
             rel = name[len(self._root):].lstrip("/") if name.startswith(self._root) else name.rsplit("/", 1)[-1]
             if self.pattern is None or fnmatch.fnmatch(rel, self.pattern):
@@ -235,11 +242,20 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         if store is None:
             return
         key = self._check_key
-        store.set(f"{key}/{rank}", str(slices))
-        others = {}
+        store.set(f"{key}/{rank}", f"{slices} {self._listing} {len(self.files)}")
+        others, listings = {}, {}
         for r in range(world):
             if r != rank and store.check([f"{key}/{r}"]):
-                others[r] = int(store.get(f"{key}/{r}"))
+                value = store.get(f"{key}/{r}")
+                count, listing, files = (value.decode() if isinstance(value, bytes) else value).split()
+                others[r], listings[r] = int(count), (listing, int(files))
+        if any(listing != self._listing for listing, _ in listings.values()):
+            seen = ", ".join(f"rank {r}: {n} files" for r, (_, n) in sorted({**listings, rank: (self._listing, len(self.files))}.items()))
+            raise ValueError(
+                f"VolumeDataset({self.url!r}): ranks listed different files ({seen}; same count = different names). "
+                f"Each rank lists the volume when it builds the dataset, so files were added or removed under it while "
+                f"the job started. Finish writing the volume before the job lists it, or give a pattern that matches "
+                f"only the finished files.")
         differ = {r: n for r, n in others.items() if n != slices}
         if differ:
             seen = ", ".join(f"rank {r}: {n}" for r, n in sorted({**others, rank: slices}.items()))

@@ -144,6 +144,49 @@ def test_different_worker_counts_are_found_without_a_process_group(volume, tmp_p
     assert read_without_a_group.distributed(str(data), str(tmp_path / "cache"), [2, 2]) == [20, 18]  # 38 files, 4 slices
 
 
+@distributed(gpus=2, timeout=180, mlflow=False)
+def list_while_written(path, cache_dir):
+    """Rank 0 lists the volume; then rank 1 adds a file and lists it: the two listings differ."""
+    import os
+
+    import torch.distributed as dist
+
+    from sgpu_magic.data import VolumeDataset
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        ds = VolumeDataset(path, cache_dir=cache_dir)
+    dist.barrier()
+    if rank == 1:
+        with open(os.path.join(path, "late.bin"), "wb") as f:
+            f.write(b"late")
+        ds = VolumeDataset(path, cache_dir=cache_dir)
+    dist.barrier()
+    return len(list(ds))
+
+
+def test_ranks_that_listed_different_files_are_told_so(volume, tmp_path):
+    _, data = volume
+    n = len(VolumeDataset(data, cache_dir=tmp_path / "cache").files)
+    with pytest.raises(RankFailedError) as caught:
+        list_while_written.distributed(str(data), str(tmp_path / "cache"))
+    assert re.search(rf"ranks listed different files \(rank 0: {n} files, rank 1: {n + 1} files; same count = different "
+                     r"names\)\. .*files were added or removed under it while the job started\.",
+                     caught.value.root_cause.message, re.S)
+
+
+def test_a_cache_inside_a_local_volume_is_never_listed(tmp_path):
+    for i in range(3):
+        (tmp_path / f"f{i}").write_bytes(b"x")
+    ds = VolumeDataset(tmp_path, cache_dir=tmp_path / "cache")
+    assert [os.path.basename(ds.fetch(f)) for f in ds.files] == ["f0", "f1", "f2"]
+    assert any((tmp_path / "cache").rglob("f0"))  # the copies are under the volume ...
+    assert VolumeDataset(tmp_path, cache_dir=tmp_path / "cache").files == ["f0", "f1", "f2"]  # ... and not listed
+    other = VolumeDataset(tmp_path, cache_dir=tmp_path.parent / f"{tmp_path.name}-cache").files
+    assert len(other) > 3 and any(f.startswith("cache/") for f in other)  # another dataset's cache is just files
+
+
 def _touch_first(url, cache_dir, barrier, out):
     from sgpu_magic.data import VolumeDataset
 
