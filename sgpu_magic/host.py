@@ -12,16 +12,23 @@ environment contract; the first failure stops the others (SIGTERM, then SIGKILL 
 ``GRACE_S``). The host reports through each RunDir's ``status.json``. It exits, stopping
 every rank, when stdin reaches EOF or the kernel process is gone: so no rank outlives the
 kernel, however it ends.
+
+Its only command channel is that unnamed pipe from the kernel that started it (no socket, no
+named file), so no other process can drive it. For each job it serves the rendezvous store on
+127.0.0.1 (torchrun's agent store) and points gloo and NCCL at the loopback interface, so a
+single-machine job listens on no other address.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import json
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -30,9 +37,12 @@ from pathlib import Path
 import psutil
 
 from .errors import describe_exit
+from .redact import redact
 from .rundir import RunDir, attempt_marker, read_json, write_status
 
 GRACE_S = 3.0
+STORE_TIMEOUT_S = 1800.0
+"""How long the rendezvous store's own operations may wait (torch's default for a process group: 30 min)."""
 POLL_S = 0.02
 IDLE_POLL_S = 0.5
 _PR_SET_CHILD_SUBREAPER = 36
@@ -46,24 +56,60 @@ def _rank_env(launch: dict, rank: int, port: int, env: dict, restart_count: int 
         "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
         "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "TORCHELASTIC_RUN_ID": launch["job_id"], "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(launch.get("max_restarts", 0)), "TORCHELASTIC_USE_AGENT_STORE": "False",
+        # as torchrun: the host serves the rendezvous store (on 127.0.0.1 only), ranks connect to it
+        "TORCHELASTIC_MAX_RESTARTS": str(launch.get("max_restarts", 0)), "TORCHELASTIC_USE_AGENT_STORE": "True",
         # DeepSpeed's launcher also sets these; its CPU accelerator counts devices from LOCAL_SIZE
         "LOCAL_SIZE": str(world), "CROSS_RANK": "0", "CROSS_SIZE": "1",
         "PYTHONUNBUFFERED": "1", "SGPU_MAGIC_HOST_PID": str(os.getpid()), "SGPU_MAGIC_JOB_ID": launch["job_id"],
     })
     if launch.get("cuda_visible_devices") is not None:  # "" for a fake GPU inventory: ranks on CPU
         out["CUDA_VISIBLE_DEVICES"] = launch["cuda_visible_devices"]
+    loopback = _loopback_interface()
+    if loopback:  # one machine: collectives' sockets listen on loopback only, unless the kernel says otherwise
+        out.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        out.setdefault("NCCL_SOCKET_IFNAME", loopback)
     if "OMP_NUM_THREADS" not in env:  # torchrun sets it too; in a rank it is read at torch start-up
         out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world) if launch["backend"] == "gloo" else 1)
     return out
 
 
-def _free_port() -> int:
-    import socket
+@functools.lru_cache(maxsize=1)
+def _loopback_interface() -> str | None:
+    """Name of the network interface holding 127.0.0.1 (``lo`` on Linux), or ``None``."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+
+def _rendezvous_store(port: int):
+    """torchrun's agent store for one job: a c10d ``TCPStore`` served by the host and listening on
+    127.0.0.1:``port`` only (``port`` 0 = a free one). Ranks reach it as clients through
+    ``TORCHELASTIC_USE_AGENT_STORE``, so no rank opens a listener on every interface as rank 0's
+    own store would. One store per attempt, as torchrun's agent makes.
+
+    Returns:
+        (store, port): keep ``store`` referenced while the ranks run; dropping it closes the listener.
+    Raises:
+        OSError: ``port`` is in use.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT is not "in use"
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=STORE_TIMEOUT_S),
+                              wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the listening socket now and closes it when dropped
+    return store, port
 
 
 WARM_PRELOAD = ["sgpu_magic._forkserver_guard", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
@@ -170,6 +216,15 @@ def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict, warm: boo
                                              logs_specs=logs)
 
 
+def _make_tree_private(top: Path) -> None:
+    """chmod 0700 every folder under ``top`` (folders only: elastic leaves them empty, ranks log to our files)."""
+    for dirpath, _, _ in os.walk(top):
+        try:
+            os.chmod(dirpath, 0o700)
+        except OSError:
+            pass
+
+
 def _exitcodes(ctx) -> dict[int, int | None]:
     if hasattr(ctx, "subprocess_handlers"):
         return {r: h.proc.returncode for r, h in ctx.subprocess_handlers.items()}
@@ -181,8 +236,8 @@ class HostJob:
 
     def __init__(self, run_dir: RunDir, env: dict, pool: WarmPool | None) -> None:
         self.run_dir = run_dir
-        self.launch = read_json(run_dir.launch_file)
-        self.port = self.launch.get("port") or _free_port()
+        self.launch = read_json(run_dir.launch_file, private=True)
+        self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
         self.started_s = time.time()
         timeout_s = self.launch.get("timeout_s")
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -205,6 +260,7 @@ class HostJob:
         self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.attempt - 1)
         self.ctx.start()
         self.pids = self.ctx.pids()
+        _make_tree_private(self.run_dir.elastic_dir)  # torch elastic made its per-rank folders with the umask
         self.status.update(state="running", attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()})
         self._write()
 
@@ -266,8 +322,8 @@ class HostJob:
         for rank in range(world):
             with open(self.run_dir.log_file(rank), "a") as log:
                 log.write(line + "\n")
-        if not self.launch.get("port"):
-            self.port = _free_port()  # rank 0's store of the last attempt may still hold the old one
+        self.store = None  # a fresh store per attempt, as torchrun's agent makes (stale keys of the last one go)
+        self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
         self._start_attempt()
 
     def stop(self, state: str) -> None:
@@ -280,6 +336,7 @@ class HostJob:
         self.status.update(state=state, ended_s=time.time(),
                            exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()},
                            log_lines=_count_lines([self.run_dir.log_file(r) for r in range(self.launch["world_size"])]))
+        self.store = None  # closes the rendezvous listener before the kernel hears the job ended
         self._write()
         try:
             self.run_dir.payload_file.unlink()
@@ -477,7 +534,7 @@ def end_mlflow_run(launch: dict, state: str) -> None:
         if client.get_run(info["run_id"]).info.status == "RUNNING":
             client.set_terminated(info["run_id"], status)
     except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
-        print(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}",
+        print(redact(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}"),
               file=sys.stderr, flush=True)
 
 

@@ -23,7 +23,7 @@ from .errors import (JobCancelledError, JobTimeoutError, LauncherError, RankFail
 from .launcher import LaunchHost
 from .leases import Lease, LeaseRegistry, foreign_processes
 from .resources import DevicePlan, Gpu
-from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
+from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private
 from .spec import LaunchSpec
 
 POLL_INTERVAL_S = 0.01
@@ -735,7 +735,7 @@ class Job:
     def _load_result(self, rank: int) -> Any:
         path = self._rd.result_file(rank)
         try:
-            data = path.read_bytes()
+            data = read_private(path, self._rd.path)
         except FileNotFoundError:
             raise SgpuError(f"rank {rank} exited 0 but left no result; see {self._rd.log_file(rank)}") from None
         try:

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import ast
 import html
+import keyword
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.utils.process import arg_split
 from traitlets import Bool, Float, Int, Unicode
 
 from . import capture
 from .decorator import start
 from .errors import SpecError
 from .job import Job, jobs
-from .spec import DEFAULT_TIMEOUT_S, make_spec
+from .redact import redact
+from .spec import DEFAULT_TIMEOUT_S, make_spec, shown
 
 
 def _parse_timeout(text: str | None, default: float | None) -> float | None:
@@ -26,7 +30,7 @@ def _parse_timeout(text: str | None, default: float | None) -> float | None:
     except ValueError:
         value = float("nan")
     if not value > 0:
-        raise UsageError(f"--timeout takes a number of seconds > 0, or 'none' for no limit; got {text!r}")
+        raise UsageError(f"--timeout takes a number of seconds > 0, or 'none' for no limit; got {shown(text)}")
     return value
 
 
@@ -36,7 +40,29 @@ def _parse_gpu_ids(text: str | None) -> list[int] | None:
     try:
         return [int(item) for item in text.split(",")]
     except ValueError:
-        raise UsageError(f"--gpu-ids takes GPU indices separated by commas, e.g. --gpu-ids 0,1; got {text!r}") from None
+        raise UsageError(f"--gpu-ids takes GPU indices separated by commas, e.g. --gpu-ids 0,1; got {shown(text)}") from None
+
+
+def _parse_line(parser, line: str):
+    """The magic's options: ``line`` split as a POSIX shell does (``--gpu-type ''`` is an empty value), then argparse.
+
+    Raises:
+        UsageError: an unclosed quote, or what argparse refuses (followed by the usage line).
+    """
+    try:
+        argv = arg_split(line, posix=True)
+    except ValueError as exc:  # shlex: "No closing quotation"
+        raise UsageError(f"cannot read the %%distributed line ({exc}): {shown(line)}; close the quote") from None
+    try:
+        return parser.parse_args(argv)
+    except UsageError as exc:
+        usage = " ".join(parser.format_usage().replace("::", "").split())
+        raise UsageError(f"{exc}\nusage: %{usage} (%%distributed? shows the help)") from None
+
+
+def _check_output_name(name: str | None) -> None:
+    if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
+        raise UsageError(f"-o/--output takes a Python variable name such as job, to store the Job in; got {shown(name)}")
 
 
 class JobTable:
@@ -85,13 +111,64 @@ def _aligned_source(cell: str, transformed: str) -> str:
     return "\n" * (1 + leading) + transformed
 
 
+_OUTSIDE_FUNCTION_HINTS = {
+    "'return' outside function": "a %%distributed cell is not a function; its last expression (on rank 0) is the "
+                                 "cell's output, so end the cell with the value instead of return",
+    "'yield' outside function": "a %%distributed cell is not a function and cannot yield; collect the values in a "
+                                "list and end the cell with it",
+    "'await' outside function": "ranks run the cell as plain Python, without an event loop; put the code in "
+                                "async def main(): ... and end the cell with asyncio.run(main())",
+}
+
+
+def _compile_cell(source: str) -> ast.Module:
+    """Parse and compile the cell as the ranks will; a SyntaxError names the notebook line (and a remedy)."""
+    try:
+        tree = ast.parse(source, CELL_FILENAME)
+        compile(tree, CELL_FILENAME, "exec")  # 'return' / 'yield' outside a function are found here, not by parse
+    except SyntaxError as exc:
+        hint = _OUTSIDE_FUNCTION_HINTS.get(exc.msg)
+        if hint is None:
+            raise
+        raise SyntaxError(f"{exc.msg}: {hint}", (exc.filename, exc.lineno, exc.offset, exc.text, exc.end_lineno,
+                                                 exc.end_offset)) from None
+    except (RecursionError, MemoryError):  # CPython's parser and compiler give up on very deep nesting this way
+        raise SyntaxError("the cell is nested too deeply for Python's compiler; split the expression into "
+                          "several statements", (CELL_FILENAME, 2, 1, None)) from None
+    return tree
+
+
+def _checked_source(cell: str, transformed: str) -> str:
+    """The cell as the ranks run it, refused before launch when it cannot run there.
+
+    Raises:
+        SyntaxError: the cell is not Python, or a line is IPython syntax (``%magic``, ``!shell``, ``name?``),
+            which ranks, being plain Python, cannot run; it names the line and the remedy.
+        UsageError: the cell has no code.
+    """
+    source = _aligned_source(cell, transformed)
+    tree = _compile_cell(source)
+    if not tree.body:
+        raise UsageError("the %%distributed cell has no code to run; write the code for the ranks in the cell, "
+                         "below the %%distributed line")
+    lineno = capture.ipython_syntax_line(tree)
+    if lineno is not None:
+        lines = cell.splitlines()
+        text = lines[lineno - 2] if 0 <= lineno - 2 < len(lines) else source.splitlines()[lineno - 1]
+        raise SyntaxError(f"line {lineno} of the cell, {shown(text.strip())}, is IPython syntax (a %magic, !shell "
+                          f"command or ? help), but ranks run plain Python without IPython; run it in a cell of its "
+                          f"own before the %%distributed cell, or use Python (e.g. subprocess.run([...]) for a shell "
+                          f"command)", (CELL_FILENAME, lineno, 1, text, lineno, len(text) + 1))
+    return source
+
+
 @magics_class
 class DistributedMagics(Magics):
     """Run a cell on N ranks. Defaults can be set with ``%config DistributedMagics.<name> = ...``."""
 
     timeout_s = Float(DEFAULT_TIMEOUT_S, allow_none=True,
                       help="Default job timeout in seconds when --timeout is not given; None = no limit.").tag(config=True)
-    max_capture_bytes = Int(capture.DEFAULT_MAX_BYTES,
+    max_capture_bytes = Int(capture.DEFAULT_MAX_BYTES, min=0,
                             help="Captured globals larger than this many bytes get a warning before launch.").tag(config=True)
     max_log_lines = Int(2000, help="Lines each rank's log view in the panel keeps; earlier ones stay in the "
                                    "log file.").tag(config=True)
@@ -131,7 +208,8 @@ class DistributedMagics(Magics):
         (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). Output streams
         live, prefixed [rank N]; a failed rank raises its traceback here.
         """
-        args = parse_argstring(self.distributed, line)
+        args = _parse_line(self.distributed.parser, line)
+        _check_output_name(args.output)
         try:
             spec = make_spec(args.gpus, args.gpu_type, _parse_timeout(args.timeout, self.timeout_s), args.port,
                              name="%%distributed cell", widgets=False if args.no_widgets else self.widgets,
@@ -139,15 +217,13 @@ class DistributedMagics(Magics):
                              wait=not args.no_wait, max_restarts=args.max_restarts)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
-        source = _aligned_source(cell, self.shell.transform_cell(cell))
-        filename = CELL_FILENAME
+        source = _checked_source(cell, self.shell.transform_cell(cell))  # stops bad cells before anything starts
 
         def payload(warn) -> dict:
             part = capture.capture_cell(source, self.shell.user_ns, self.max_capture_bytes, warn)
-            part["filename"] = filename
+            part["filename"] = CELL_FILENAME
             return part
 
-        compile(source, filename, "exec")  # a SyntaxError stops here, before anything starts
         job = start(spec, payload, background=args.background)
         if args.output:
             self.shell.user_ns[args.output] = job
@@ -207,4 +283,4 @@ class DistributedMagics(Magics):
             print("MLflow UI stopped" if tracking.stop_ui() else "no MLflow UI was running")
             return
         ui = tracking.start_ui(port=args.port)
-        print(f"MLflow UI for {ui.backend_uri}: {ui.url}")
+        print(f"MLflow UI for {redact(ui.backend_uri)}: {ui.url}")

@@ -18,6 +18,7 @@ Layout::
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -45,6 +46,45 @@ def make_private_dir(path: Path) -> Path:
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
+
+
+def _not_private(st: os.stat_result, kind: str) -> str | None:
+    """Why a file or directory with this ``stat`` is not private to this user, else ``None``."""
+    if st.st_uid != os.getuid():
+        return f"{kind} is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"{kind} has mode {oct(st.st_mode & 0o777)}, open to other users (want {'0700' if kind == 'its directory' else '0600'})"
+    return None
+
+
+def read_private(path: Path, run_dir: Path | None = None) -> bytes:
+    """The bytes of ``path``, read only when the file, its directory and ``run_dir`` are private to this user.
+
+    Pickles are code, so sgpu_magic reads payloads, results and launch descriptions through this: the file
+    (opened without following a symlink) must be owned by this user with no group/other bits, and so must
+    its directory and the run directory above it, so another local user cannot plant one.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        PermissionError: ``path`` is a symlink, or it or a directory is not private; the message says which.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PermissionError(f"refusing to read {path}: it is a symlink; sgpu_magic reads its pickles and "
+                                  f"launch files only from private run directories") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        why = _not_private(os.fstat(fd), "the file")
+        for directory in ([path.parent] + ([run_dir] if run_dir is not None and run_dir != path.parent else [])):
+            why = why or _not_private(os.lstat(directory), "its directory")
+        if why:
+            raise PermissionError(f"refusing to read {path}: {why}. sgpu_magic reads pickles and launch files only "
+                                  f"from private run directories (0700, files 0600, owned by you) so no other user "
+                                  f"can plant one; remove this run directory, or set SGPU_MAGIC_HOME to a private "
+                                  f"directory")
+        return f.read()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -86,10 +126,13 @@ def signal_status(run_dir: "RunDir") -> None:
         os.close(fd)
 
 
-def read_json(path: Path) -> dict | None:
-    """Read a JSON file written by :func:`atomic_write_json`; ``None`` when it does not exist yet."""
+def read_json(path: Path, private: bool = False) -> dict | None:
+    """Read a JSON file written by :func:`atomic_write_json`; ``None`` when it does not exist yet.
+
+    ``private=True`` reads it through :func:`read_private` (a file that decides what runs: launch.json).
+    """
     try:
-        return json.loads(path.read_bytes())
+        return json.loads(read_private(path) if private else path.read_bytes())
     except FileNotFoundError:
         return None
 

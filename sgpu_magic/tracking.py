@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from .errors import SgpuError
+from .redact import redact
 from .job import JobSink, JobState
 from .mlflow_rank import RUN_ID_ENV
 from .rundir import RunDir, default_root, make_private_dir
@@ -140,7 +141,7 @@ def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
 
 
 def _warn(text: str) -> None:
-    sys.stderr.write(f"sgpu_magic warning: {text}\n")
+    sys.stderr.write(f"sgpu_magic warning: {redact(text)}\n")
     sys.stderr.flush()
 
 
@@ -499,7 +500,7 @@ def start_ui(tracking_uri: str | None = None, port: int | None = None, wait: boo
 
         tracking_uri = absolute_tracking_uri(mlflow.get_tracking_uri())
     if _http_base(tracking_uri) is not None:
-        raise MlflowUIError(f"the tracking URI {tracking_uri} is already an MLflow server; open it directly")
+        raise MlflowUIError(f"the tracking URI {redact(tracking_uri)} is already an MLflow server; open it directly")
     with _ui_lock:
         ui = _ui
         if ui is None or not ui.alive() or ui.backend_uri != tracking_uri or (port and ui.port != port):

@@ -30,7 +30,7 @@ import cloudpickle
 
 from .capture import Unpicklable
 from .mlflow_rank import guard_job_run
-from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, traceback_marker
+from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private, traceback_marker
 
 _PR_SET_PDEATHSIG = 1
 
@@ -67,12 +67,6 @@ def _match_threads_to_env() -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-
-
-def _check_private(run_dir: RunDir) -> None:
-    st = run_dir.path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"refusing to load a payload from {run_dir.path}: it must be owned by you with mode 0700")
 
 
 def _apply_kernel_context(launch: dict) -> None:
@@ -212,9 +206,7 @@ def _teardown(ns: dict) -> None:
 
 
 def _execute(run_dir: RunDir, rank: int) -> int:
-    _check_private(run_dir)
-    with open(run_dir.payload_file, "rb") as f:
-        payload = pickle.load(f)
+    payload = pickle.loads(read_private(run_dir.payload_file))
     guard_job_run()  # before the payload's globals import mlflow: the kernel owns the run's status
     ns = _build_namespace(payload)
     try:
@@ -241,7 +233,7 @@ def _run_rank(run_dir: RunDir, expected_parent: int | None) -> int:
     _die_with_parent(expected_parent)
     code = 1
     try:
-        _apply_kernel_context(read_json(run_dir.launch_file))
+        _apply_kernel_context(read_json(run_dir.launch_file, private=True))
         code = _execute(run_dir, rank)
     except BaseException as exc:  # noqa: BLE001 - payload could not even be loaded
         _write_error(run_dir, rank, exc)
