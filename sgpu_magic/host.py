@@ -242,6 +242,7 @@ class HostJob:
         timeout_s = self.launch.get("timeout_s")
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.status = {"state": "starting", "port": self.port, "started_s": self.started_s, "host_pid": os.getpid()}
+        self.unwritten = False
         self._write()
         env = {**env, **self.launch.get("env", {})}
         os.environ.clear()
@@ -265,7 +266,15 @@ class HostJob:
         self._write()
 
     def _write(self) -> None:
-        write_status(self.run_dir, self.status)
+        """Write status.json; when that fails (a full disk that even the reserve did not cover), keep the
+        status and try again on every turn of the host's loop (:meth:`Host.run`) instead of failing."""
+        try:
+            write_status(self.run_dir, self.status)
+            self.unwritten = False
+        except OSError as exc:
+            if not getattr(self, "unwritten", False):
+                _log(f"sgpu_magic host: cannot write the status of job {self.run_dir.job_id} ({exc}); retrying")
+            self.unwritten = True
 
     def wake_fds(self) -> list[int]:
         """File descriptors that become readable when a warm rank returns or exits (its return-value
@@ -303,7 +312,7 @@ class HostJob:
         the next attempt is judged on its own; the rank logs go on, after a line naming the new attempt.
         """
         self.ctx.close(timeout=GRACE_S)
-        kill_leftovers(set(self.pids.values()))
+        kill_leftovers(set(self.pids.values()), self.launch["job_id"])
         world = self.launch["world_size"]
         failed = self.status.pop("failures")
         self.status.setdefault("attempts", []).append(
@@ -320,8 +329,11 @@ class HostJob:
         self.attempt += 1
         line = attempt_marker(self.attempt, self.max_restarts + 1, why)
         for rank in range(world):
-            with open(self.run_dir.log_file(rank), "a") as log:
-                log.write(line + "\n")
+            try:
+                with open(self.run_dir.log_file(rank), "a") as log:
+                    log.write(line + "\n")
+            except OSError as exc:
+                _log(f"sgpu_magic host: could not mark attempt {self.attempt} in rank {rank}'s log ({exc})")
         self.store = None  # a fresh store per attempt, as torchrun's agent makes (stale keys of the last one go)
         self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
         self._start_attempt()
@@ -332,7 +344,7 @@ class HostJob:
         self._finish(state)
 
     def _finish(self, state: str) -> None:
-        kill_leftovers(set(self.pids.values()))
+        kill_leftovers(set(self.pids.values()), self.launch["job_id"])
         self.status.update(state=state, ended_s=time.time(),
                            exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()},
                            log_lines=_count_lines([self.run_dir.log_file(r) for r in range(self.launch["world_size"])]))
@@ -377,12 +389,33 @@ def _count_lines(paths: list[Path]) -> dict[str, int]:
     return counts
 
 
-def kill_leftovers(rank_pids: set[int]) -> None:
-    """SIGKILL what the ranks left behind (their sessions' processes, adopted by this subreaper) and reap it."""
+def _log(message: str) -> None:
+    """A line in the host's own log; nothing (rather than a crash) when that disk is full too."""
+    try:
+        print(redact(message), file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _belongs_to(process: psutil.Process, job_id: str | None) -> bool:
+    """Whether ``process`` was started for job ``job_id``: it carries the job's ``SGPU_MAGIC_JOB_ID``."""
+    if not job_id:
+        return False
+    try:
+        with open(f"/proc/{process.pid}/environ", "rb") as f:
+            return f"SGPU_MAGIC_JOB_ID={job_id}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def kill_leftovers(rank_pids: set[int], job_id: str | None = None) -> None:
+    """SIGKILL what the ranks left behind and reap it: every descendant of this host (a subreaper, so it
+    adopts orphans) in a rank's session, or carrying the job's ``SGPU_MAGIC_JOB_ID`` in its environment
+    (children that started their own session, double-forked daemons)."""
     victims = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.pid in rank_pids or os.getsid(child.pid) in rank_pids:
+            if child.pid in rank_pids or os.getsid(child.pid) in rank_pids or _belongs_to(child, job_id):
                 if child.status() != psutil.STATUS_ZOMBIE and child.pid not in rank_pids:
                     child.kill()
                     victims.append(child)
@@ -447,7 +480,10 @@ class Host:
             try:
                 self.jobs[run_dir.job_id] = HostJob(run_dir, cmd["env"], self.pool)
             except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
-                write_status(run_dir, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
+                try:
+                    write_status(run_dir, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
+                except OSError as write_exc:
+                    _log(f"sgpu_magic host: job {run_dir.job_id} could not start ({exc}) nor say so ({write_exc})")
         elif cmd["op"] == "cancel" and run_dir.job_id in self.jobs:
             job = self.jobs.pop(run_dir.job_id)
             job.stop(cmd.get("reason", "cancelled"))
@@ -489,6 +525,9 @@ class Host:
                     if job.done:
                         del self.jobs[job_id]
                         self.ended.append(job)
+                for job in self.ended:
+                    if job.unwritten:
+                        job._write()
                 if time.monotonic() - last_check > 0.5:
                     last_check = time.monotonic()
                     if not self.kernel_alive():
@@ -538,12 +577,28 @@ def end_mlflow_run(launch: dict, state: str) -> None:
               file=sys.stderr, flush=True)
 
 
+def _plain_elastic_logging() -> None:
+    """Log torch elastic's records through a plain formatter. torch's own formatter imports torch._dynamo
+    the first time it formats an exception (2.7 s of CPU; 9 to 12 s on a busy 2-core machine), and
+    elastic logs one for every failed rank: that held up the host's first failure report (chaos suite)."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s",
+                                           "%m%d %H:%M:%S"))
+    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic.addHandler(handler)
+    elastic.propagate = False
+
+
 def main(argv: list[str]) -> None:
     log_path, kernel_pid = argv[1], int(argv[2])
     _detach(kernel_pid, log_path)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch.distributed.elastic.multiprocessing.api  # noqa: F401 - warm import before the first launch
+
+    _plain_elastic_logging()
 
     warm = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess"
     host = Host(kernel_pid, log_path + ".warm" if warm else None)

@@ -344,8 +344,8 @@ class Job:
         if stamp is not None and cached is not None and cached[0] == stamp and now - cached[1] < PUMP_INTERVAL_S:
             return cached[2]
         status = read_json(self._status_path)
-        if status is None:
-            return {"state": "pending"}
+        if status is None:  # not written yet, or caught half-rewritten in place (full disk): keep the last one
+            return cached[2] if cached is not None else {"state": "pending"}
         self._status_cache = (stamp, now, status)
         return status
 

@@ -87,8 +87,38 @@ def read_private(path: Path, run_dir: Path | None = None) -> bytes:
         return f.read()
 
 
+RESERVE_NAME = ".reserve"
+RESERVE_BYTES = 128 << 10
+"""Each run dir holds this many bytes in ``.reserve`` from its creation. When its disk fills up (a rank
+flooding its log), the first write of a job file that fails with ENOSPC deletes the reserve and tries
+again, so the error file, status and results that say what happened still fit."""
+
+
+def release_reserve(path: Path) -> bool:
+    """Delete the ``.reserve`` of the run dir holding ``path`` (its folder or the one above); whether one was freed."""
+    for folder in (path.parent, path.parent.parent):
+        try:
+            (folder / RESERVE_NAME).unlink()
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see either nothing or the whole file (write, fsync-free rename)."""
+    """Write ``data`` to ``path`` so readers see either nothing or the whole file (write, fsync-free rename).
+
+    On a full disk (ENOSPC) the run dir's reserve is released and the write tried once more.
+    """
+    try:
+        _atomic_write_bytes(path, data)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC or not release_reserve(path):
+            raise
+        _atomic_write_bytes(path, data)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -106,8 +136,25 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def write_status(run_dir: "RunDir", status: dict) -> None:
-    """The launch host's report: ``status.json`` written atomically, then its follower woken."""
-    atomic_write_json(run_dir.status_file, status)
+    """The launch host's report: ``status.json`` written atomically, then its follower woken.
+
+    When even that fails for lack of space, the file is rewritten in place (truncating it frees its
+    blocks first); a reader that catches it half-written keeps the status it had (:func:`read_json`).
+
+    Raises:
+        OSError: the status could not be written at all.
+    """
+    data = json.dumps(status, indent=1, default=str).encode()
+    try:
+        atomic_write_bytes(run_dir.status_file, data)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        fd = os.open(run_dir.status_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
     signal_status(run_dir)
 
 
@@ -134,6 +181,8 @@ def read_json(path: Path, private: bool = False) -> dict | None:
     try:
         return json.loads(read_private(path) if private else path.read_bytes())
     except FileNotFoundError:
+        return None
+    except ValueError:  # caught half-written in place (a full disk, see write_status): not there yet
         return None
 
 
@@ -181,6 +230,10 @@ class RunDir:
         rd.path.mkdir(mode=0o700)
         for sub in ("logs", "results", "errors", "elastic"):
             (rd.path / sub).mkdir(mode=0o700)
+        try:
+            atomic_write_bytes(rd.path / RESERVE_NAME, b"\0" * RESERVE_BYTES)  # written, so the blocks are held
+        except OSError:
+            pass  # already short of space: the job goes on without a reserve
         return rd
 
     @property

@@ -169,9 +169,14 @@ def _user_traceback(exc: BaseException, labels: dict[str, str]) -> str:
 
 def _write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[str, str] | None = None) -> None:
     text = _user_traceback(exc, labels or {})
-    sys.stderr.write(traceback_marker(rank, type(exc).__name__) + "\n" + text)
+    # the error file first: on a full disk it takes the run dir's reserve, and the log may not take a line
     atomic_write_json(run_dir.error_file(rank), {
         "rank": rank, "exc_type": type(exc).__name__, "message": str(exc), "traceback": text, "time_s": time.time()})
+    try:
+        sys.stderr.write(traceback_marker(rank, type(exc).__name__) + "\n" + text)
+        sys.stderr.flush()
+    except OSError:
+        pass
 
 
 def _teardown(ns: dict) -> None:

@@ -31,7 +31,7 @@ def open_notebook(page, lab, name: str):
     """Open ``name`` alone, in a workspace of its own (``reset``: nothing restored from an earlier page)."""
     page.goto(lab.url(f"lab/workspaces/{Path(name).stem}/tree/{name}") + "&reset")
     notebook = page.locator(".jp-NotebookPanel .jp-Notebook")
-    expect_count(page.locator(".jp-NotebookPanel"), 1)
+    expect_count(page.locator(".jp-NotebookPanel"), 1, timeout_ms=60_000)  # JupyterLab's first load on a busy machine
     # a cell run before the notebook's kernel is up is dropped: wait for the status bar's "| Idle"
     from playwright.sync_api import expect
 
@@ -40,10 +40,10 @@ def open_notebook(page, lab, name: str):
     return notebook
 
 
-def expect_count(locator, n: int) -> None:
+def expect_count(locator, n: int, timeout_ms: int = 15_000) -> None:
     from playwright.sync_api import expect
 
-    expect(locator).to_have_count(n)
+    expect(locator).to_have_count(n, timeout=timeout_ms)
 
 
 def run_cell(page, notebook, index: int):
