@@ -181,6 +181,29 @@ def cell_global_names(source: str) -> set[str]:
     return names - set(dir(builtins))
 
 
+def ipython_syntax_line(tree: ast.Module) -> int | None:
+    """First line of a cell (after IPython's transforms) that needs the kernel's IPython, or ``None``.
+
+    IPython turns ``%magic``, ``%%magic``, ``!shell`` and ``name?`` lines into ``get_ipython()`` calls;
+    ranks run plain Python without IPython, where that name does not exist. A cell that binds
+    ``get_ipython`` itself (``from IPython import get_ipython``) is left alone.
+    """
+    loads, bound = [], False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "get_ipython":
+            if isinstance(node.ctx, ast.Load):
+                loads.append(node.lineno)
+            else:
+                bound = True
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == "get_ipython":
+            bound = True
+        elif isinstance(node, ast.alias) and (node.asname or node.name.split(".")[0]) == "get_ipython":
+            bound = True
+        elif isinstance(node, ast.arg) and node.arg == "get_ipython":
+            bound = True
+    return None if bound or not loads else min(loads)
+
+
 def code_global_names(code: types.CodeType) -> set[str]:
     """Global names a code object and its nested code objects load or store."""
     return set(_code_global_names(code))
@@ -201,15 +224,44 @@ def _code_global_names(code: types.CodeType) -> frozenset[str]:
 
 def _importable_reference(fn: Callable) -> tuple[str, str] | None:
     """``(module, qualname)`` when ``fn`` lives in an importable module, else ``None``."""
-    module = getattr(fn, "__module__", None)
-    if not module or module == "__main__" or module not in sys.modules or "<locals>" in fn.__qualname__:
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if (not isinstance(module, str) or module == "__main__" or module not in sys.modules
+            or not isinstance(qualname, str) or "<locals>" in qualname):
         return None
     obj: Any = sys.modules[module]
-    for part in fn.__qualname__.split("."):
+    for part in qualname.split("."):
         obj = getattr(obj, part, None)
     if obj is fn or getattr(obj, "__wrapped__", None) is fn:
-        return module, fn.__qualname__
+        return module, qualname
     return None
+
+
+def function_problem(fn: object) -> str | None:
+    """Why ``fn`` cannot run on the ranks through :func:`capture_function`, or ``None`` when it can.
+
+    Ranks get a plain function (``def`` or ``lambda``) by its code, and anything importable from a
+    module (a function, a class, a builtin) by reference. Bound methods would lose ``self``; generator
+    and ``async def`` functions would return objects that cannot come back; other callables (partials,
+    instances with ``__call__``, notebook classes) have no code to send.
+    """
+    what = f"{type_name(fn)} {getattr(fn, '__qualname__', '')}".rstrip()
+    if not callable(fn):
+        return f"got {what}, which is not callable"
+    if getattr(fn, "__sgpu_function__", None) is not None and _importable_reference(fn) is None:
+        return f"{what} is already decorated with @distributed; decorate the function once"
+    if isinstance(fn, types.MethodType):
+        return (f"got bound method {fn.__qualname__}, whose object would not reach the ranks; decorate a function "
+                f"that calls it instead, e.g. def run(*args): return obj.{fn.__name__}(*args)")
+    if isinstance(fn, types.FunctionType):
+        if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+            kind = "a generator" if inspect.isgeneratorfunction(fn) else "an async"
+            return (f"{fn.__qualname__} is {kind} function, whose result cannot be sent back from the ranks; make "
+                    f"it a plain def that returns a value (e.g. a list, or asyncio.run(...) inside it)")
+        return None
+    if _importable_reference(fn) is not None:
+        return None
+    return (f"got {what}, which has no code to send to the ranks; decorate a plain function (def or lambda), or "
+            f"one importable from a module, that calls it")
 
 
 def _source_cache(filenames: set[str]) -> dict[str, str]:

@@ -98,8 +98,9 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         FileNotFoundError: ``path`` does not exist or holds no file matching ``pattern``.
         ValueError: at iteration, only one of ``RANK`` / ``WORLD_SIZE`` is set, or ranks listed different
             files (the volume changed while the job started) or use different numbers of DataLoader workers
-            (compared through the job's rendezvous store once a process group exists, else through files
-            beside the cache when every rank runs on this machine).
+            (compared through the job's rendezvous store at ``MASTER_ADDR:MASTER_PORT`` when one answers,
+            as under sgpu_magic and torchrun, else through files beside the cache when every rank runs on
+            this machine).
 
     Ranks get different numbers of files when the count is not a multiple of world_size x num_workers
     (37 files over 4 slices: 10, 9, 9, 9). With DDP every rank must take the same number of steps: stop

@@ -15,7 +15,10 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
+from dataclasses import replace
 from typing import Any, Callable
 
 from . import capture
@@ -24,7 +27,7 @@ from .launcher import get_host
 from .leases import LeaseRegistry
 from .panel import DEFAULT_MAX_LINES, TextView, make_view
 from .resources import check_port_free, plan_devices
-from .spec import DEFAULT_TIMEOUT_S, LaunchSpec, make_spec
+from .spec import DEFAULT_TIMEOUT_S, LaunchSpec, check_max_capture_bytes, make_spec, shown
 from .errors import SpecError
 
 
@@ -167,7 +170,7 @@ def distributed(gpus: int, gpu_type: str | None = None,
                 widgets: bool | None = _FromConfig("widgets", None),
                 max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
                 mlflow: bool = _FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
-                max_restarts: int = 0) -> Callable[[Callable], DistributedFunction]:
+                max_restarts: int = 0, **unknown: Any) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
     Follows the serverless GPU API's ``@distributed(gpus, gpu_type, remote=False)`` shape.
@@ -195,21 +198,39 @@ def distributed(gpus: int, gpu_type: str | None = None,
             after a ``[sgpu_magic] attempt K of N`` line; ranks read ``TORCHELASTIC_RESTART_COUNT`` (0 on the
             first attempt) and resume from their own checkpoint. The timeout covers all attempts.
 
-    Raises:
-        SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``gpu_ids`` or ``max_restarts``
-            (at decoration time).
+    Raises (at decoration time, before anything starts):
+        SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``max_capture_bytes``,
+            ``mlflow``, ``gpu_ids``, ``wait`` or ``max_restarts`` (``widgets``, ``mlflow`` and ``wait`` take
+            ``True`` / ``False``, not strings); or a decorated object that cannot run on the ranks (not
+            callable, a bound method, a generator or ``async def`` function, a partial or callable instance).
+        TypeError: an argument this signature does not have (e.g. ``gpu=2``), naming it and the accepted ones.
     """
+    if unknown:
+        raise TypeError(_unknown_arguments_message(unknown))
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
     timeout, max_capture_bytes, widgets = _resolve(timeout), _resolve(max_capture_bytes), _resolve(widgets)
     mlflow = _resolve(mlflow)
+    # fail at the decorator line
+    spec = make_spec(gpus, gpu_type, timeout, port, widgets=widgets, mlflow=mlflow, gpu_ids=gpu_ids, wait=wait,
+                     max_restarts=max_restarts)
+    max_capture_bytes = check_max_capture_bytes(max_capture_bytes)
 
     def wrap(fn: Callable) -> DistributedFunction:
-        if not callable(fn):
-            raise SpecError(f"@distributed(...) decorates a function, got {type(fn).__name__}")
-        spec = make_spec(gpus, gpu_type, timeout, port, name=getattr(fn, "__qualname__", "function"), widgets=widgets,
-                         mlflow=mlflow, gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts)
-        return DistributedFunction(fn, spec, max_capture_bytes)
+        problem = capture.function_problem(fn)
+        if problem is not None:
+            raise SpecError(f"@distributed(...) decorates a function: {problem}")
+        return DistributedFunction(fn, replace(spec, name=getattr(fn, "__qualname__", "function")), max_capture_bytes)
 
-    make_spec(gpus, gpu_type, timeout, port, gpu_ids=gpu_ids, max_restarts=max_restarts)  # fail at the decorator line
     return wrap
+
+
+def _unknown_arguments_message(unknown: dict[str, Any]) -> str:
+    """``@distributed`` got ``gpu=2``: name it, suggest the near miss, list what is accepted."""
+    accepted = [name for name in inspect.signature(distributed).parameters if name != "unknown"]
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, accepted, n=1)
+        parts.append(shown(name) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (f"@distributed got unknown argument(s) {', '.join(parts)}; it takes {', '.join(accepted)} "
+            f"(see help(distributed))")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import html
 import keyword
+import shlex
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -54,7 +55,10 @@ def _parse_line(parser, line: str):
     except ValueError as exc:  # shlex: "No closing quotation"
         raise UsageError(f"cannot read the %%distributed line ({exc}): {shown(line)}; close the quote") from None
     try:
-        return parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # as parse_args, but quoted: an empty or blank argument stays visible
+            parser.error(f"unrecognized arguments: {shlex.join(extra)}")
+        return args
     except UsageError as exc:
         usage = " ".join(parser.format_usage().replace("::", "").split())
         raise UsageError(f"{exc}\nusage: %{usage} (%%distributed? shows the help)") from None
@@ -134,7 +138,7 @@ def _compile_cell(source: str) -> ast.Module:
                                                  exc.end_offset)) from None
     except (RecursionError, MemoryError):  # CPython's parser and compiler give up on very deep nesting this way
         raise SyntaxError("the cell is nested too deeply for Python's compiler; split the expression into "
-                          "several statements", (CELL_FILENAME, 2, 1, None)) from None
+                          "several statements", (CELL_FILENAME, None, None, None)) from None
     return tree
 
 
@@ -206,7 +210,9 @@ class DistributedMagics(Magics):
         The names the cell reads from the notebook are captured: functions, classes and
         values by value, modules by reference. Each rank gets torchrun's environment
         (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). Output streams
-        live, prefixed [rank N]; a failed rank raises its traceback here.
+        live, prefixed [rank N]; a failed rank raises its traceback here. Ranks run plain
+        Python: a cell with IPython syntax (%magic, !shell, ? help) or a top-level return is
+        refused with a SyntaxError before anything starts.
         """
         args = _parse_line(self.distributed.parser, line)
         _check_output_name(args.output)

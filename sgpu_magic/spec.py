@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from .errors import SpecError
@@ -51,63 +52,119 @@ class LaunchSpec:
     max_restarts: int = 0
 
 
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message: at most about 80 characters, and never an error itself.
+
+    A huge int (whose ``repr`` Python refuses past ``sys.get_int_max_str_digits()``) is described by its
+    size; an object whose ``__repr__`` raises, by its type.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value).bit_length() > 256:
+        return f"an int of {abs(value).bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real problem
+        return f"a {type(value).__name__} object"
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_gpus(gpus: object) -> int:
-    if isinstance(gpus, bool) or not isinstance(gpus, numbers.Integral):
-        raise SpecError(f"gpus must be an int >= 1 (the number of ranks), got {gpus!r} of type {type(gpus).__name__}")
+    if not _is_int(gpus):
+        raise SpecError(f"gpus must be an int >= 1 (the number of ranks), got {shown(gpus)} of type {type(gpus).__name__}")
     if not 1 <= int(gpus) <= MAX_RANKS:
-        raise SpecError(f"gpus must be between 1 and {MAX_RANKS}, got {gpus}")
+        raise SpecError(f"gpus must be between 1 and {MAX_RANKS}, got {shown(int(gpus))}")
     return int(gpus)
 
 
 def _check_gpu_type(gpu_type: object) -> str | None:
     if gpu_type is None:
         return None
-    if not isinstance(gpu_type, str) or not gpu_type.strip():
-        raise SpecError(f"gpu_type must be a non-empty string such as 'H100', or None for any GPU; got {gpu_type!r}")
+    if not isinstance(gpu_type, str) or not gpu_type.strip() or not gpu_type.isprintable():
+        raise SpecError(f"gpu_type must be a non-empty string such as 'H100' (printable characters), or None for any "
+                        f"GPU; got {shown(gpu_type)}")
     return gpu_type.strip()
 
 
 def _check_timeout(timeout: object) -> float | None:
     if timeout is None:
         return None
+    message = f"timeout must be a number of seconds > 0, or None for no limit; got {shown(timeout)}"
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise SpecError(f"timeout must be a number of seconds > 0, or None for no limit; got {timeout!r}")
-    value = float(timeout)
+        raise SpecError(message)
+    try:
+        value = float(timeout)
+    except (OverflowError, ValueError):  # an int or Fraction beyond the float range
+        raise SpecError(f"{message} (too large for a float)") from None
     if math.isnan(value) or value <= 0:
-        raise SpecError(f"timeout must be a number of seconds > 0, or None for no limit; got {timeout!r}")
+        raise SpecError(message)
     return None if math.isinf(value) else value
 
 
 def _check_port(port: object) -> int | None:
     if port is None:
         return None
-    if isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 1 <= int(port) <= 65535:
-        raise SpecError(f"port must be an int between 1 and 65535, or None to pick a free port; got {port!r}")
+    if not _is_int(port) or not 1 <= int(port) <= 65535:
+        raise SpecError(f"port must be an int between 1 and 65535, or None to pick a free port; got {shown(port)}")
     return int(port)
+
+
+def _gpu_id_list(gpu_ids: object) -> list:
+    """The items of ``gpu_ids``: a list, tuple, range or array, iterated once."""
+    if (isinstance(gpu_ids, (str, bytes, Mapping, Iterator)) or not isinstance(gpu_ids, Iterable)):
+        one_shot = " (an iterator can be read only once; pass list(...))" if isinstance(gpu_ids, Iterator) else ""
+        raise SpecError(f"gpu_ids must be a list of GPU indices such as [0, 1], or None for any free GPUs; "
+                        f"got {shown(gpu_ids)}{one_shot}")
+    try:
+        return list(gpu_ids)
+    except Exception as exc:  # noqa: BLE001 - a broken container is the caller's bad input
+        raise SpecError(f"gpu_ids must be a list of GPU indices such as [0, 1]; {shown(gpu_ids)} could not be read "
+                        f"({type(exc).__name__}: {exc})") from None
 
 
 def _check_gpu_ids(gpu_ids: object, gpus: int) -> tuple[int, ...] | None:
     if gpu_ids is None:
         return None
-    if isinstance(gpu_ids, (str, bytes)) or not hasattr(gpu_ids, "__iter__"):
-        raise SpecError(f"gpu_ids must be a list of GPU indices such as [0, 1], or None for any free GPUs; "
-                        f"got {gpu_ids!r}")
-    ids = list(gpu_ids)
-    if not ids or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in ids):
-        raise SpecError(f"gpu_ids must be a non-empty list of GPU indices >= 0 such as [0, 1]; got {gpu_ids!r}")
+    ids = _gpu_id_list(gpu_ids)
+    if not ids or any(not _is_int(i) or i < 0 for i in ids):
+        raise SpecError(f"gpu_ids must be a non-empty list of GPU indices >= 0 such as [0, 1]; got {shown(gpu_ids)}")
+    ids = [int(i) for i in ids]
     if len(set(ids)) != len(ids):
-        raise SpecError(f"gpu_ids lists a GPU twice: {ids}; give each GPU once")
+        raise SpecError(f"gpu_ids lists a GPU twice: {shown(ids)}; give each GPU once")
     if len(ids) != gpus:
-        raise SpecError(f"gpu_ids names {len(ids)} GPU(s) ({ids}) but gpus={gpus}; give one GPU index per rank")
-    return tuple(int(i) for i in ids)
+        raise SpecError(f"gpu_ids names {len(ids)} GPU(s) ({shown(ids)}) but gpus={gpus}; give one GPU index per rank")
+    return tuple(ids)
 
 
 def _check_max_restarts(max_restarts: object) -> int:
-    if (isinstance(max_restarts, bool) or not isinstance(max_restarts, numbers.Integral)
-            or not 0 <= int(max_restarts) <= MAX_RESTARTS):
+    if not _is_int(max_restarts) or not 0 <= int(max_restarts) <= MAX_RESTARTS:
         raise SpecError(f"max_restarts must be an int between 0 and {MAX_RESTARTS} (restarts of the whole rank group "
-                        f"after a failure; 0 = none), got {max_restarts!r}")
+                        f"after a failure; 0 = none), got {shown(max_restarts)}")
     return int(max_restarts)
+
+
+def _check_switch(name: str, value: object, meaning: str, allow_none: bool = False) -> bool | None:
+    """``True`` / ``False`` (also ``1`` / ``0``), or ``None`` where allowed; a string such as "false" is refused."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or (_is_int(value) and value in (0, 1)):
+        return bool(value)
+    choices = "True, False or None" if allow_none else "True or False"
+    raise SpecError(f"{name} must be {choices} ({meaning}); got {shown(value)}")
+
+
+def check_max_capture_bytes(max_capture_bytes: object) -> int:
+    """Validate the decorator's ``max_capture_bytes``: an int >= 0.
+
+    Raises:
+        SpecError: naming the value given.
+    """
+    if not _is_int(max_capture_bytes) or max_capture_bytes < 0:
+        raise SpecError(f"max_capture_bytes must be an int >= 0 (bytes; captured globals larger than this get a "
+                        f"warning), got {shown(max_capture_bytes)}")
+    return int(max_capture_bytes)
 
 
 def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S,
@@ -115,12 +172,17 @@ def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_T
               gpu_ids: object = None, wait: bool = True, max_restarts: object = 0) -> LaunchSpec:
     """Validate user input into a :class:`LaunchSpec`.
 
+    ``widgets``, ``mlflow`` and ``wait`` take ``True`` / ``False`` (or ``1`` / ``0``); a string such as
+    ``"false"`` is refused rather than read as true. Example: ``make_spec(2, timeout=600, gpu_ids=[0, 1])``.
+
     Raises:
-        SpecError: naming the bad option, the value given and what is allowed.
+        SpecError: naming the bad option, the value given (shortened to about 80 characters) and what is allowed.
     """
     count = _check_gpus(gpus)
     return LaunchSpec(gpus=count, gpu_type=_check_gpu_type(gpu_type),
                       timeout_s=_check_timeout(timeout), port=_check_port(port), name=name,
-                      widgets=None if widgets is None else bool(widgets), mlflow=bool(mlflow),
-                      gpu_ids=_check_gpu_ids(gpu_ids, count), wait=bool(wait),
+                      widgets=_check_switch("widgets", widgets, "the widget panel, plain text, or decide", True),
+                      mlflow=_check_switch("mlflow", mlflow, "track the job as an MLflow run"),
+                      gpu_ids=_check_gpu_ids(gpu_ids, count),
+                      wait=_check_switch("wait", wait, "queue for GPUs other jobs hold, or fail at once"),
                       max_restarts=_check_max_restarts(max_restarts))

@@ -173,6 +173,7 @@ class Outcome:
     to_final_s: float | None = None
     lines_lost: int = 0
     leaked: int = 0
+    notes: list[str] = field(default_factory=list)
 
 
 class Runner:
@@ -257,11 +258,16 @@ class Runner:
         root = Path(self.tmpfs if fault == "disk_full" else self.home)
         run_dir = root / "runs" / job_id
         state, mlflow_want, error_re = EXPECT[fault]
-        if fault == "kernel_sigkill":
-            gone_at = self._wait(lambda: not self._job_processes(job_id) and not psutil.pid_exists(host), 60)
+        if fault == "kernel_sigkill":  # final: every process of the job gone; then the host must go too
+            gone_at = self._wait(lambda: not self._job_processes(job_id), 60)
             outcome.to_final_s = (gone_at or time.time()) - fault_at
             if gone_at is None:
-                outcome.problems.append("ranks or the launch host still run 60 s after the kernel was killed")
+                outcome.problems.append("ranks still run 60 s after the kernel was killed")
+            host_gone = self._wait(lambda: not psutil.pid_exists(host), BOUND_S)
+            if host_gone is None:
+                outcome.problems.append(f"the launch host still runs {BOUND_S:g} s after the kernel was killed")
+            else:
+                outcome.notes.append(f"host gone {host_gone - fault_at:.1f} s after the kill")
         else:
             if report is None:
                 outcome.problems.append("the kernel printed no report")
@@ -444,7 +450,7 @@ def run_suite(jobs: int | None, seed: int, flood_bytes: int, workdir: Path, faul
             outcomes.append(outcome)
             log(f"[{i + 1}/{len(plan)}] {fault}: {'ok' if outcome.ok else 'FAILED ' + '; '.join(outcome.problems)} "
                 f"({outcome.to_final_s if outcome.to_final_s is None else round(outcome.to_final_s, 2)} s to final, "
-                f"{time.monotonic() - t0:.1f} s in all)")
+                f"{time.monotonic() - t0:.1f} s in all{''.join('; ' + n for n in outcome.notes)})")
     finally:
         runner.stop()
         unmount(tmpfs)
