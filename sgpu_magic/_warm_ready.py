@@ -8,8 +8,7 @@ import os
 
 _marker = os.environ.get("SGPU_MAGIC_WARM_MARKER")
 if _marker:
-    with open(_marker, "w"):
-        pass
+    os.close(os.open(_marker, os.O_WRONLY | os.O_CREAT, 0o600))  # private, like everything in the host folder
 
 # Everything preloaded so far lives as long as the forkserver: move it out of the collector's
 # sight, so a rank's gc.collect() (its teardown runs one) does not walk ~300k inherited objects.

@@ -75,7 +75,11 @@ def returns_one():
 
 def test_everything_a_job_writes_is_private():
     """The run dir tree, the host logs and the lease directory: directories 0700, files 0600, owned by us."""
+    from helpers import wait_for
+
     assert returns_one.distributed() == [1]
+    # the host's forkserver marks itself ready with a file there: wait for it, so it is checked too
+    wait_for(lambda: list((default_root() / "hosts").glob("*.warm")), 120, "the warm forkserver's marker")
     rd = returns_one.last_job.run_dir
     roots = [rd, default_root() / "runs", default_root() / "hosts"]
     loose = []
