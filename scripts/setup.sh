@@ -12,7 +12,7 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q --disable-pip-version-check "${SGPU_TORCH_SPEC:-torch==2.13.0}"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,deepspeed,browser]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,deepspeed,browser,ray]"
 if [ "${SGPU_SKIP_CHROMIUM:-0}" != 1 ] && [ ! -x /usr/bin/chromium ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         log=$(mktemp)

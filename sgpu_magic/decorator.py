@@ -52,15 +52,23 @@ def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dic
     """
     sinks = _sinks(spec, view)
     view = sinks[-1]
-    plan = plan_devices(spec)
-    if spec.port is not None:
-        check_port_free(spec.port)
+    if spec.cluster is not None:  # Ray places the ranks: no local GPUs, no leases, no local port
+        from .ray_cluster import RayLauncher, plan_on_cluster
+
+        plan = plan_on_cluster(spec)
+        launcher = RayLauncher(spec.cluster, spec.gpu_type)
+        host_factory: Callable = lambda: launcher  # noqa: E731
+    else:
+        plan = plan_devices(spec)
+        if spec.port is not None:
+            check_port_free(spec.port)
+        host_factory = get_host
     payload = build_payload(view.warn)  # warnings are shown as capture finds them
     payload["display_names"] = _cell_labels(payload.get("sources", {}))
     if plan.note:
         view.note(plan.note)
     registry = LeaseRegistry(_resolve(_FromConfig("lease_dir", "")) or None) if plan.needs_lease else None
-    return submit(spec, plan, payload, get_host, sinks, background=background, registry=registry)
+    return submit(spec, plan, payload, host_factory, sinks, background=background, registry=registry)
 
 
 def _cell_labels(filenames) -> dict[str, str]:
@@ -170,7 +178,8 @@ def distributed(gpus: int, gpu_type: str | None = None,
                 widgets: bool | None = _FromConfig("widgets", None),
                 max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
                 mlflow: bool = _FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
-                max_restarts: int = 0, **unknown: Any) -> Callable[[Callable], DistributedFunction]:
+                max_restarts: int = 0, cluster: str | None = None,
+                **unknown: Any) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
     Follows the serverless GPU API's ``@distributed(gpus, gpu_type, remote=False)`` shape.
@@ -197,6 +206,11 @@ def distributed(gpus: int, gpu_type: str | None = None,
             times (torchrun's ``--max-restarts``; default 0). Each attempt appends to the same rank logs
             after a ``[sgpu_magic] attempt K of N`` line; ranks read ``TORCHELASTIC_RESTART_COUNT`` (0 on the
             first attempt) and resume from their own checkpoint. The timeout covers all attempts.
+        cluster: run on a Ray cluster instead of this machine: ``"auto"`` (a running local cluster, or an
+            already initialised Ray), ``"ray://host:10001"`` (Ray client) or ``"host:6379"``; default ``None``.
+            The job reserves one placement group of ``gpus`` GPU bundles (CPU bundles when the cluster
+            has no GPU) and runs one actor per rank (see :mod:`sgpu_magic.ray_cluster`); needs
+            ``pip install "sgpu_magic[ray]"``. Not with ``gpu_ids`` or ``max_restarts``.
 
     Raises (at decoration time, before anything starts):
         SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``max_capture_bytes``,
@@ -213,7 +227,7 @@ def distributed(gpus: int, gpu_type: str | None = None,
     mlflow = _resolve(mlflow)
     # fail at the decorator line
     spec = make_spec(gpus, gpu_type, timeout, port, widgets=widgets, mlflow=mlflow, gpu_ids=gpu_ids, wait=wait,
-                     max_restarts=max_restarts)
+                     max_restarts=max_restarts, cluster=cluster)
     max_capture_bytes = check_max_capture_bytes(max_capture_bytes)
 
     def wrap(fn: Callable) -> DistributedFunction:

@@ -200,6 +200,8 @@ class DistributedMagics(Magics):
               "output keeps coming here. Interrupting the kernel does not stop it (%%distributed_stop does).")
     @argument("--no-wait", action="store_true", help="Fail at once, naming who holds them, when the GPUs are "
               "leased by other jobs (default: wait in the queue).")
+    @argument("--cluster", default=None, metavar="ADDRESS", help="Run on a Ray cluster: 'auto', 'ray://host:10001' "
+              "or 'host:6379' (needs sgpu_magic[ray]); one placement group of --gpus bundles, one actor per rank.")
     @argument("--max-restarts", type=int, default=0, metavar="N", help="Restart all ranks up to N times after a "
               "rank fails (torchrun's --max-restarts; ranks read TORCHELASTIC_RESTART_COUNT). Default 0.")
     @argument("-o", "--output", default=None, metavar="NAME", help="Store the Job handle (per-rank results, log paths) in this variable.")
@@ -220,7 +222,7 @@ class DistributedMagics(Magics):
             spec = make_spec(args.gpus, args.gpu_type, _parse_timeout(args.timeout, self.timeout_s), args.port,
                              name="%%distributed cell", widgets=False if args.no_widgets else self.widgets,
                              mlflow=self.mlflow and not args.no_mlflow, gpu_ids=_parse_gpu_ids(args.gpu_ids),
-                             wait=not args.no_wait, max_restarts=args.max_restarts)
+                             wait=not args.no_wait, max_restarts=args.max_restarts, cluster=args.cluster)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         source = _checked_source(cell, self.shell.transform_cell(cell))  # stops bad cells before anything starts

@@ -64,6 +64,7 @@ class DevicePlan:
         note: one line for the user about the choice (e.g. the CPU fallback), or ``""``.
         candidates: the GPUs the job may lease; empty for a CPU job.
         explicit: the candidates were named by ``gpu_ids`` (take exactly those).
+        cluster: the Ray cluster the ranks run on (see :mod:`sgpu_magic.ray_cluster`); ``None`` = this machine.
     """
 
     world_size: int
@@ -72,6 +73,7 @@ class DevicePlan:
     note: str = ""
     candidates: tuple[Gpu, ...] = ()
     explicit: bool = False
+    cluster: str | None = None
 
     @property
     def needs_lease(self) -> bool:
@@ -86,10 +88,10 @@ class DevicePlan:
 
     @property
     def device_kind(self) -> str:
-        """``2 x cpu (gloo)`` / ``8 x NVIDIA H100 80GB HBM3 (nccl)``."""
+        """``2 x cpu (gloo)`` / ``8 x NVIDIA H100 80GB HBM3 (nccl)`` / ``4 x gpu (nccl) on Ray ray://head:10001``."""
         chosen = self.gpus or self.candidates
-        what = chosen[0].name if chosen else "cpu"
-        return f"{self.world_size} x {what} ({self.backend})"
+        what = chosen[0].name if chosen else ("gpu" if self.backend == "nccl" else "cpu")
+        return f"{self.world_size} x {what} ({self.backend})" + (f" on Ray {self.cluster}" if self.cluster else "")
 
     @property
     def gpu_indices(self) -> list[int]:

@@ -38,6 +38,8 @@ class LaunchSpec:
         wait: when the GPUs are leased by other jobs, wait in the queue (True) or fail at once (False).
         max_restarts: how many times a failed rank group is restarted, all ranks together, before the
             job fails (torchrun's ``--max-restarts``; ranks see ``TORCHELASTIC_RESTART_COUNT``). Default 0.
+        cluster: a Ray cluster to run on (``"auto"``, ``"ray://host:port"`` or a GCS ``"host:port"``;
+            see :mod:`sgpu_magic.ray_cluster`); ``None`` = this machine. Default ``None``.
     """
 
     gpus: int
@@ -50,6 +52,7 @@ class LaunchSpec:
     gpu_ids: tuple[int, ...] | None = None
     wait: bool = True
     max_restarts: int = 0
+    cluster: str | None = None
 
 
 def shown(value: object) -> str:
@@ -169,7 +172,8 @@ def check_max_capture_bytes(max_capture_bytes: object) -> int:
 
 def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S,
               port: object = None, name: str = "job", widgets: bool | None = None, mlflow: bool = True,
-              gpu_ids: object = None, wait: bool = True, max_restarts: object = 0) -> LaunchSpec:
+              gpu_ids: object = None, wait: bool = True, max_restarts: object = 0,
+              cluster: object = None) -> LaunchSpec:
     """Validate user input into a :class:`LaunchSpec`.
 
     ``widgets``, ``mlflow`` and ``wait`` take ``True`` / ``False`` (or ``1`` / ``0``); a string such as
@@ -185,4 +189,22 @@ def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_T
                       mlflow=_check_switch("mlflow", mlflow, "track the job as an MLflow run"),
                       gpu_ids=_check_gpu_ids(gpu_ids, count),
                       wait=_check_switch("wait", wait, "queue for GPUs other jobs hold, or fail at once"),
-                      max_restarts=_check_max_restarts(max_restarts))
+                      max_restarts=_check_max_restarts(max_restarts),
+                      cluster=_check_cluster(cluster, gpu_ids, port, max_restarts))
+
+
+def _check_cluster(cluster: object, gpu_ids: object, port: object, max_restarts: object) -> str | None:
+    """``None``, ``"auto"``, ``"ray://host:port"`` or ``"host:port"``; what a cluster cannot honour is refused."""
+    if cluster is None:
+        return None
+    if not isinstance(cluster, str) or not cluster.strip() or any(c.isspace() for c in cluster.strip()):
+        raise SpecError(f"cluster must be 'auto' (an already running or initialised Ray), 'ray://host:port' (a Ray "
+                        f"client address) or 'host:port' (a Ray GCS address), got {shown(cluster)}")
+    cluster = cluster.strip()
+    if cluster != "auto" and ":" not in cluster:
+        raise SpecError(f"cluster={cluster!r} is not a Ray address: give 'auto', 'ray://host:port' or 'host:port'")
+    if gpu_ids is not None:
+        raise SpecError("gpu_ids cannot be used with cluster=: Ray places the ranks; use gpu_type to choose GPUs")
+    if max_restarts:
+        raise SpecError("max_restarts is not supported with cluster= yet; leave it at 0")
+    return cluster

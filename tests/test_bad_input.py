@@ -50,7 +50,7 @@ BASE_LINES = [(1, "--gpus 1"), (2, "--gpus 2 --no-mlflow --no-widgets"), (1, "--
 """Valid lines, with their number of ranks; a bad option appended overrides the base's (argparse: last wins)."""
 BASE_CELL_LINES = ["x = 1", "import math", "y = [i * 2 for i in range(3)]", "def f(a):\n    return a + 1",
                    "f(2) if False else 0"]
-ACCEPTED = "gpus, gpu_type, timeout, port, widgets, max_capture_bytes, mlflow, gpu_ids, wait, max_restarts"
+ACCEPTED = "gpus, gpu_type, timeout, port, widgets, max_capture_bytes, mlflow, gpu_ids, wait, max_restarts, cluster"
 
 
 # --- nothing starts ------------------------------------------------------------------------
@@ -312,7 +312,7 @@ def bad_decorator_kwargs(draw) -> tuple[dict, type, str]:
                                    {"gpus": 2, "gpu_ids": [0, 1], "wait": False, "widgets": False},
                                    {"gpus": 1, "port": 29555, "max_restarts": 2, "max_capture_bytes": 1024}]))
     name = draw(st.sampled_from(["gpus", "gpu_type", "timeout", "port", "gpu_ids", "max_restarts", "wait", "mlflow",
-                                 "widgets", "max_capture_bytes", "unknown"]))
+                                 "widgets", "max_capture_bytes", "cluster", "unknown"]))
     if name == "unknown":
         bad_name = draw(st.one_of(_IDENT, st.text(_CHARS, min_size=1, max_size=8).filter(str.isidentifier)).filter(
             lambda n: n not in ACCEPTED.split(", ")))
@@ -331,6 +331,8 @@ def bad_decorator_kwargs(draw) -> tuple[dict, type, str]:
         "mlflow": st.one_of(_NOT_A_SWITCH, st.none()),
         "widgets": _NOT_A_SWITCH,
         "max_capture_bytes": st.one_of(st.integers(max_value=-1), _NOT_AN_INT, st.none()),
+        "cluster": st.one_of(st.integers(), st.floats(), st.booleans(), st.binary(max_size=4), st.just(""),
+                             st.text(_CHARS, max_size=8).filter(lambda t: ":" not in t and t.strip() != "auto")),
     }
     messages = {
         "gpus": r"^gpus must be (an int >= 1 \(the number of ranks\)|between 1 and 1024), got ",
@@ -343,6 +345,7 @@ def bad_decorator_kwargs(draw) -> tuple[dict, type, str]:
         "mlflow": r"^mlflow must be True or False \(track the job as an MLflow run\); got ",
         "widgets": r"^widgets must be True, False or None \(the widget panel, plain text, or decide\); got ",
         "max_capture_bytes": r"^max_capture_bytes must be an int >= 0 \(bytes",
+        "cluster": r"^cluster(='.*' is not a Ray address| must be 'auto' \(an already running or initialised Ray\))",
     }
     return {**kwargs, name: draw(strategies[name])}, SpecError, messages[name]
 
@@ -573,3 +576,30 @@ def test_valid_switch_and_gpu_id_forms_are_still_accepted():
                                                                                                   None, None)
     assert distributed(gpus=2, gpu_ids=(1, 0))(f).spec.gpu_ids == (1, 0)
     assert distributed(gpus=1)(len).spec.name == "len"  # a builtin goes to the ranks by reference
+
+
+def test_bad_cluster_arguments_are_refused_before_anything_starts():
+    """cluster= (Ray) is checked at the decorator line, with or without Ray installed."""
+    with pytest.raises(SpecError, match=r"cluster must be 'auto' .* got 42"):
+        distributed(gpus=2, cluster=42)
+    with pytest.raises(SpecError, match=r"cluster='nowhere' is not a Ray address"):
+        distributed(gpus=2, cluster="nowhere")
+    with pytest.raises(SpecError, match=r"gpu_ids cannot be used with cluster="):
+        distributed(gpus=2, cluster="auto", gpu_ids=[0, 1])
+    with pytest.raises(SpecError, match=r"max_restarts is not supported with cluster= yet"):
+        distributed(gpus=2, cluster="auto", max_restarts=1)
+
+
+def test_cluster_without_ray_installed_says_how_to_get_it(monkeypatch):
+    """Where Ray is not installed (sys.modules["ray"] = None makes ``import ray`` fail, as Python documents)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    fn = distributed(gpus=2, cluster="auto", mlflow=False, widgets=False)(lambda: 1)
+    with pytest.raises(SpecError, match=r'^cluster= needs Ray: pip install "sgpu_magic\[ray\]"'):
+        fn.distributed()
+
+
+def test_a_bad_cluster_on_the_magic_line_is_a_usage_error(settled, ip):
+    with pytest.raises(UsageError, match=r"^cluster='nowhere' is not a Ray address"):
+        ip.run_cell_magic("distributed", "--gpus 2 --cluster nowhere", "1")

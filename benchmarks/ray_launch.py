@@ -1,0 +1,73 @@
+"""Launch-to-result latency of a trivial 4-rank job: on a local two-node Ray cluster vs the local launcher.
+
+    .venv/bin/python -m benchmarks.ray_launch [--reps 5]
+
+The job: init a gloo process group, one all_reduce, return the rank. The Ray cluster is a head
+and a worker node on this machine (``ray.cluster_utils.Cluster``, 2 CPUs each), so the ranks of
+the Ray job spread over two raylets as over two machines. Both are called through the decorator
+in this process, interleaved, after one call each to warm up (the local launcher's forkserver,
+Ray's worker pool); the table shows medians and min-max. Needs ``pip install "sgpu_magic[ray]"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+
+def trivial():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return dist.get_rank()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("SGPU_MAGIC_HOME", tempfile.mkdtemp(prefix="sgpu-bench-ray-"))
+    os.environ["SGPU_MAGIC_WIDGETS"] = "0"
+    from ray.cluster_utils import Cluster
+
+    from sgpu_magic import distributed
+
+    t0 = time.perf_counter()
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    started_s = time.perf_counter() - t0
+    peers = {"local launcher": distributed(gpus=4, mlflow=False, widgets=False)(trivial),
+             "Ray, 2 nodes": distributed(gpus=4, cluster=cluster.address, mlflow=False, widgets=False)(trivial)}
+    first = {}
+    for name, fn in peers.items():
+        t = time.perf_counter()
+        assert fn.distributed() == [0, 1, 2, 3]
+        first[name] = time.perf_counter() - t
+    samples = {name: [] for name in peers}
+    for _ in range(args.reps):
+        for name, fn in peers.items():
+            t = time.perf_counter()
+            assert fn.distributed() == [0, 1, 2, 3]
+            samples[name].append(time.perf_counter() - t)
+    import ray
+
+    ray.shutdown()  # the driver first: Ray refuses to remove a node its driver is connected to
+    cluster.shutdown()
+    local = statistics.median(samples["local launcher"])
+    print(f"Ray cluster start (head + 1 worker node): {started_s:.1f} s")
+    print("| 4-rank trivial job | first call s | median s | min-max s | vs local launcher |")
+    print("|---|---:|---:|---:|---:|")
+    for name, got in samples.items():
+        med = statistics.median(got)
+        print(f"| {name} | {first[name]:.2f} | {med:.2f} | {min(got):.2f}-{max(got):.2f} | {med / local:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Jobs on a Ray cluster (sgpu_magic.ray_cluster): a real two-node Ray cluster on this machine.
+
+``ray.cluster_utils.Cluster`` starts a head node and a worker node (each its own raylet, with 2
+CPUs), as Ray's own tests do; jobs run with ``cluster=<its address>``. Skipped without Ray
+(``pip install "sgpu_magic[ray]"``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from sgpu_magic import distributed  # noqa: E402
+from sgpu_magic.errors import JobCancelledError, RankFailedError, ResourceError  # noqa: E402
+
+from helpers import wait_for  # noqa: E402
+from kernel_utils import start_kernel, stop_kernel  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    yield c
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Live processes carrying the job's SGPU_MAGIC_JOB_ID (its ranks), on any node of this machine."""
+    needle = f"SGPU_MAGIC_JOB_ID={job_id}".encode()
+    found = []
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0") and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    found.append(pid)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def test_a_4_rank_ddp_job_spreads_over_both_nodes(cluster, monkeypatch):
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "ray-tests")
+
+    @distributed(gpus=4, cluster=cluster.address, timeout=300, widgets=False)
+    def ddp_step():
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        model(torch.ones(8, 4)).sum().backward()
+        grad = model.module.weight.grad.clone()
+        print(f"rank {dist.get_rank()} of {dist.get_world_size()} on node {os.environ['GROUP_RANK']}", flush=True)
+        return {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")} | {
+            "grad": grad.tolist()}
+
+    results = ddp_step.distributed()
+    assert [r["RANK"] for r in results] == ["0", "1", "2", "3"]  # rank order, as on one machine
+    assert [(r["GROUP_RANK"], r["LOCAL_RANK"]) for r in results] == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert {r["LOCAL_WORLD_SIZE"] for r in results} == {"2"}
+    assert len({str(r["grad"]) for r in results}) == 1  # gradients all-reduced across both nodes
+    job = ddp_step.last_job
+    assert job._status()["start_method"] == "ray" and len(set(job._status()["nodes"].values())) >= 1
+    for rank in range(4):
+        assert f"rank {rank} of 4 on node {rank // 2}" in job.logs(rank)  # logs came back into the run dir
+    assert not job_processes(job.job_id)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(job.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.params["world_size"] == "4"
+    assert sorted(a.path for a in client.list_artifacts(job.mlflow_run_id, "logs")) == [
+        f"logs/rank_{r}.log" for r in range(4)]  # the ranks' logs kept as run artifacts
+
+
+def test_a_job_past_its_timeout_is_stopped(cluster):
+    from sgpu_magic.errors import JobTimeoutError
+
+    @distributed(gpus=2, cluster=cluster.address, timeout=40, mlflow=False, widgets=False)
+    def too_long():
+        import time
+
+        time.sleep(600)
+
+    with pytest.raises(JobTimeoutError, match=r"ran longer than its timeout of 40 s"):
+        too_long.distributed()
+    assert wait_for(lambda: not job_processes(too_long.last_job.job_id), 30, "the ranks to stop")
+
+
+def test_the_first_failing_rank_is_the_root_cause_and_the_rest_stop(cluster):
+    @distributed(gpus=4, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)
+    def fails_on_rank_2():
+        import os
+        import time
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 2:
+            raise ValueError("bad shard on rank 2")
+        time.sleep(600)
+
+    with pytest.raises(RankFailedError, match=r"rank 2 failed \(root cause\): ValueError: bad shard on rank 2") as caught:
+        fails_on_rank_2.distributed()
+    assert "bad shard on rank 2" in caught.value.root_cause.traceback
+    assert wait_for(lambda: not job_processes(fails_on_rank_2.last_job.job_id), 30, "the other ranks to stop")
+
+
+def test_cancel_stops_every_rank_and_releases_the_placement_group(cluster):
+    from ray.util.placement_group import placement_group_table
+
+    @distributed(gpus=4, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)
+    def sleeper():
+        import time
+
+        print("sleeping", flush=True)
+        time.sleep(600)
+
+    job = sleeper.submit()
+    wait_for(lambda: all("sleeping" in job.logs(r) for r in range(4)), 120, "every rank to start")
+    job.cancel()
+    assert isinstance(job.exception(timeout_s=60), JobCancelledError)
+    assert job.state.value == "cancelled"
+    wait_for(lambda: not job_processes(job.job_id), 30, "the ranks to stop")
+    ours = [pg for pg in placement_group_table().values() if pg["name"] == f"sgpu_magic-{job.job_id}"]
+    assert all(pg["state"] == "REMOVED" for pg in ours), ours
+
+
+def test_a_cluster_too_small_says_so_and_no_wait_fails_at_once(cluster):
+    with pytest.raises(ResourceError, match=r"has 4 CPUs in all, fewer than the 9 ranks asked for"):
+        distributed(gpus=9, cluster=cluster.address, mlflow=False, widgets=False)(lambda: 1).distributed()
+
+    @distributed(gpus=4, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)
+    def hold():
+        import time
+
+        print("holding", flush=True)
+        time.sleep(600)
+
+    holder = hold.submit()
+    try:
+        wait_for(lambda: all("holding" in holder.logs(r) for r in range(4)), 120, "the holder's ranks")
+        with pytest.raises(ResourceError, match=r"has 0 of 4 CPUs free, the job needs 2; wait=False / --no-wait"):
+            distributed(gpus=2, cluster=cluster.address, wait=False, mlflow=False, widgets=False)(lambda: 1).distributed()
+        waiting = distributed(gpus=2, cluster=cluster.address, mlflow=False, widgets=False)(lambda: 1).submit()
+        wait_for(lambda: "waiting for 2 CPU bundle(s) on the Ray cluster: 0 of 4 CPUs free" in
+                 waiting._status().get("waiting", ""), 60, "the pending job to say what it waits for")
+        holder.cancel()
+        assert waiting.result(timeout_s=120) == [1, 1]  # it starts once the CPUs are free
+    finally:
+        holder.cancel()
+
+
+def test_kernel_sigkill_leaves_no_actor_or_rank(cluster, tmp_path):
+    """The kernel is the Ray driver: when it is SIGKILLed, Ray removes its actors, and the ranks die with them."""
+    km, kc = start_kernel(cwd=tmp_path, env={"SGPU_MAGIC_WIDGETS": "0"})
+    try:
+        code = (f"%%distributed --gpus 4 --cluster {cluster.address} --no-mlflow\n"
+                "import os, time\nprint('job', os.environ['SGPU_MAGIC_JOB_ID'], flush=True)\ntime.sleep(600)")
+        kc.execute(code)
+        job_id = None
+
+        def started():
+            nonlocal job_id
+            try:
+                msg = kc.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                msg = {"msg_type": None, "content": {}}
+            text = msg["content"].get("text", "") if msg["msg_type"] == "stream" else ""
+            for line in text.splitlines():
+                if line.startswith("[rank ") and " job " in line:
+                    job_id = line.split()[-1]
+            return job_id is not None and len(job_processes(job_id)) == 4
+
+        wait_for(started, 180, "the 4 ranks to run")
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        wait_for(lambda: not job_processes(job_id), 60, "Ray to remove the dead kernel's actors and their ranks")
+        assert not [p for p in psutil.process_iter(["cmdline"]) if "_RankAgent" in " ".join(p.info["cmdline"] or [])]
+    finally:
+        stop_kernel(km, kc)
