@@ -110,9 +110,10 @@ def _agent_class():
             self.dir = Path(tempfile.mkdtemp(prefix="sgpu-ray-rank-"))  # 0700
             self.proc = None
 
-        def node(self) -> tuple[str, str]:
+        def node(self) -> tuple[str, str, list[str]]:
+            """(node id, node IP, the GPU ids Ray gave this actor)."""
             ctx = ray.get_runtime_context()
-            return ctx.get_node_id(), ray.util.get_node_ip_address()
+            return ctx.get_node_id(), ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
 
         def free_port(self) -> int:
             from .resources import free_port
@@ -132,8 +133,6 @@ def _agent_class():
             atomic_write_json(rd.launch_file, launch)
             rd.log_file(rank).touch(mode=0o600)
             env = {**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())}
-            if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:  # Ray's choice of GPU for this bundle
-                env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
             self.proc = subprocess.Popen([sys.executable, "-u", "-m", "sgpu_magic.worker", str(rd.path)], env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
             code = self.proc.wait()
@@ -267,7 +266,7 @@ class _Supervisor(threading.Thread):
                 for r, a in enumerate(self.actors)]
         pids = ray.get([a.pid.remote() for a in self.actors])
         self._write(state="running", port=port, attempt=1, master_addr=nodes[0][1],
-                    nodes={str(r): ip for r, (_, ip) in enumerate(nodes)},
+                    nodes={str(r): ip for r, (_, ip, _) in enumerate(nodes)},
                     pids={str(r): p for r, p in enumerate(pids) if p is not None})
         pending = dict(zip(refs, range(self.world)))
         exitcodes: dict[str, int | None] = {}
@@ -303,15 +302,16 @@ class _Supervisor(threading.Thread):
         keep = ("job_id", "name", "world_size", "backend", "cwd", "sys_path")
         return {k: self.launch.get(k) for k in keep}
 
-    def _rank_env(self, rank: int, nodes: list[tuple[str, str]], port: int) -> dict[str, str]:
+    def _rank_env(self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int) -> dict[str, str]:
+        """torchrun's contract for ``rank``; ``nodes[r]`` = (node id, IP, Ray's GPU ids) of rank ``r``'s actor."""
         from .launcher import _rank_base_env
 
         order: list[str] = []
-        for node_id, _ in nodes:
+        for node_id, _, _ in nodes:
             if node_id not in order:
                 order.append(node_id)
         node_id = nodes[rank][0]
-        local = [r for r, (n, _) in enumerate(nodes) if n == node_id]
+        local = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
         env = {**_rank_base_env(), **self.launch.get("env", {})}
         env.update({
             "RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(local.index(rank)),
@@ -324,6 +324,9 @@ class _Supervisor(threading.Thread):
             "PYTHONUNBUFFERED": "1", "SGPU_MAGIC_JOB_ID": self.rd.job_id,
         })
         env.setdefault("OMP_NUM_THREADS", "1")
+        gpus = [g for r in local for g in nodes[r][2]]
+        if gpus:  # as torchrun on one node: every local rank sees the node's job GPUs, and takes cuda:LOCAL_RANK
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         return env
 
     def _pull_logs(self) -> None:

@@ -51,3 +51,18 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Every live process (zombies excluded) whose environment carries ``SGPU_MAGIC_JOB_ID=<job_id>``:
+    a job's ranks and whatever they started, double-forked daemons included."""
+    needle = f"SGPU_MAGIC_JOB_ID={job_id}".encode()
+    found = []
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0") and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    found.append(pid)
+        except (OSError, psutil.Error):
+            continue
+    return found

@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 from sgpu_magic import distributed  # noqa: E402
 from sgpu_magic.errors import JobCancelledError, RankFailedError, ResourceError  # noqa: E402
 
-from helpers import wait_for  # noqa: E402
+from helpers import job_processes, wait_for  # noqa: E402
 from kernel_utils import start_kernel, stop_kernel  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -36,20 +36,6 @@ def cluster():
     if ray.is_initialized():
         ray.shutdown()
     c.shutdown()
-
-
-def job_processes(job_id: str) -> list[int]:
-    """Live processes carrying the job's SGPU_MAGIC_JOB_ID (its ranks), on any node of this machine."""
-    needle = f"SGPU_MAGIC_JOB_ID={job_id}".encode()
-    found = []
-    for pid in psutil.pids():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0") and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    found.append(pid)
-        except (OSError, psutil.Error):
-            continue
-    return found
 
 
 def test_a_4_rank_ddp_job_spreads_over_both_nodes(cluster, monkeypatch):
@@ -194,3 +180,19 @@ def test_kernel_sigkill_leaves_no_actor_or_rank(cluster, tmp_path):
         assert not [p for p in psutil.process_iter(["cmdline"]) if "_RankAgent" in " ".join(p.info["cmdline"] or [])]
     finally:
         stop_kernel(km, kc)
+
+
+def test_gpu_ranks_see_their_nodes_gpus_in_local_rank_order(tmp_path):
+    """torchrun's contract on GPU nodes: each local rank sees the node's job GPUs and takes cuda:LOCAL_RANK."""
+    from sgpu_magic.ray_cluster import _Supervisor
+    from sgpu_magic.rundir import RunDir, atomic_write_json
+
+    rd = RunDir.create(tmp_path)
+    atomic_write_json(rd.launch_file, {"job_id": rd.job_id, "world_size": 4, "backend": "nccl", "env": {}})
+    sup = _Supervisor(rd, "auto", None)
+    nodes = [("a", "10.0.0.1", ["3"]), ("a", "10.0.0.1", ["1"]), ("b", "10.0.0.2", ["0"]), ("b", "10.0.0.2", ["5"])]
+    envs = [sup._rank_env(r, nodes, 29500) for r in range(4)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,1", "3,1", "0,5", "0,5"]
+    assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "2"), ("0", "1", "2"), ("1", "0", "2"), ("1", "1", "2")]
+    assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and {e["GROUP_WORLD_SIZE"] for e in envs} == {"2"}

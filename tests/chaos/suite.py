@@ -43,6 +43,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import job_processes  # noqa: E402
 from kernel_utils import collect, execute, start_kernel, stop_kernel  # noqa: E402
 
 BOUND_S = 15.0
@@ -259,7 +260,7 @@ class Runner:
         run_dir = root / "runs" / job_id
         state, mlflow_want, error_re = EXPECT[fault]
         if fault == "kernel_sigkill":  # final: every process of the job gone; then the host must go too
-            gone_at = self._wait(lambda: not self._job_processes(job_id), 60)
+            gone_at = self._wait(lambda: not job_processes(job_id), 60)
             outcome.to_final_s = (gone_at or time.time()) - fault_at
             if gone_at is None:
                 outcome.problems.append("ranks still run 60 s after the kernel was killed")
@@ -285,8 +286,8 @@ class Runner:
         if outcome.to_final_s is not None and outcome.to_final_s > bound:
             outcome.problems.append(f"final state {outcome.to_final_s:.1f} s after the fault (bound {bound:g} s)")
         # nothing left running, no lease held
-        if self._wait(lambda: not self._job_processes(job_id), BOUND_S) is None:
-            left = self._job_processes(job_id)
+        if self._wait(lambda: not job_processes(job_id), BOUND_S) is None:
+            left = job_processes(job_id)
             outcome.leaked = len(left)
             outcome.problems.append(f"{len(left)} process(es) of the job still run: {left}")
             for p in left:
@@ -353,20 +354,6 @@ class Runner:
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.1)
-
-    @staticmethod
-    def _job_processes(job_id: str) -> list[int]:
-        """Every live process whose environment carries ``SGPU_MAGIC_JOB_ID=<job_id>`` (zombies excluded)."""
-        needle = f"SGPU_MAGIC_JOB_ID={job_id}".encode()
-        found = []
-        for pid in psutil.pids():
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0") and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                        found.append(pid)
-            except (OSError, psutil.Error):
-                continue
-        return found
 
     def _lease_held(self, job_id: str) -> bool:
         from sgpu_magic.leases import LeaseRegistry
