@@ -551,6 +551,9 @@ class Job:
         self._pump()
         status = self._status(stamp)
         state = _to_state(status)
+        waiting = status.get("waiting")  # a Ray job waiting for the cluster's resources (sgpu_magic.ray_cluster)
+        if waiting and waiting != self.pending_reason and not state.final:
+            self._set_pending(waiting)
         if status.get("attempt", 1) != self._attempt:
             self._attempt = status["attempt"]
             self._emit("restarted", self, self._attempt)
