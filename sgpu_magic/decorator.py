@@ -53,8 +53,10 @@ def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dic
     sinks = _sinks(spec, view)
     view = sinks[-1]
     if spec.cluster is not None:  # Ray places the ranks: no local GPUs, no leases, no local port
-        from .ray_cluster import RayLauncher, plan_on_cluster
+        from .ray_cluster import RayLauncher, is_connected, plan_on_cluster
 
+        if not is_connected():
+            view.note(f"sgpu_magic: connecting to the Ray cluster {spec.cluster} ...")
         plan = plan_on_cluster(spec)
         launcher = RayLauncher(spec.cluster, spec.gpu_type)
         host_factory: Callable = lambda: launcher  # noqa: E731
@@ -173,7 +175,17 @@ def _resolve(value: Any) -> Any:
     return value.resolve() if isinstance(value, _FromConfig) else value
 
 
-def distributed(gpus: int, gpu_type: str | None = None,
+class _Required:
+    """Default of ``gpus``: lets ``@distributed(gpu=2)`` reach the unknown-argument message."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_REQUIRED: Any = _Required()
+
+
+def distributed(gpus: int = _REQUIRED, gpu_type: str | None = None,
                 timeout: float | None = _FromConfig("timeout_s", DEFAULT_TIMEOUT_S), *, port: int | None = None,
                 widgets: bool | None = _FromConfig("widgets", None),
                 max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
@@ -221,6 +233,8 @@ def distributed(gpus: int, gpu_type: str | None = None,
     """
     if unknown:
         raise TypeError(_unknown_arguments_message(unknown))
+    if gpus is _REQUIRED:
+        raise TypeError("@distributed needs gpus, the number of ranks (one GPU each): write @distributed(gpus=N)")
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
     timeout, max_capture_bytes, widgets = _resolve(timeout), _resolve(max_capture_bytes), _resolve(widgets)

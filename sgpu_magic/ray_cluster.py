@@ -48,16 +48,59 @@ def _ray():
     return ray
 
 
+CONNECT_CHECK_S = 5.0
+"""How long an explicit cluster address gets to accept a TCP connection before the job is refused
+(Ray's own connect retries for minutes when nothing listens there)."""
+
+
+def _check_reachable(cluster: str) -> None:
+    """Refuse at once an explicit ``host:port`` / ``ray://host:port`` where nothing accepts a connection."""
+    import socket
+
+    host, _, port = cluster.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_CHECK_S):
+            pass
+    except (OSError, ValueError) as exc:
+        raise ResourceError(f"cannot connect to the Ray cluster {cluster!r}: nothing answers at {host}:{port} "
+                            f"({exc}); start one (ray start --head) or check the address") from None
+
+
+_connected_to: str | None = None
+"""The address this kernel's jobs connected Ray to (``None`` until then, or when the user initialised Ray)."""
+
+
+def is_connected() -> bool:
+    """Whether this kernel is connected to a Ray cluster already (without importing Ray when it is not)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 def connect(cluster: str):
-    """Connect the kernel to ``cluster`` (``"auto"``, ``"ray://host:port"`` or a GCS ``host:port``) once."""
+    """Connect the kernel to ``cluster`` (``"auto"``, ``"ray://host:port"`` or a GCS ``host:port``) once.
+
+    Raises:
+        ResourceError: nothing answers at the address (within ``CONNECT_CHECK_S``), or Ray cannot connect.
+    """
+    global _connected_to
     ray = _ray()
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        if _connected_to is not None and cluster not in (_connected_to, "auto"):
+            raise ResourceError(f"this kernel is connected to the Ray cluster {_connected_to!r}, not {cluster!r}; a kernel "
+                                f"uses one Ray cluster at a time: restart the kernel (or ray.shutdown() when no job "
+                                f"runs) to use another")
+    else:
+        if cluster != "auto":
+            _check_reachable(cluster)
         try:
             ray.init(address=cluster, log_to_driver=False, namespace="sgpu_magic", configure_logging=False)
         except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError ...
             raise ResourceError(f"cannot connect to the Ray cluster {cluster!r} ({type(exc).__name__}: {exc}); "
                                 f"start one (ray start --head) or give its address, e.g. cluster='ray://head:10001'"
                                 ) from None
+        _connected_to = cluster
     return ray
 
 
@@ -85,7 +128,17 @@ def plan_on_cluster(spec) -> DevicePlan:
                                 f"to wait for them)")
     note = "" if gpu else (f"sgpu_magic: the Ray cluster has no GPU; running {spec.gpus} CPU rank(s) with gloo, "
                            f"one CPU each")
-    return DevicePlan(spec.gpus, "nccl" if gpu else "gloo", (), note, cluster=spec.cluster)
+    return DevicePlan(spec.gpus, "nccl" if gpu else "gloo", (), note, cluster=connected_address(spec.cluster))
+
+
+def connected_address(cluster: str) -> str:
+    """``cluster`` as given, plus the address Ray chose for ``"auto"`` (``auto (10.0.0.5:6379)``)."""
+    if cluster != "auto":
+        return cluster
+    try:
+        return f"auto ({_ray().get_runtime_context().gcs_address})"
+    except Exception:  # noqa: BLE001 - older Ray, or a Ray client connection
+        return cluster
 
 
 def _bundle(plan: DevicePlan, gpu_type: str | None) -> dict:

@@ -603,3 +603,33 @@ def test_cluster_without_ray_installed_says_how_to_get_it(monkeypatch):
 def test_a_bad_cluster_on_the_magic_line_is_a_usage_error(settled, ip):
     with pytest.raises(UsageError, match=r"^cluster='nowhere' is not a Ray address"):
         ip.run_cell_magic("distributed", "--gpus 2 --cluster nowhere", "1")
+
+
+def test_gpus_missing_or_misspelled_is_named():
+    with pytest.raises(TypeError, match=r"^@distributed needs gpus, the number of ranks \(one GPU each\): write "
+                                        r"@distributed\(gpus=N\)$"):
+        distributed()
+    with pytest.raises(TypeError, match=r"^@distributed got unknown argument\(s\) 'gpu' \(did you mean 'gpus'\?\)"):
+        distributed(gpu=2)
+
+
+
+def test_a_ray_address_where_nothing_listens_is_refused_within_seconds():
+    """Ray's own connect retries for minutes; sgpu_magic checks the address first (CONNECT_CHECK_S)."""
+    import socket
+    import time
+
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("this process is already a Ray driver")
+    from sgpu_magic.errors import ResourceError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    started = time.monotonic()
+    with pytest.raises(ResourceError, match=rf"^cannot connect to the Ray cluster '127.0.0.1:{port}': nothing answers "
+                                            rf"at 127.0.0.1:{port} .*start one \(ray start --head\) or check the address"):
+        distributed(gpus=2, cluster=f"127.0.0.1:{port}", mlflow=False, widgets=False)(lambda: 1).distributed()
+    assert time.monotonic() - started < 30
+    assert not ray.is_initialized()

@@ -204,3 +204,12 @@ def test_gpu_ranks_see_their_nodes_gpus_in_local_rank_order(tmp_path):
     assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
         ("0", "0", "2"), ("0", "1", "2"), ("1", "0", "2"), ("1", "1", "2")]
     assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and {e["GROUP_WORLD_SIZE"] for e in envs} == {"2"}
+
+
+def test_a_kernel_connected_to_one_cluster_refuses_another(cluster):
+    from sgpu_magic import ray_cluster
+
+    ray_cluster.connect(cluster.address)
+    with pytest.raises(ResourceError, match=r"this kernel is connected to the Ray cluster '.*', not '127.0.0.1:9'; a "
+                                            r"kernel uses one Ray cluster at a time"):
+        distributed(gpus=2, cluster="127.0.0.1:9", mlflow=False, widgets=False)(lambda: 1).distributed()

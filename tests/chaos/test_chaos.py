@@ -1,6 +1,6 @@
 """The fault-injection suite's short version (see tests/chaos/suite.py): every fault kind once, in a real kernel.
 
-The long version (``tests/chaos/suite.py --jobs 200``) draws faults at random; its table is in
+The long version (``tests/chaos/suite.py --jobs 150``) draws faults at random; its table is in
 RELIABILITY.md. Here each kind runs once with a 64 MB flood; any broken invariant fails the test
 with the list of problems per fault.
 """
