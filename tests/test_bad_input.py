@@ -633,3 +633,17 @@ def test_a_ray_address_where_nothing_listens_is_refused_within_seconds():
         distributed(gpus=2, cluster=f"127.0.0.1:{port}", mlflow=False, widgets=False)(lambda: 1).distributed()
     assert time.monotonic() - started < 30
     assert not ray.is_initialized()
+
+
+def test_the_core_never_imports_ray():
+    """Ray is an optional extra: loading the extension and using both front doors imports no Ray."""
+    import subprocess
+    import sys
+
+    code = ("import sys, sgpu_magic, sgpu_magic.decorator, sgpu_magic.magics, sgpu_magic.job, sgpu_magic.host\n"
+            "from sgpu_magic import distributed\n"
+            "distributed(gpus=2, cluster='auto')(len)\n"  # validating cluster= needs no Ray either
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
