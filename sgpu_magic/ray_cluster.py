@@ -253,15 +253,13 @@ class _Supervisor(threading.Thread):
         self.status = {"state": "starting", "started_s": time.time(), "host_pid": os.getpid(), "cluster": cluster,
                        "start_method": "ray"}
         self._stop_reason: str | None = None
-        self._wake = threading.Event()
         self.finished = False
         self.offsets = [0] * self.world
         self.actors: list = []
         self.pg = None
 
     def stop(self, reason: str) -> None:
-        self._stop_reason = reason
-        self._wake.set()
+        self._stop_reason = reason  # read by the supervisor's loop within 0.1 s
 
     def _write(self, **change) -> None:
         self.status.update(change)
@@ -343,7 +341,6 @@ class _Supervisor(threading.Thread):
                 if out["error"]:
                     atomic_write_json(self.rd.error_file(rank), out["error"])
                 if out["exitcode"] != 0:
-                    self._pull_logs()
                     self.status["failures"] = [{"rank": rank, "exitcode": out["exitcode"], "time_s": time.time()}]
                     return self._finish("failed", exitcodes=exitcodes)
             reason = self._should_stop()

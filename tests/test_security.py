@@ -126,33 +126,33 @@ def test_read_private_reads_a_private_file(private_file):
     assert pickle.loads(read_private(path, run)) == "ok"
 
 
-@pytest.mark.parametrize("plant", ["file-mode", "file-owner", "dir-mode", "run-dir-mode", "run-dir-owner", "symlink"])
+def _plant_symlink(run, path, tmp_path):
+    evil = tmp_path / "evil.pkl"
+    evil.write_bytes(pickle.dumps("evil"))
+    path.unlink()
+    path.symlink_to(evil)
+
+
+PLANTS = {  # how another user could plant a pickle -> what the refusal must say
+    "file-mode": (lambda run, path, tmp: os.chmod(path, 0o666),
+                  r"the file has mode 0o666, open to other users \(want 0600\)"),
+    "file-owner": (lambda run, path, tmp: os.chown(path, 65534, 65534), r"the file is owned by uid 65534, not by you"),
+    "dir-mode": (lambda run, path, tmp: os.chmod(path.parent, 0o777),
+                 r"its directory has mode 0o777, open to other users \(want 0700\)"),
+    "run-dir-mode": (lambda run, path, tmp: os.chmod(run, 0o755), r"its directory has mode 0o755"),
+    "run-dir-owner": (lambda run, path, tmp: os.chown(run, 65534, 65534), r"its directory is owned by uid 65534"),
+    "symlink": (_plant_symlink, r"it is a symlink"),
+}
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
 def test_a_planted_pickle_is_refused(private_file, tmp_path, plant):
     """Each way another user could plant a payload or result is refused, naming the file and the remedy."""
     if os.getuid() != 0 and "owner" in plant:
         pytest.skip("chown to another user needs root")
     run, path = private_file
-    if plant == "file-mode":
-        os.chmod(path, 0o666)
-        why = r"the file has mode 0o666, open to other users \(want 0600\)"
-    elif plant == "file-owner":
-        os.chown(path, 65534, 65534)
-        why = r"the file is owned by uid 65534, not by you"
-    elif plant == "dir-mode":
-        os.chmod(path.parent, 0o777)
-        why = r"its directory has mode 0o777, open to other users \(want 0700\)"
-    elif plant == "run-dir-mode":
-        os.chmod(run, 0o755)
-        why = r"its directory has mode 0o755"
-    elif plant == "run-dir-owner":
-        os.chown(run, 65534, 65534)
-        why = r"its directory is owned by uid 65534"
-    else:
-        evil = tmp_path / "evil.pkl"
-        evil.write_bytes(pickle.dumps("evil"))
-        path.unlink()
-        path.symlink_to(evil)
-        why = r"it is a symlink"
+    action, why = PLANTS[plant]
+    action(run, path, tmp_path)
     with pytest.raises(PermissionError, match=rf"refusing to read {path}: {why}"):
         read_private(path, run)
 
