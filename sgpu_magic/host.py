@@ -272,7 +272,7 @@ class HostJob:
             write_status(self.run_dir, self.status)
             self.unwritten = False
         except OSError as exc:
-            if not getattr(self, "unwritten", False):
+            if not self.unwritten:
                 _log(f"sgpu_magic host: cannot write the status of job {self.run_dir.job_id} ({exc}); retrying")
             self.unwritten = True
 
@@ -573,8 +573,7 @@ def end_mlflow_run(launch: dict, state: str) -> None:
         if client.get_run(info["run_id"]).info.status == "RUNNING":
             client.set_terminated(info["run_id"], status)
     except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
-        print(redact(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}"),
-              file=sys.stderr, flush=True)
+        _log(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}")
 
 
 def _plain_elastic_logging() -> None:

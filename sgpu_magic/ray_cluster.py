@@ -141,8 +141,9 @@ def connected_address(cluster: str) -> str:
         return cluster
 
 
-def _bundle(plan: DevicePlan, gpu_type: str | None) -> dict:
-    if plan.backend == "gloo":
+def _bundle(backend: str, gpu_type: str | None) -> dict:
+    """One rank's placement-group bundle: a CPU for gloo, a GPU (of ``gpu_type``) for nccl."""
+    if backend == "gloo":
         return {"CPU": 1}
     bundle = {"GPU": 1}
     if gpu_type:
@@ -289,8 +290,8 @@ class _Supervisor(threading.Thread):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        plan = DevicePlan(self.world, self.launch["backend"])
-        bundle = _bundle(plan, self.gpu_type)
+        gloo = self.launch["backend"] == "gloo"
+        bundle = _bundle(self.launch["backend"], self.gpu_type)
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK",
                                   name=f"sgpu_magic-{self.rd.job_id}")
         ready, noted = self.pg.ready(), 0.0
@@ -306,9 +307,7 @@ class _Supervisor(threading.Thread):
                                     f"{total:g} {unit}s free now")
         self.status.pop("waiting", None)
         agent = _agent_class()
-        cpu = 1 if plan.backend == "gloo" else 0
-        gpu = 0 if plan.backend == "gloo" else 1
-        self.actors = [agent.options(num_cpus=cpu, num_gpus=gpu, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        self.actors = [agent.options(num_cpus=int(gloo), num_gpus=int(not gloo), scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.pg, placement_group_bundle_index=r)).remote() for r in range(self.world)]
         nodes = ray.get([a.node.remote() for a in self.actors])
         port = self.launch.get("port") or ray.get(self.actors[0].free_port.remote())
