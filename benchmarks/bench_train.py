@@ -55,17 +55,17 @@ def _steps_per_s(ranks: list[dict]) -> float:
     return min(r["steps_per_s"] for r in ranks)
 
 
-def measure_training(ctx: Context, worlds: tuple[int, ...], reps: int, epochs: int, tag: str) -> dict:
+def measure_training(ctx: Context, worlds: tuple[int, ...], reps: int, epochs: int, tag: str, gpu: bool = False) -> dict:
     timeout = ctx.cfg.cell_timeout_s
 
     def sgpu_kernel():
-        k = ctx.sgpu_kernel(f"{tag}-sgpu", warm=True)
+        k = ctx.sgpu_kernel(f"{tag}-sgpu", warm=True, gpu=gpu)
         k.run(mlp_cell_source(), timeout_s=timeout)
         k.run(SGPU_DEF.format(worlds=worlds), timeout_s=timeout)
         return k
 
     kernels = {"sgpu_magic": None, "torchrun": None}
-    factories = {"sgpu_magic": sgpu_kernel, "torchrun": lambda: ctx.peers_kernel(f"{tag}-torchrun")}
+    factories = {"sgpu_magic": sgpu_kernel, "torchrun": lambda: ctx.peers_kernel(f"{tag}-torchrun", gpu=gpu)}
     samples = {(m, g): {"steps_per_s": [], "kernel": [], "loop": [], "threads": set(), "errors": [], "hangs": 0,
                         "backend": None, "start_methods": [], "side_cpu_pct": []} for m in kernels for g in worlds}
     for rep in range(reps):
@@ -162,7 +162,7 @@ def run_gpu(ctx: Context) -> Section:
         sec.raw = {"skipped": "no CUDA"}
         return sec
     worlds = (1,) if n == 1 else (1, n)
-    samples = measure_training(ctx, worlds, ctx.cfg.gpu_reps, ctx.cfg.train_epochs, "gpu")
+    samples = measure_training(ctx, worlds, ctx.cfg.gpu_reps, ctx.cfg.train_epochs, "gpu", gpu=True)
     sec.raw = {"gpus": n, "samples": {f"{m}/{g}": v for (m, g), v in samples.items()}}
     sec.tables.append(_table(f"5. GPU: quickstart MLP with nccl, {n} GPU(s), sgpu_magic vs torchrun", worlds, samples,
                              ctx.cfg.train_epochs))

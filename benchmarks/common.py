@@ -64,7 +64,8 @@ WARMUP_DEF = '''\
 def _warmup():
     return 0
 
-_warmup_job = distributed(gpus=2, **_KW)(_warmup)
+# 2 ranks; 1 on a machine with one GPU (each rank takes one GPU)
+_warmup_job = distributed(gpus=min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2, **_KW)(_warmup)
 '''
 
 WARMUP_CELL = '''\
@@ -140,19 +141,23 @@ class Context:
         self.kernels: list[Kernel] = []
         self.facts: dict = {}
 
-    def kernel(self, name: str, **env: str) -> Kernel:
+    def kernel(self, name: str, gpu: bool = False, **env: str) -> Kernel:
+        """A kernel; unless ``gpu``, with ``CUDA_VISIBLE_DEVICES=""``, so that on a GPU machine every launcher
+        in the CPU sections (sgpu_magic and the peers alike) runs CPU ranks with gloo, as on a machine without one."""
+        if not gpu:
+            env.setdefault("CUDA_VISIBLE_DEVICES", "")
         k = Kernel(name, kernel_env(self.home, **env), REPO, self.log_dir)
         self.kernels.append(k)
         return k
 
-    def sgpu_kernel(self, name: str, warm: bool = False, **env: str) -> Kernel:
+    def sgpu_kernel(self, name: str, warm: bool = False, gpu: bool = False, **env: str) -> Kernel:
         """A kernel with ``%load_ext sgpu_magic`` run, torch imported and ``_KW`` (tracking off) defined.
 
         ``warm``: also run untimed 2-rank launches, a second apart, until the host reports a start
         method other than ``subprocess`` (its cold path while its forkserver warms up), for at most
         ``WARMUP_MAX_S``: later measurements then see the steady state of a kernel in use.
         """
-        k = self.kernel(name, **env)
+        k = self.kernel(name, gpu, **env)
         cell = k.run(SGPU_SETUP, timeout_s=self.cfg.cell_timeout_s)
         self.facts.setdefault("tracking", cell.data)
         if warm:
@@ -167,8 +172,8 @@ class Context:
                                                          "last": methods[-1], "s": round(time.monotonic() - t0, 1)})
         return k
 
-    def peers_kernel(self, name: str, **env: str) -> Kernel:
-        k = self.kernel(name, **env)
+    def peers_kernel(self, name: str, gpu: bool = False, **env: str) -> Kernel:
+        k = self.kernel(name, gpu, **env)
         k.run(PEERS_SETUP.format(repo=str(REPO)), timeout_s=self.cfg.cell_timeout_s)
         return k
 

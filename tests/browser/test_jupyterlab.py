@@ -111,7 +111,7 @@ def test_quickstart_panel_tabs_tqdm_and_mlflow_link(lab, page, screenshots):
     for index in (0, 1, 2, 3):  # %load_ext, imports, the model, setup/make_loader
         wait_cell_done(run_cell(page, notebook, index), 120_000)
     magic_cell = notebook.locator(".jp-CodeCell").nth(7)
-    assert magic_cell.locator(".jp-InputArea-editor").inner_text().startswith("%%distributed --gpus 2")
+    assert magic_cell.locator(".jp-InputArea-editor").inner_text().startswith("%%distributed --gpus $RANKS")
     run_cell(page, notebook, 7)
 
     panel = panel_of(magic_cell)
