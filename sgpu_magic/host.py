@@ -68,8 +68,11 @@ def _rank_env(launch: dict, rank: int, port: int, env: dict, restart_count: int 
     if loopback:  # one machine: collectives' sockets listen on loopback only, unless the kernel says otherwise
         out.setdefault("GLOO_SOCKET_IFNAME", loopback)
         out.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    if "OMP_NUM_THREADS" not in env:  # torchrun sets it too; in a rank it is read at torch start-up
-        out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world) if launch["backend"] == "gloo" else 1)
+    if "OMP_NUM_THREADS" not in env:  # in a rank it is read at torch start-up (a warm rank applies it by hand)
+        if launch["backend"] == "gloo":  # CPU ranks share the cores (torchrun's 1 left 2 ranks on 2 cores 4x slower)
+            out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+        elif world > 1:  # GPU ranks: as torchrun, 1 when several ranks share the machine, else torch's default
+            out["OMP_NUM_THREADS"] = "1"
     return out
 
 

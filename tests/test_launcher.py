@@ -133,3 +133,16 @@ def test_teardown_leaves_user_objects_alone_once_the_group_is_gone():
     ns = {"model": Recorder()}
     _teardown(ns)  # no process group in this process
     assert "model" in ns and dropped == []
+
+
+@pytest.mark.parametrize("backend, world, kernel_env, expected", [
+    ("gloo", 2, {}, str(max(1, (os.cpu_count() or 1) // 2))),  # CPU ranks share the cores
+    ("nccl", 2, {}, "1"),  # several GPU ranks: 1, as torchrun sets it
+    ("nccl", 1, {}, None),  # one GPU rank: torch's default, as under torchrun
+    ("nccl", 4, {"OMP_NUM_THREADS": "6"}, "6"),  # the kernel's own value always wins
+])
+def test_omp_num_threads_follows_torchrun(backend, world, kernel_env, expected):
+    from sgpu_magic.host import _rank_env
+
+    launch = {"world_size": world, "backend": backend, "job_id": "j", "max_restarts": 0}
+    assert _rank_env(launch, 0, 29500, kernel_env).get("OMP_NUM_THREADS") == expected
