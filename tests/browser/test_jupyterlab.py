@@ -1,6 +1,6 @@
 """The panel as a person sees it: JupyterLab in headless chromium, cells run and buttons clicked in the page.
 
-1. The quickstart notebook's ``%%distributed --gpus 2`` cell: the panel appears, its header goes to
+1. The quickstart notebook's ``%%distributed --gpus $RANKS`` cell (2 CPU ranks): the panel appears, its header goes to
    succeeded, each rank's tab (switched by clicking) shows that rank's lines, the tqdm bar is one line,
    and the MLflow link points at a server that answers for that run.
 2. A blocking ``fn.distributed(...)`` job stopped with the panel's Stop button while its cell runs.
