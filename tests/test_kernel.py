@@ -124,7 +124,7 @@ def test_quickstart_notebook_runs_headless():
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # raises on any cell error
 
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    for needle in ("run_train.distributed(", "%%distributed --gpus 2 -o job"):
+    for needle in ("run_train.distributed(", "%%distributed --gpus $RANKS -o job"):
         stream, results = _outputs(_cell(nb, needle))
         for rank in (0, 1):
             epochs = re.findall(rf"^\[rank {rank}\] rank {rank}: epoch (\d)/3 total loss (\d+\.\d+)$", stream, re.M)
@@ -138,7 +138,7 @@ def test_quickstart_notebook_runs_headless():
     assert [r["rank"] for r in per_rank] == [0, 1]
     assert all(r["world_size"] == 2 and r["backend"] in ("gloo", "nccl") and r["final_loss"] > 0 for r in per_rank)
 
-    _, (rank0,) = _outputs(_cell(nb, "%%distributed --gpus 2 -o job"))
+    _, (rank0,) = _outputs(_cell(nb, "%%distributed --gpus $RANKS -o job"))
     assert ast.literal_eval(rank0)["rank"] == 0
 
     stream, (job_results,) = _outputs(_cell(nb, "job.results"))
