@@ -85,9 +85,9 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         cache_dir (str | os.PathLike | None): cache root; default ``$SGPU_MAGIC_CACHE_DIR``, else
             ``<sgpu_magic home>/cache``. Each volume gets its own subdirectory.
         cache_max_bytes (int | None): bound on the bytes this volume keeps cached; least recently served
-            files are evicted past it. Default ``None`` (unbounded). Keep it above what is fetched ahead
-            (ranks x DataLoader workers x ``prefetch_files`` files on the machine), or a file may be evicted
-            between being yielded and being opened.
+            files are evicted past it. Default ``None`` (unbounded). Files fetched ahead and the file a
+            reader holds (until it asks for the next) are never evicted, so the cache can exceed a bound
+            smaller than ranks x DataLoader workers x (``prefetch_files`` + 1) files on the machine.
         transform (Callable[[str], Any] | None): applied to each local path in the worker that fetched it
             (``torch.load``, an image decoder ...); default ``None`` yields the path (``str``).
         storage_options (dict | None): passed to the fsspec filesystem (credentials, endpoint ...).
@@ -210,6 +210,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         window: collections.deque = collections.deque()
         pool = None
         pending = iter(files)
+        reading = None  # the file last yielded: pinned until the reader asks for the next one
         try:
             while True:
                 while len(window) < max(1, self.prefetch_files):
@@ -226,9 +227,13 @@ class VolumeDataset(torch.utils.data.IterableDataset):
                     return
                 head = window.popleft()
                 local = head if isinstance(head, str) else head.result()
-                self.cache.served(local)
+                if reading is not None:
+                    self.cache.served(reading)
+                reading = local
                 yield local
         finally:
+            if reading is not None:
+                self.cache.served(reading)
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
 

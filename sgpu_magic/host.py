@@ -353,12 +353,14 @@ class HostJob:
                            exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()},
                            log_lines=_count_lines([self.run_dir.log_file(r) for r in range(self.launch["world_size"])]))
         self.store = None  # closes the rendezvous listener before the kernel hears the job ended
-        self._write()
+        # the final status is the last thing written: once the kernel reads it, the run dir and the
+        # leases are in their final form (no payload, GPUs free)
         try:
             self.run_dir.payload_file.unlink()
         except FileNotFoundError:
             pass
         _release_lease(self.launch)
+        self._write()
         self.done = True
 
 

@@ -413,12 +413,12 @@ class _Supervisor(threading.Thread):
                 pass
         from .host import _count_lines
 
-        self._write(state=state, ended_s=time.time(),
-                    log_lines=_count_lines([self.rd.log_file(r) for r in range(self.world)]), **change)
-        try:
+        try:  # before the final status, as the launch host does: the kernel then finds the run dir final
             self.rd.payload_file.unlink()
         except FileNotFoundError:
             pass
+        self._write(state=state, ended_s=time.time(),
+                    log_lines=_count_lines([self.rd.log_file(r) for r in range(self.world)]), **change)
 
     def _release(self) -> None:
         if self.pg is not None:

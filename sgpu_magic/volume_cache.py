@@ -35,6 +35,8 @@ LOCKS_DIR = ".locks"
 LEDGER = ".ledger"
 EVICT_TO = 0.9
 PIN_S = 86400.0
+PIN_PROTECT_S = 600.0
+"""A file pinned (queued or being read) less than this long ago is never evicted; an older pin (its reader died) can be."""
 
 
 def default_cache_dir() -> Path:
@@ -164,12 +166,16 @@ class VolumeCache:
         return sum(size for _, size, _ in self._entries())
 
     def _evict(self, keep: str) -> int:
-        """Remove least recently served files until the cache holds at most 90% of ``max_bytes``; return bytes held."""
+        """Remove least recently served files until the cache holds at most 90% of ``max_bytes``; return bytes held.
+
+        Files pinned in the last ``PIN_PROTECT_S`` (queued to be yielded, or yielded and still being read)
+        are kept even past the bound."""
         entries = self._entries()
         held = sum(size for _, size, _ in entries)
-        for _, size, path in sorted(entries, key=lambda e: e[0]):
-            if held <= self.max_bytes * EVICT_TO:
-                break
+        protected_after = time.time() + PIN_S - PIN_PROTECT_S  # mtime of a file pinned PIN_PROTECT_S ago
+        for mtime, size, path in sorted(entries, key=lambda e: e[0]):
+            if held <= self.max_bytes * EVICT_TO or mtime > protected_after:
+                break  # the rest are pinned by live readers: the bound waits for them
             if str(path) == keep:
                 continue
             path.unlink(missing_ok=True)

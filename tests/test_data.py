@@ -301,3 +301,21 @@ def test_data_loader_defaults():
     loader = DataLoader(list(range(4)), batch_size=2)
     assert loader.num_workers >= 1 and loader.prefetch_factor == 4 and loader.persistent_workers
     assert DataLoader(list(range(4)), num_workers=0).prefetch_factor is None
+
+
+def test_files_queued_or_being_read_are_never_evicted(tmp_path):
+    """A bound below what is pinned (fetched ahead, or yielded and still being read) is exceeded, not enforced
+    on those files: evicting one made a reader's open() fail. Unpinned files still go, least recently served first."""
+    from sgpu_magic.volume_cache import VolumeCache
+
+    cache = VolumeCache(tmp_path / "cache", max_bytes=2500)
+
+    def write(path):
+        with open(path, "wb") as f:
+            f.write(bytes(1000))
+
+    a, b, c = (cache.get(name, 1000, write)[0] for name in "abc")  # each pinned as it is fetched: 3000 > 2500
+    assert all(os.path.exists(p) for p in (a, b, c))
+    cache.served(a)  # its reader moved on
+    d, _ = cache.get("d", 1000, write)
+    assert not os.path.exists(a) and all(os.path.exists(p) for p in (b, c, d))
