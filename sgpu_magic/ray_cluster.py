@@ -178,8 +178,6 @@ def _agent_class():
             import subprocess
             import sys
 
-            from .rundir import atomic_write_bytes, atomic_write_json
-
             rd = RunDir(self.dir)
             for sub in ("logs", "results", "errors"):
                 (rd.path / sub).mkdir(mode=0o700, exist_ok=True)
@@ -353,6 +351,7 @@ class _Supervisor(threading.Thread):
 
     def _rank_env(self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int) -> dict[str, str]:
         """torchrun's contract for ``rank``; ``nodes[r]`` = (node id, IP, Ray's GPU ids) of rank ``r``'s actor."""
+        from .host import torchrun_env
         from .launcher import _rank_base_env
 
         order: list[str] = []
@@ -362,16 +361,9 @@ class _Supervisor(threading.Thread):
         node_id = nodes[rank][0]
         local = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
         env = {**_rank_base_env(), **self.launch.get("env", {})}
-        env.update({
-            "RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(local.index(rank)),
-            "LOCAL_WORLD_SIZE": str(len(local)), "GROUP_RANK": str(order.index(node_id)),
-            "GROUP_WORLD_SIZE": str(len(order)), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world),
-            "ROLE_NAME": "default", "MASTER_ADDR": nodes[0][1], "MASTER_PORT": str(port),
-            "TORCHELASTIC_RUN_ID": self.rd.job_id, "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
-            "LOCAL_SIZE": str(len(local)), "CROSS_RANK": str(order.index(node_id)), "CROSS_SIZE": str(len(order)),
-            "PYTHONUNBUFFERED": "1", "SGPU_MAGIC_JOB_ID": self.rd.job_id,
-        })
+        # rank 0 hosts the rendezvous store (no launcher process on the cluster serves one)
+        env.update(torchrun_env(self.rd.job_id, rank, self.world, local.index(rank), len(local),
+                                order.index(node_id), len(order), nodes[0][1], port, agent_store=False))
         env.setdefault("OMP_NUM_THREADS", "1")
         gpus = [g for r in local for g in nodes[r][2]]
         if gpus:  # as torchrun on one node: every local rank sees the node's job GPUs, and takes cuda:LOCAL_RANK

@@ -190,10 +190,10 @@ def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_T
                       gpu_ids=_check_gpu_ids(gpu_ids, count),
                       wait=_check_switch("wait", wait, "queue for GPUs other jobs hold, or fail at once"),
                       max_restarts=_check_max_restarts(max_restarts),
-                      cluster=_check_cluster(cluster, gpu_ids, port, max_restarts))
+                      cluster=_check_cluster(cluster, gpu_ids, max_restarts))
 
 
-def _check_cluster(cluster: object, gpu_ids: object, port: object, max_restarts: object) -> str | None:
+def _check_cluster(cluster: object, gpu_ids: object, max_restarts: object) -> str | None:
     """``None``, ``"auto"``, ``"ray://host:port"`` or ``"host:port"``; what a cluster cannot honour is refused."""
     if cluster is None:
         return None
