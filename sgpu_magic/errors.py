@@ -112,21 +112,53 @@ class RankFailure:
         return f"rank {self.rank}: {self.what()} ({describe_exit(self.exitcode)})"
 
 
-def _secondary(f: RankFailure, root_rank: int) -> str:
-    """How a rank that failed after the root cause is described."""
-    if f.exitcode is not None and f.exitcode < 0:
-        raised = f" (it had raised {f.what()})" if f.exc_type else ""
-        return f"rank {f.rank} stopped by sgpu_magic because rank {root_rank} failed{raised}"
-    return f"rank {f.rank} stopped because rank {root_rank} failed: {f.what()} ({describe_exit(f.exitcode)})"
+def rank_ranges(ranks) -> str:
+    """``1-6``, ``1, 3, 5-7``: sorted ranks with runs of consecutive ones folded."""
+    ranks = sorted(set(ranks))
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def _secondary(f: RankFailure, root: RankFailure) -> str:
+    """What a rank that failed after the root cause did, without its rank: ``failed with the same ...``."""
+    same = bool(f.exc_type) and f.what() == root.what()
+    if f.exitcode is not None and f.exitcode < 0:  # ended by a signal: sgpu_magic (or elastic) stopped it
+        raised = f" (after raising {'the same ' if same else ''}{f.what()})" if f.exc_type else ""
+        return f"stopped by sgpu_magic because rank {root.rank} failed{raised}"
+    if same:
+        return f"failed with the same {f.what()} ({describe_exit(f.exitcode)})"
+    return f"stopped because rank {root.rank} failed: {f.what()} ({describe_exit(f.exitcode)})"
+
+
+def grouped_failures(root: RankFailure, others: list[RankFailure], stopped_ranks: list[int]) -> list[str]:
+    """One line per kind of secondary failure, its ranks folded and the lines in rank order.
+
+    ``ranks 1-6 failed with the same AttributeError: ... (exit code 1)``, ``rank 7 stopped by sgpu_magic
+    because rank 0 failed``: ranks that failed the same way as the root cause say so; ranks that
+    sgpu_magic stopped (a signal, or still running when the job was stopped) are named as such.
+    """
+    groups: dict[str, list[int]] = {}
+    for f in others:
+        groups.setdefault(_secondary(f, root), []).append(f.rank)
+    for rank in stopped_ranks:
+        groups.setdefault(f"stopped by sgpu_magic because rank {root.rank} failed", []).append(rank)
+    ordered = sorted(groups.items(), key=lambda item: min(item[1]))
+    return [f"{'ranks' if len(ranks) > 1 else 'rank'} {rank_ranges(ranks)} {what}" for what, ranks in ordered]
 
 
 @dataclass(eq=False)
 class RankFailedError(SgpuError, RuntimeError):
     """A rank failed, and the job was stopped.
 
-    The root cause is the earliest failure (torch elastic's rule); the other ranks are
-    listed as stopped because of it. In IPython only the root-cause rank's own traceback is
-    shown (``_render_traceback_``), once, tagged with its rank.
+    The root cause is the earliest failure (torch elastic's rule); the other ranks follow in
+    rank order, those that failed the same way in one line (:func:`grouped_failures`). In
+    IPython only the root-cause rank's own traceback is shown (``_render_traceback_``), once,
+    tagged with its rank.
 
     Attributes:
         root_cause: the :class:`RankFailure` that ended the job.
@@ -151,10 +183,7 @@ class RankFailedError(SgpuError, RuntimeError):
     def _message(self) -> str:
         rc = self.root_cause
         lines = [f"rank {rc.rank} failed (root cause): {rc.what()} ({describe_exit(rc.exitcode)})"]
-        lines += [f"  {_secondary(f, rc.rank)}" for f in self.others]
-        if self.stopped_ranks:
-            ranks = ", ".join(str(r) for r in self.stopped_ranks)
-            lines.append(f"  rank {ranks} stopped by sgpu_magic because rank {rc.rank} failed")
+        lines += [f"  {line}" for line in grouped_failures(rc, self.others, self.stopped_ranks)]
         lines.append(f"  log of rank {rc.rank}: {rc.log_path}")
         if self.attempt_note:
             lines.append(f"  {self.attempt_note}")

@@ -443,3 +443,40 @@ def test_plain_call_still_runs_locally_in_the_kernel(ip, run_cell, sgpu_home):
     assert value == (os.getpid(), os.environ.get("RANK"), 7)
     assert run_dirs(sgpu_home) == runs_before  # no job was started
     assert ip.user_ns["local_add"].last_job is None
+
+
+# --- issue 18: the same error on every rank ------------------------------------------------
+
+
+def test_eight_ranks_failing_the_same_way_are_reported_in_a_few_lines_in_rank_order(ip, run_cell):
+    """Every rank of 8 raises the same AttributeError: the root cause, then one line per kind of what the
+    other ranks did (failed the same way on their own, or stopped by sgpu_magic), ranks folded and sorted."""
+    cell(run_cell, """
+        from sgpu_magic import distributed
+        @distributed(gpus=8, mlflow=False)
+        def same_bug():
+            model = None
+            return model.weight
+        """)
+    with pytest.raises(RankFailedError, match=r"^rank \d failed \(root cause\): AttributeError: 'NoneType' object "
+                                              r"has no attribute 'weight' \(exit code 1\)\n") as info:
+        ip.user_ns["same_bug"].distributed()
+    err = info.value
+    root = err.root_cause.rank
+    what = re.escape("AttributeError: 'NoneType' object has no attribute 'weight'")
+    kinds = [rf"failed with the same {what} \(exit code 1\)",
+             rf"stopped by sgpu_magic because rank {root} failed( \(after raising the same {what}\))?"]
+    lines = str(err).splitlines()[1:-1]  # between the root cause and its log path
+    assert 1 <= len(lines) <= 3, lines  # one line per kind, not one per rank
+    seen = []
+    for line in lines:
+        match = re.fullmatch(r"  ranks? ([\d, -]+) (.*)", line)
+        assert match and any(re.fullmatch(kind, match[2]) for kind in kinds), line
+        ranks = []
+        for part in match[1].split(", "):
+            first, _, last = part.partition("-")
+            ranks += range(int(first), int(last or first) + 1)
+        assert ranks == sorted(ranks) and (len(ranks) > 1) == line.startswith("  ranks "), line
+        seen.append(ranks)
+    assert [r[0] for r in seen] == sorted(r[0] for r in seen)  # the lines in rank order
+    assert sorted(r for ranks in seen for r in ranks) == [r for r in range(8) if r != root]  # each rank once
