@@ -4,7 +4,8 @@ sgpu_magic passes the kernel's environment to the ranks (in a private run direct
 writes it to MLflow, and every warning or message it prints about a URI or an exception goes
 through :func:`redact` first: the password in a URL's user info (``https://user:pw@host``,
 ``postgresql://user:pw@db``) and the value of every environment variable whose name looks like a
-secret (:data:`SECRET_NAME`) become ``***``.
+secret (:data:`SECRET_NAME`) become ``***``; paths and ordinary words do not (``PWD``, the desktop's
+session variables: see :data:`NOT_SECRET_NAME`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ import os
 import re
 from typing import Mapping
 
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW(OR)?D|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|"
-                         r"(^|_)AUTH|SESSION|COOKIE|(^|_)KEY$|(^|_)PWD$", re.IGNORECASE)
+SECRET_NAME = re.compile(r"TOKEN(?!IZER)|SECRET|PASSW(OR)?D|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|"
+                         r"(^|_)AUTH(ORIZATION)?($|_)|COOKIE|(^|_)KEY$|_PWD$", re.IGNORECASE)
 """Environment variable names treated as secrets (``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``,
-``DATABRICKS_TOKEN``, ``OPENAI_API_KEY``, ``PGPASSWORD``, ``WANDB_API_KEY`` ...)."""
+``DATABRICKS_TOKEN``, ``OPENAI_API_KEY``, ``PGPASSWORD``, ``MYSQL_PWD``, ``NPM_AUTH_TOKEN`` ...).
+Not ``PWD`` / ``OLDPWD`` (directories), ``TOKENIZERS_PARALLELISM``, ``GIT_AUTHOR_NAME``, nor the
+desktop's and Jupyter's ``*SESSION*`` variables (``XDG_SESSION_CLASS=user``, ``JPY_SESSION_NAME``):
+their values are words and paths that would be blanked out of every message."""
+
+NOT_SECRET_NAME = re.compile(r"_(FILE|PATH|DIR|SOCK|SOCKET)$|^GOOGLE_APPLICATION_CREDENTIALS$", re.IGNORECASE)
+"""Names that match :data:`SECRET_NAME` but hold where a secret is, not the secret: a path
+(``AWS_SHARED_CREDENTIALS_FILE``, ``SSH_AUTH_SOCK``, ``GOOGLE_APPLICATION_CREDENTIALS``)."""
 
 MIN_SECRET_CHARS = 4
 """Shorter values (``1``, ``yes``) are not searched for: they would blank out ordinary words."""
@@ -26,7 +34,7 @@ _URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/
 
 def is_secret_name(name: str) -> bool:
     """Whether an environment variable called ``name`` is treated as a secret."""
-    return bool(SECRET_NAME.search(name))
+    return bool(SECRET_NAME.search(name)) and not NOT_SECRET_NAME.search(name)
 
 
 def secret_values(env: Mapping[str, str] | None = None) -> list[str]:

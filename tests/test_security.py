@@ -181,6 +181,30 @@ def test_redact_blanks_url_passwords_and_secret_variables():
     assert set(secret_values(env)) == set(SECRETS.values())  # "1" is too short to look for; HOME is no secret
 
 
+# names and values as a Linux desktop, a container, Jupyter, git and Hugging Face set them: none is a secret
+NOT_SECRETS = {"PWD": "/home/ana/proj", "OLDPWD": "/home/ana", "JPY_SESSION_NAME": "/home/ana/proj/train.ipynb",
+               "XDG_SESSION_CLASS": "user", "XDG_SESSION_TYPE": "wayland", "DESKTOP_SESSION": "ubuntu",
+               "DBUS_SESSION_BUS_ADDRESS": "unix:path=/run/user/1000/bus", "SESSION_MANAGER": "local/box:@/tmp/.ICE-unix/9",
+               "SSH_AUTH_SOCK": "/tmp/ssh-XXXX/agent.99", "GIT_AUTHOR_NAME": "Ana Lopez", "GIT_AUTHOR_EMAIL": "ana@x.org",
+               "TOKENIZERS_PARALLELISM": "false", "GOOGLE_APPLICATION_CREDENTIALS": "/home/ana/.config/gcp.json",
+               "AWS_SHARED_CREDENTIALS_FILE": "/home/ana/.aws/credentials", "XAUTHORITY": "/run/user/1000/xauth",
+               "HOME": "/home/ana", "PATH": "/usr/bin:/bin", "VIRTUAL_ENV": "/home/ana/proj/.venv"}
+MORE_SECRETS = {"AWS_SESSION_TOKEN": "FwoGZXIvYXdzEJr", "MYSQL_PWD": "s3cret-mysql", "NPM_AUTH_TOKEN": "npm_abcdef",
+                "BASIC_AUTH": "bob:hunter22", "HTTP_AUTHORIZATION": "Bearer abc.def", "SSH_PRIVATE_KEY": "-----BEGIN",
+                "STRIPE_KEY": "sk_live_123", "JUPYTER_TOKEN": "0123abcd", "MLFLOW_TRACKING_PASSWORD": "mlpass99",
+                "GPG_PASSPHRASE": "open sesame", "COOKIE_SECRET": "c00kie!"}
+
+
+def test_paths_and_ordinary_words_are_not_secrets():
+    """Issue 18: ``%mlflow_ui`` printed ``sqlite:///***/term/mlflow.db``, because PWD counted as a secret."""
+    assert redact("sqlite:////home/ana/proj/m.db", {"PWD": "/home/ana/proj"}) == "sqlite:////home/ana/proj/m.db"
+    text = " ".join(NOT_SECRETS.values())
+    assert redact(text, NOT_SECRETS) == text
+    assert set(secret_values({**NOT_SECRETS, **MORE_SECRETS})) == set(MORE_SECRETS.values())
+    for name, value in MORE_SECRETS.items():
+        assert redact(f"x {value} y", {**NOT_SECRETS, name: value}) == "x *** y", name
+
+
 @distributed(gpus=1, timeout=120)
 def tracked():
     return 1
