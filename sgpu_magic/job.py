@@ -59,6 +59,11 @@ class JobState(enum.Enum):
     def final(self) -> bool:
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT)
 
+    @property
+    def label(self) -> str:
+        """The state in words, as the panel, the summary line and the job table show it: ``timed out``."""
+        return self.value.replace("_", " ")
+
 
 def _to_state(status: dict) -> JobState:
     """The host writes JobState values, plus ``interrupted`` (a cancel caused by a kernel interrupt)."""
@@ -213,6 +218,10 @@ class JobSink:
         """The launch failed after ``prepare`` (no ``started`` or ``finished`` follows): release what
         ``prepare`` set up."""
 
+    def run_url(self) -> str | None:
+        """A link to the page of what the sink records for the job, if a server shows it now (``Job.run_url``)."""
+        return None
+
 
 _JOBS: list["Job"] = []
 _JOBS_LOCK = threading.Lock()
@@ -237,7 +246,8 @@ class Job:
         run_dir: path of its run directory (logs stay there after the job).
         background: whether a background thread follows the job (``submit``), else the caller does.
         mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked.
-        run_url: a link to that run's page (tracking server or ``%mlflow_ui``), or ``None``.
+        run_url: a link to that run's page on its tracking server, or on the ``%mlflow_ui`` server
+            once one runs for its store (also for a job started before it), else ``None``.
         waited_s: seconds the job waited in the queue for its GPUs.
     """
 
@@ -280,12 +290,16 @@ class Job:
         self.waited_s = 0.0
         self.pending_reason = ""
         self.mlflow_run_id: str | None = None
-        self.run_url: str | None = None
         with _JOBS_LOCK:
             _JOBS.append(self)
 
     job_id = property(lambda self: self._rd.job_id)
     run_dir = property(lambda self: self._rd.path)
+
+    @property
+    def run_url(self) -> str | None:
+        """The run page of the job's MLflow run where a server shows it now (see the class docstring)."""
+        return next((url for sink in self._sinks if (url := sink.run_url()) is not None), None)
 
     @property
     def world_size(self) -> int:

@@ -282,7 +282,7 @@ class MlflowTracking(JobSink):
     # -- while the job runs
 
     def started(self, job: "Job") -> None:
-        """Name the run on the job (``job.mlflow_run_id``, ``job.run_url``); start the system metrics monitor."""
+        """Name the run on the job (``job.mlflow_run_id``); start the system metrics monitor."""
         if self.run_id is None:
             return
         job.mlflow_run_id = self.run_id
@@ -291,7 +291,6 @@ class MlflowTracking(JobSink):
                 start_ui(self.tracking_uri, wait=False)
             except Exception as exc:  # noqa: BLE001 - the link is a convenience
                 _warn(f"the MLflow UI did not start: {exc}")
-        job.run_url = run_link(self.tracking_uri, self.experiment_id, self.run_id)
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -320,6 +319,13 @@ class MlflowTracking(JobSink):
             self._terminate(status, ended_s)
             # tells the launch host this run needs nothing from it when it exits (no mlflow import there)
             (RunDir(job.run_dir).path / MLFLOW_ENDED_MARK).touch()
+
+    def run_url(self) -> str | None:
+        """The run's page (``job.run_url``): on the tracking server, or on the ``%mlflow_ui`` server running
+        for the store now; ``None`` when there is neither, or the job is not tracked."""
+        if self.run_id is None:
+            return None
+        return run_link(self.tracking_uri, self.experiment_id, self.run_id)
 
     def launch_failed(self, job_id: str, error: BaseException) -> None:
         """The job never started: end its run FAILED (KILLED when the launch was interrupted)."""

@@ -86,7 +86,9 @@ def test_background_magic_and_the_jobs_table_and_stop(ip, run_cell, go):
     assert header.split() == ["job", "state", "world", "size", "GPUs", "elapsed", "MLflow", "run"]
     row = next(r for r in rows if r.startswith(job.job_id))
     assert row.split()[1:4] == ["running", "2", "cpu"]
-    assert f"<td>{job.job_id}</td><td>running</td>" in result.result._repr_html_()
+    assert job.mlflow_run_id and row.split()[-1] == job.mlflow_run_id  # the run id, even with no page to link
+    html = result.result._repr_html_()
+    assert f"<td>{job.job_id}</td><td>running</td>" in html and f"<td>{job.mlflow_run_id}</td>" in html
     result, out, err = run_cell(f"%distributed_stop {job.job_id[-6:]}")
     assert result.error_in_exec is None, err
     assert out.strip().endswith(f"job {job.job_id}: cancelled")

@@ -445,15 +445,19 @@ mlflow.log_metric("seen_by_ui", 7.0)
 
 @pytest.mark.slow
 def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_path, sgpu_home):
-    """``%mlflow_ui`` serves the runs on 127.0.0.1 and links jobs to it; SIGKILLing the kernel while a job
-    runs leaves the run KILLED with an end time (the launch host ends it), and the server gone."""
+    """``%mlflow_ui`` serves the runs on 127.0.0.1 and links jobs to it (also one started before it, in
+    ``%distributed_jobs``); SIGKILLing the kernel while a job runs leaves the run KILLED with an end time
+    (the launch host ends it), and the server gone."""
     from mlflow import MlflowClient
 
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     name = f"kill-{uuid.uuid4().hex[:8]}"
-    km, kc = start_kernel(tmp_path)
+    # the kernel's working directory holds the store: its path is not a secret (issue 18: it printed ***)
+    km, kc = start_kernel(tmp_path, env={"PWD": str(sgpu_home), "OLDPWD": str(sgpu_home.parent)})
     try:
         out = execute(kc, f"import os\nos.environ['MLFLOW_EXPERIMENT_NAME'] = {name!r}")
+        assert out.error is None, out.error
+        out = execute(kc, UI_JOB.replace("ui_job", "early_job"))
         assert out.error is None, out.error
         out = execute(kc, "%mlflow_ui")
         assert out.error is None, out.error
@@ -468,6 +472,12 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
         experiment_id = client.get_run(run_id).info.experiment_id
         assert run_url == f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
         assert f"MLflow run: {run_url}" in out.stdout  # the summary line links it
+        early_id = ast.literal_eval(execute(kc, "print(repr(early_job.mlflow_run_id))").stdout)
+        table = execute(kc, "%distributed_jobs").results[0].splitlines()
+        assert table[0].split()[-4:] == ["MLflow", "run", "run", "page"], table
+        for job_run in (early_id, run_id):  # the job from before %mlflow_ui is linked too
+            row = next(row for row in table if job_run in row)
+            assert row.split()[-2:] == [job_run, f"{base}/#/experiments/{experiment_id}/runs/{job_run}"], table
         with urllib.request.urlopen(f"{base}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=30) as reply:
             served = json.loads(reply.read())["run"]
         assert served["info"]["status"] == "FINISHED"
@@ -478,7 +488,7 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
 
         kc.execute(C22_CELL3)
         wait_for(lambda: _running_job_dir(client, name, sgpu_home), START_DEADLINE_S, "the job's ranks to run")
-        (running,) = runs_of(client, name)[1:]
+        (running,) = runs_of(client, name)[2:]  # after early_job and ui_job
         t0 = time.monotonic()
         km.shutdown_kernel(now=True)  # SIGKILL: no code runs in the kernel
 
