@@ -1,4 +1,4 @@
-"""The ``%%distributed`` cell magic."""
+"""The ``%%distributed`` cell magic and the line magics around it (their help: :mod:`sgpu_magic.magic_help`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from . import capture
 from .decorator import start
 from .errors import SpecError
 from .job import Job, jobs
+from .magic_help import magic_help, usage_line
 from .redact import redact
 from .spec import DEFAULT_TIMEOUT_S, make_spec, shown
 
@@ -60,8 +61,7 @@ def _parse_line(parser, line: str):
             parser.error(f"unrecognized arguments: {shlex.join(extra)}")
         return args
     except UsageError as exc:
-        usage = " ".join(parser.format_usage().replace("::", "").split())
-        raise UsageError(f"{exc}\nusage: %{usage} (%%distributed? shows the help)") from None
+        raise UsageError(f"{exc}\nusage: {usage_line(parser)} (%%distributed? shows the help)") from None
 
 
 def _check_output_name(name: str | None) -> None:
@@ -196,7 +196,7 @@ class DistributedMagics(Magics):
     mlflow_experiment = Unicode("sgpu_magic", help="MLflow experiment for jobs when neither mlflow.set_experiment, "
                                 "MLFLOW_EXPERIMENT_NAME/ID nor a notebook name gives one.").tag(config=True)
 
-    @magic_arguments()
+    @magic_arguments(name="%distributed")  # a cell magic: the usage line reads %%distributed
     @argument("--gpus", type=int, required=True, help="Number of ranks, one GPU each (CPU ranks with gloo when the machine has no GPU).")
     @argument("--gpu-type", default=None, help="GPU model to require, e.g. H100 (case-insensitive match of the device name).")
     @argument("--timeout", default=None, help="Seconds before every rank is stopped, or 'none'. Default: DistributedMagics.timeout_s (3 h).")
@@ -213,14 +213,31 @@ class DistributedMagics(Magics):
     @argument("--max-restarts", type=int, default=0, metavar="N", help="Restart all ranks up to N times after a "
               "rank fails (torchrun's --max-restarts; ranks read TORCHELASTIC_RESTART_COUNT). Default 0.")
     @argument("-o", "--output", default=None, metavar="NAME", help="Store the Job handle (per-rank results, log paths) in this variable.")
+    @magic_help("%%distributed", examples="""
+        %%distributed --gpus 2
+        import torch, torch.distributed as dist
+        from sgpu_magic import runtime
+        dist.init_process_group(runtime.backend())      # "nccl" with CUDA, else "gloo"
+        t = torch.ones(1, device=runtime.device())
+        dist.all_reduce(t)
+        t.item()                                        # the cell's value (rank 0's): 2.0
+
+        %%distributed --gpus 8 --gpu-type H100 --timeout 3600 -o job
+        train(epochs=3)                                 # job.results: one value per rank; job.logs(0)
+
+        %%distributed --gpus 2 --background -o job
+        train(epochs=30)                                # returns at once: job.state, job.result() later
+        """)
     @cell_magic
     def distributed(self, line: str, cell: str):
-        """Run the cell on every rank; its last expression's value on rank 0 is the output.
+        """Run the cell on N ranks; its last expression's value on rank 0 is the cell's output.
 
         The names the cell reads from the notebook are captured: functions, classes and
         values by value, modules by reference. Each rank gets torchrun's environment
-        (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). Output streams
-        live, prefixed [rank N]; a failed rank raises its traceback here. Ranks run plain
+        (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), one GPU each, or
+        CPU with gloo on a machine without GPUs. Output streams live into the cell (a panel
+        with one tab per rank in Jupyter, [rank N] lines elsewhere); a failed rank raises
+        its traceback here, every rank is stopped, and the logs stay on disk. Ranks run plain
         Python: a cell with IPython syntax (%magic, !shell, ? help) or a top-level return is
         refused with a SyntaxError before anything starts.
         """
@@ -248,9 +265,18 @@ class DistributedMagics(Magics):
         job._follow_blocking()
         return job.result()[0]
 
+    @magic_help("%distributed_jobs", examples="""
+        %distributed_jobs
+        job                     state      world size  GPUs  elapsed  MLflow run
+        20261201-101500-a1b2c3  succeeded  2           cpu   3.2 s    3f1c0e...
+        """)
     @line_magic
     def distributed_jobs(self, line: str) -> "JobTable":
-        """Show this kernel's jobs: id, state, world size, GPUs, elapsed time, MLflow run link."""
+        """Show this kernel's jobs: id, state, world size, GPUs, elapsed time and MLflow run.
+
+        The MLflow run id links to its page whenever a server shows it (a tracking server, or
+        %mlflow_ui). Takes no arguments.
+        """
         if line.strip():
             raise UsageError(f"%distributed_jobs takes no arguments, got {line.strip()!r}")
         return JobTable(jobs())
@@ -258,6 +284,10 @@ class DistributedMagics(Magics):
     @magic_arguments(name="distributed_stop")
     @argument("job_id", nargs="?", default=None, help="Job id (or a unique part of it), as %%distributed_jobs shows.")
     @argument("--all", action="store_true", help="Stop every job of this kernel that has not ended.")
+    @magic_help("%distributed_stop", examples="""
+        %distributed_stop a1b2c3          # any unique part of the id %distributed_jobs shows
+        %distributed_stop --all
+        """)
     @line_magic
     def distributed_stop(self, line: str) -> None:
         """Cancel a job of this kernel (every rank stopped, state cancelled), or all of them with --all."""
@@ -284,6 +314,11 @@ class DistributedMagics(Magics):
     @magic_arguments(name="mlflow_ui")
     @argument("--port", type=int, default=None, help="Port on 127.0.0.1; default: a free port.")
     @argument("--stop", action="store_true", help="Stop the server.")
+    @magic_help("%mlflow_ui", examples="""
+        %mlflow_ui                        # MLflow UI for sqlite:////home/me/proj/mlflow.db: http://127.0.0.1:40123
+        %mlflow_ui --port 5000
+        %mlflow_ui --stop
+        """)
     @line_magic("mlflow_ui")
     def start_mlflow_ui(self, line: str) -> None:
         """Start a local MLflow UI server for the kernel's tracking URI and print its URL.

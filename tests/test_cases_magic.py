@@ -315,8 +315,33 @@ def test_magic_help_lists_every_option(ip, capsys):
     for text in (doc, shown):
         for option in ("--gpus GPUS", "--gpu-type GPU_TYPE", "--timeout TIMEOUT", "--port PORT", "-o NAME, --output NAME"):
             assert option in text, option
-        assert "Run the cell on every rank" in text
+        assert "Run the cell on N ranks" in text
         assert "'none'" in text
+
+
+def test_magic_help_has_one_usage_examples_and_the_other_magics(ip, capsys):
+    """Issue 18: ``%%distributed?`` showed ``%distributed --gpus GPUS ...`` (no such line magic), no example and
+    no word of the other magics; its usage is now the one the UsageError repeats."""
+    capsys.readouterr()
+    ip.run_line_magic("pinfo", "%%distributed")
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    usages = re.findall(r"^ *%+distributed\b.*--gpus GPUS.*$", shown, re.MULTILINE)
+    assert len(usages) == 1 and usages[0].split()[0] == "%%distributed", usages
+    usage = " ".join(shown.split("::", 1)[1].split("\n\n")[1].split())  # the block after the first "::"
+    assert usage.startswith("%%distributed --gpus GPUS [--gpu-type GPU_TYPE]") and usage.endswith("[-o NAME]")
+    examples = shown.split("Examples\n--------\n", 1)[1].split("See also\n--------\n", 1)
+    assert examples[0].count("  %%distributed --gpus ") >= 3  # examples to copy, each a cell as typed
+    for magic in ("%distributed_jobs : ", "%distributed_stop : ", "%mlflow_ui : ", "%config DistributedMagics : "):
+        assert magic in examples[1], magic
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("distributed", "--gpus 2 --bogus 3", "1")
+    assert str(info.value).splitlines()[1] == f"usage: {usage} (%%distributed? shows the help)"
+    for line_magic, other in (("distributed_jobs", "%%distributed : "), ("distributed_stop", "%distributed_jobs : "),
+                              ("mlflow_ui", "%distributed_stop : ")):
+        ip.run_line_magic("pinfo", f"%{line_magic}")
+        text = capsys.readouterr().out
+        assert "Examples\n--------" in re.sub(r"\x1b\[[0-9;]*m", "", text) and other in text, line_magic
+        assert f"%{line_magic} : " not in text  # not its own See also
 
 
 # --- bad input: refused before anything starts ---------------------------------------------
