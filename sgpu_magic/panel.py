@@ -58,11 +58,18 @@ def _restart_reason(job: Job) -> str:
     return ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failures) or "a rank failed"
 
 
+_TRACEBACK_SHOWN = {False: "the error below shows the root cause's traceback (every rank's is in its log file)",
+                    True: "job.result() raises the error with the root cause's traceback (every rank's is in its "
+                          "log file)"}
+"""What the text view says instead of a rank's traceback, for a blocking and a background job."""
+
+
 class TextView(JobSink):
     """Streams each rank's lines to the cell's output, prefixed ``[rank N]``; notes and warnings to stderr.
 
-    A rank's traceback is not streamed (the marker line before it is): the kernel shows the
-    root-cause traceback once, in the error it raises, and the full text stays in the log file.
+    A rank's traceback is not streamed; the line announcing it says where it is: the kernel
+    shows the root-cause traceback once, in the error it raises (below, or from ``job.result()``
+    for a background job), and every rank's stays in its log file.
     """
 
     def __init__(self, out=None, err=None) -> None:
@@ -70,6 +77,10 @@ class TextView(JobSink):
         self._err = err
         self._partial: dict[int, str] = {}
         self._failed_ranks: set[int] = set()
+        self._traceback_shown = _TRACEBACK_SHOWN[False]
+
+    def started(self, job: Job) -> None:
+        self._traceback_shown = _TRACEBACK_SHOWN[job.background]
 
     def output(self, rank: int, text: str) -> None:
         *lines, self._partial[rank] = (self._partial.get(rank, "") + text).split("\n")
@@ -93,7 +104,7 @@ class TextView(JobSink):
                 continue
             if is_traceback_marker(line):
                 self._failed_ranks.add(rank)
-                line = line.replace("its traceback follows", "its traceback is in its log file")
+                line = line.replace("its traceback follows", self._traceback_shown)
             shown.append(f"[rank {rank}] {terminal_line(line)}\n")
         if shown:
             out = self._out or sys.stdout

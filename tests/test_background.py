@@ -72,6 +72,21 @@ def test_cancel_stops_a_background_job_and_its_error_says_so(ip, run_cell, go):
         job.result()
 
 
+def test_a_failing_background_job_says_job_result_raises_its_traceback(ip, run_cell, capsys):
+    run_cell("from sgpu_magic import distributed\n"
+             "@distributed(gpus=1, timeout=120, widgets=False, mlflow=False)\n"
+             "def breaks():\n    raise ValueError('bad input')\n"
+             "bg_fail = breaks.submit()")
+    job = ip.user_ns["bg_fail"]
+    job.wait(120)
+    out, err = capsys.readouterr()
+    assert "[rank 0] [sgpu_magic] rank 0 raised ValueError; job.result() raises the error with the root cause's " \
+           "traceback (every rank's is in its log file)\n" in out, out
+    assert "Traceback" not in out
+    with pytest.raises(Exception, match=r"^rank 0 failed \(root cause\): ValueError: bad input"):
+        job.result()
+
+
 def test_background_magic_and_the_jobs_table_and_stop(ip, run_cell, go):
     result, out, err = run_cell("%%distributed --gpus 2 --background -o bgjob\n"
                                 "import os, time\nprint('magic started', flush=True)\n"

@@ -147,6 +147,9 @@ def test_c05_cell_output_shows_the_traceback_once(ip, run_cell):
         """)
     assert isinstance(result.error_in_exec, RankFailedError)
     assert text.count("Traceback (most recent call last)") == 1, text
+    # the failing rank's line says where its traceback is (issue 18: it said "only in its log file")
+    assert re.search(r"^\[rank \d\] \[sgpu_magic\] rank \d raised UnpicklableGlobalError; the error below shows the "
+                     r"root cause's traceback \(every rank's is in its log file\)$", text, re.MULTILINE), text
 
 
 # --- C09 -----------------------------------------------------------------------------------
