@@ -8,13 +8,16 @@ when a cell raises.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+from traitlets.config import Config
 
 
 def _print_outputs(cell, cell_index, **_) -> None:
@@ -34,14 +37,20 @@ def main(path: str) -> int:
     os.environ.setdefault("SGPU_MAGIC_WIDGETS", "0")  # no widget manager here: plain [rank N] text
     src = Path(path)
     nb = nbformat.read(src, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(src.parent)}},
-                            on_cell_executed=_print_outputs)
+    # the kernel talks to this process over IPC sockets in a private temporary folder rather than TCP on
+    # 127.0.0.1, which it warns about ("Kernel is running over TCP without encryption")
+    sockets = tempfile.mkdtemp(prefix="sgpu_magic_kernel_")
+    ipc = Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel")}})
+    client = NotebookClient(nb, config=ipc, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(src.parent)}}, on_cell_executed=_print_outputs)
     t0 = time.perf_counter()
     try:
         client.execute()
         code = 0
     except CellExecutionError:
         code = 1
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     out = src.with_suffix(".out.ipynb")
     nbformat.write(nb, out)
     print(f"--- {src}: {'ok' if code == 0 else 'FAILED'} in {time.perf_counter() - t0:.1f} s; executed copy: {out}")

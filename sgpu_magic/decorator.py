@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import threading
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -67,10 +68,25 @@ def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dic
         host_factory = get_host
     payload = build_payload(view.warn)  # warnings are shown as capture finds them
     payload["display_names"] = _cell_labels(payload.get("sources", {}))
-    if plan.note:
-        view.note(plan.note)
+    _say_note(view, plan, spec)
     registry = LeaseRegistry(_resolve(_FromConfig("lease_dir", "")) or None) if plan.needs_lease else None
     return submit(spec, plan, payload, host_factory, sinks, background=background, registry=registry)
+
+
+_NO_GPU_SAID = threading.Event()
+"""Set once this kernel has said that the machine has no GPU; later jobs say it in their panel header."""
+
+
+def _say_note(view: JobSink, plan, spec: LaunchSpec) -> None:
+    """The plan's note for the user; ``no GPU found; running N CPU rank(s) with gloo`` once per kernel
+    (again for a job whose ``gpu_type`` it ignores)."""
+    if not plan.note:
+        return
+    if plan.no_gpu and not spec.gpu_type:
+        if _NO_GPU_SAID.is_set():
+            return
+        _NO_GPU_SAID.set()
+    view.note(plan.note)
 
 
 def _cell_labels(filenames) -> dict[str, str]:

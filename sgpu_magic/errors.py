@@ -23,6 +23,15 @@ class SpecError(SgpuError, ValueError):
     """A launch option (gpus, gpu_type, timeout, port, ...) is invalid. Raised before anything starts."""
 
 
+class CellSyntaxError(SgpuError, SyntaxError):
+    """A ``%%distributed`` cell the ranks cannot run (not Python, or IPython syntax such as ``!ls``).
+
+    Raised before anything starts. In IPython it shows as Python shows a syntax error (the cell's
+    line, a caret, the message), without the sgpu_magic and IPython frames that raised it (see
+    :func:`sgpu_magic.magics.show_cell_syntax_errors_alone`).
+    """
+
+
 class ResourceError(SgpuError, RuntimeError):
     """The machine cannot provide what the job asks for (GPUs, GPU type, port)."""
 

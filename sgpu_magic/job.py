@@ -720,7 +720,7 @@ class Job:
         """
         self.wait(timeout_s)
         if not self.done():
-            raise TimeoutError(f"job {self.job_id} is still {self.state.value} after {timeout_s:g} s")
+            raise TimeoutError(f"job {self.job_id} is still {self.state.label} after {timeout_s:g} s")
         if self._error is None and self.state is not JobState.SUCCEEDED:
             self._error = self._build_error()
         return self._error
@@ -785,7 +785,7 @@ class Job:
 
     def __repr__(self) -> str:
         gpus = f" gpus={self.gpus}" if self.gpus else ""
-        return (f"<Job {self.job_id} {self.state.value} world_size={self.world_size}{gpus} "
+        return (f"<Job {self.job_id} {self.state.label} world_size={self.world_size}{gpus} "
                 f"run_dir={str(self.run_dir)!r}>")
 
 

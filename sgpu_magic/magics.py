@@ -15,7 +15,7 @@ from traitlets import Bool, Float, Int, Unicode
 
 from . import capture
 from .decorator import start
-from .errors import SpecError
+from .errors import CellSyntaxError, SpecError
 from .job import Job, jobs
 from .magic_help import magic_help, usage_line
 from .redact import redact
@@ -134,19 +134,23 @@ _OUTSIDE_FUNCTION_HINTS = {
 
 
 def _compile_cell(source: str) -> ast.Module:
-    """Parse and compile the cell as the ranks will; a SyntaxError names the notebook line (and a remedy)."""
+    """Parse and compile the cell as the ranks will; a SyntaxError names the notebook line (and a remedy).
+
+    Raises:
+        CellSyntaxError: (a ``SyntaxError``) the cell is not Python, or not Python the ranks can run.
+    """
     try:
         tree = ast.parse(source, CELL_FILENAME)
         compile(tree, CELL_FILENAME, "exec")  # 'return' / 'yield' outside a function are found here, not by parse
     except SyntaxError as exc:
         hint = _OUTSIDE_FUNCTION_HINTS.get(exc.msg)
-        if hint is None:
-            raise
-        raise SyntaxError(f"{exc.msg}: {hint}", (exc.filename, exc.lineno, exc.offset, exc.text, exc.end_lineno,
-                                                 exc.end_offset)) from None
+        lines = source.splitlines()
+        text = exc.text if exc.text is not None or not 0 < (exc.lineno or 0) <= len(lines) else lines[exc.lineno - 1]
+        raise CellSyntaxError(f"{exc.msg}: {hint}" if hint else exc.msg,
+                              (exc.filename, exc.lineno, exc.offset, text, exc.end_lineno, exc.end_offset)) from None
     except (RecursionError, MemoryError):  # CPython's parser and compiler give up on very deep nesting this way
-        raise SyntaxError("the cell is nested too deeply for Python's compiler; split the expression into "
-                          "several statements", (CELL_FILENAME, None, None, None)) from None
+        raise CellSyntaxError("the cell is nested too deeply for Python's compiler; split the expression into "
+                              "several statements", (CELL_FILENAME, None, None, None)) from None
     return tree
 
 
@@ -154,8 +158,8 @@ def _checked_source(cell: str, transformed: str) -> str:
     """The cell as the ranks run it, refused before launch when it cannot run there.
 
     Raises:
-        SyntaxError: the cell is not Python, or a line is IPython syntax (``%magic``, ``!shell``, ``name?``),
-            which ranks, being plain Python, cannot run; it names the line and the remedy.
+        CellSyntaxError: (a ``SyntaxError``) the cell is not Python, or a line is IPython syntax (``%magic``,
+            ``!shell``, ``name?``), which ranks, being plain Python, cannot run; it names the line and the remedy.
         UsageError: the cell has no code.
     """
     source = _aligned_source(cell, transformed)
@@ -167,16 +171,39 @@ def _checked_source(cell: str, transformed: str) -> str:
     if lineno is not None:
         lines = cell.splitlines()
         text = lines[lineno - 2] if 0 <= lineno - 2 < len(lines) else source.splitlines()[lineno - 1]
-        raise SyntaxError(f"line {lineno} of the cell, {shown(text.strip())}, is IPython syntax (a %magic, !shell "
-                          f"command or ? help), but ranks run plain Python without IPython; run it in a cell of its "
-                          f"own before the %%distributed cell, or use Python (e.g. subprocess.run([...]) for a shell "
-                          f"command)", (CELL_FILENAME, lineno, 1, text, lineno, len(text) + 1))
+        raise CellSyntaxError(f"line {lineno} of the cell, {shown(text.strip())}, is IPython syntax (a %magic, !shell "
+                              f"command or ? help), but ranks run plain Python without IPython; run it in a cell of "
+                              f"its own before the %%distributed cell, or use Python (e.g. subprocess.run([...]) for a "
+                              f"shell command)", (CELL_FILENAME, lineno, 1, text, lineno, len(text) + 1))
     return source
+
+
+def show_cell_syntax_errors_alone(shell) -> None:
+    """Have IPython show a :class:`~sgpu_magic.errors.CellSyntaxError` as it shows a syntax error in a cell.
+
+    IPython prints a ``SyntaxError`` raised while a cell runs with the frames that raised it (here ten
+    of IPython's and sgpu_magic's); through its handler for chosen exception types
+    (``InteractiveShell.set_custom_exc``, with the handler its docs show) it prints the cell's line, a
+    caret and the message, as for other bad input. The shell has one such slot: one that holds
+    another handler is left alone.
+    """
+    if shell.custom_exceptions:
+        return
+
+    def show(shell, etype, value, tb, tb_offset=None) -> None:
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)  # a SyntaxError: shown without frames
+
+    shell.set_custom_exc((CellSyntaxError,), show)
 
 
 @magics_class
 class DistributedMagics(Magics):
     """Run a cell on N ranks. Defaults can be set with ``%config DistributedMagics.<name> = ...``."""
+
+    def __init__(self, shell=None, **kwargs) -> None:
+        super().__init__(shell=shell, **kwargs)
+        if shell is not None:
+            show_cell_syntax_errors_alone(shell)
 
     timeout_s = Float(DEFAULT_TIMEOUT_S, allow_none=True,
                       help="Default job timeout in seconds when --timeout is not given; None = no limit.").tag(config=True)
@@ -304,10 +331,10 @@ class DistributedMagics(Magics):
                 raise UsageError(f"{args.job_id!r} {what} of this kernel (jobs: {known}); give more of the id")
         for job in chosen:
             if job.done():
-                print(f"job {job.job_id} already ended: {job.state.value}")
+                print(f"job {job.job_id} already ended: {job.state.label}")
                 continue
             job.cancel()
-            print(f"job {job.job_id}: {job.state.value}")
+            print(f"job {job.job_id}: {job.state.label}")
         if not chosen:
             print("no running job to stop")
 

@@ -47,7 +47,7 @@ def summary_line(job: Job) -> str:
     """``sgpu_magic: job <id> succeeded in 3.2 s on 2 x cpu (gloo); logs: <dir>[; MLflow run: <url>]``."""
     elapsed = f" in {job.elapsed_s:.1f} s" if job.elapsed_s is not None else ""
     link = f"; MLflow run: {job.run_url}" if getattr(job, "run_url", None) else ""
-    return (f"sgpu_magic: job {job.job_id} {job.state.value}{elapsed} on {job.plan.device_kind}; "
+    return (f"sgpu_magic: job {job.job_id} {job.state.label}{elapsed} on {job.plan.device_kind}; "
             f"logs: {job.run_dir / 'logs'}{link}")
 
 
@@ -223,9 +223,13 @@ _BADGE_COLOURS = {JobState.PENDING: "#777", JobState.STARTING: "#1f6feb", JobSta
 _TEXT_STYLE = "line-height: 1.4"
 """For the panel's HTML text: ipywidgets gives an HTML widget its one-line height as line height, which
 spreads text that wraps or has a second line."""
-_HELP = ("Stop cancels the job (every rank is stopped). If the button does not respond while the cell runs "
-         "(a frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too. "
-         f"While the job runs each tab shows its last {LIVE_LINES} lines; when it ends, all the lines the view keeps.")
+STOP_TOOLTIP = ("Cancel the job: every rank is stopped. If this button does not respond while the cell runs (a "
+                "frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too.")
+"""The Stop button's tooltip; the panel itself shows the job's state, and README's "The panel" the rest."""
+
+
+_NO_GPU = ' <small title="this machine has no GPU: the ranks run on CPU with gloo">(no GPU found)</small>'
+"""After the device kind in the header of a job on a machine without GPUs (the cell says so once per kernel)."""
 
 
 def rank_state(exitcode: int | None, running: bool) -> str:
@@ -288,12 +292,10 @@ class Panel(TextView):
 
         layout, style = w.Layout(), HTMLStyle()
         self.header = w.HTML(layout=layout, style=style)
-        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", tooltip=_HELP)
-        self.help = w.HTML(f'<div style="{_TEXT_STYLE}"><small>{html.escape(_HELP)}</small></div>',
-                           layout=layout, style=style)
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", tooltip=STOP_TOOLTIP)
         self.tabs = w.Tab(layout=layout)
-        self.widget = _panel_box_class()([w.HBox([self.header, self.stop_button], layout=layout), self.tabs, self.help],
-                                layout=layout)
+        self.widget = _panel_box_class()([w.HBox([self.header, self.stop_button], layout=layout), self.tabs],
+                                         layout=layout)
         self._job: Job | None = None
 
     def created(self, job: Job) -> None:
@@ -462,7 +464,7 @@ class Panel(TextView):
         url = getattr(job, "run_url", None)
         link = f' &middot; <a href="{html.escape(url)}" target="_blank">MLflow run</a>' if url else ""
         badge = (f'<span style="background:{colour};color:white;border-radius:4px;padding:1px 6px">'
-                 f"{state.value.replace('_', ' ')}</span>")
+                 f"{state.label}</span>")
         problem = f"<br><code>{html.escape(str(error).splitlines()[0])}</code>" if error else ""
         if state is JobState.PENDING and job.pending_reason:
             problem = f"<br><small>{html.escape(job.pending_reason)}</small>"
@@ -473,7 +475,8 @@ class Panel(TextView):
                 problem = f"<br><small>{html.escape(_restart_reason(job))}; all ranks restarted</small>"
         self.header.value = (f'<div style="{_TEXT_STYLE}">'
                              f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
-                             f"{html.escape(job.plan.device_kind)} &middot; {elapsed}{link}{problem}</div>")
+                             f"{html.escape(job.plan.device_kind)}{_NO_GPU if job.plan.no_gpu else ''} &middot; "
+                             f"{elapsed}{link}{problem}</div>")
 
 
 def _forget_reply_route(widget) -> None:

@@ -94,6 +94,11 @@ class DevicePlan:
         return f"{self.world_size} x {what} ({self.backend})" + (f" on Ray {self.cluster}" if self.cluster else "")
 
     @property
+    def no_gpu(self) -> bool:
+        """This machine has no GPU, so the ranks run on CPU with gloo (not a fake inventory, not on Ray)."""
+        return not self.candidates and self.cluster is None and self.backend == "gloo"
+
+    @property
     def gpu_indices(self) -> list[int]:
         """Physical indices of the leased GPUs, in rank order."""
         return [g.index for g in self.gpus]

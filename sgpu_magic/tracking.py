@@ -49,6 +49,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from .errors import SgpuError
 from .redact import redact
 from .job import JobSink, JobState
+from .kernel_log import divert_info
 from .mlflow_rank import RUN_ID_ENV
 from .rundir import RunDir, default_root, make_private_dir
 
@@ -60,6 +61,9 @@ if TYPE_CHECKING:
 DEFAULT_EXPERIMENT = "sgpu_magic"
 """Experiment for jobs when neither the kernel, the environment nor a notebook name gives one."""
 
+
+STORE_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration")
+"""Loggers whose INFO lines (a new store's tables and migrations) go to the kernel log, not the cell."""
 
 UI_READY_TIMEOUT_S = 120.0
 _STATUS = {JobState.SUCCEEDED: "FINISHED", JobState.FAILED: "FAILED"}  # every other final state: KILLED
@@ -219,6 +223,7 @@ class MlflowTracking(JobSink):
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
+        divert_info(*STORE_LOGGERS)  # a new store's "Creating initial MLflow database tables" is not for the cell
         uri = absolute_tracking_uri(mlflow.get_tracking_uri())
         client = MlflowClient(uri)
         parent = self._parent_run

@@ -405,7 +405,7 @@ def test_c25_repeated_failed_launches_do_not_pile_up_processes(ip, run_cell, pid
 # --- timeout -------------------------------------------------------------------------------
 
 
-def test_timeout_stops_every_rank_and_raises_timeout_error(ip, run_cell, piddir):
+def test_timeout_stops_every_rank_and_raises_timeout_error(ip, run_cell, piddir, capsys):
     cell(run_cell, """
         from sgpu_magic import distributed
         @distributed(gpus=2, timeout=2)
@@ -415,11 +415,16 @@ def test_timeout_stops_every_rank_and_raises_timeout_error(ip, run_cell, piddir)
             time.sleep(600)
         """)
     sleepy = ip.user_ns["sleepy"]
+    capsys.readouterr()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ran longer than its timeout of 2 s; every rank was stopped") as info:
         sleepy.distributed()
     elapsed = time.monotonic() - t0
     assert isinstance(info.value, JobTimeoutError)
+    job = sleepy.last_job
+    # states in words wherever people read them (issue 18: "job ... timed_out in 3.0 s")
+    assert re.search(rf"^sgpu_magic: job {job.job_id} timed out in \d+\.\d s on 2 x cpu", capsys.readouterr().out, re.M)
+    assert repr(job).startswith(f"<Job {job.job_id} timed out world_size=2")
     assert 2.0 <= elapsed < 10.0
     pids = rank_pids(sleepy.last_job, piddir)
     assert len(pids) == 2

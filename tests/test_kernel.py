@@ -138,6 +138,9 @@ def test_quickstart_notebook_runs_headless():
     assert [r["rank"] for r in per_rank] == [0, 1]
     assert all(r["world_size"] == 2 and r["backend"] in ("gloo", "nccl") and r["final_loss"] > 0 for r in per_rank)
 
+    stream, _ = _outputs(_cell(nb, "job0 = run_train.last_job"))
+    assert "None" not in stream.splitlines() and "no MLflow run page yet: run %mlflow_ui" in stream, stream
+
     _, (rank0,) = _outputs(_cell(nb, "%%distributed --gpus $RANKS -o job"))
     assert ast.literal_eval(rank0)["rank"] == 0
 

@@ -120,8 +120,15 @@ def test_panel_after_a_job_with_a_tqdm_bar_and_10000_fast_lines():
         assert "exited 0" in panel.footers[rank].value and str(job.log_paths[rank]) in panel.footers[rank].value
         assert job.logs(rank).count(f"rank{rank}: 100%") >= 1  # the log file keeps the final bar
     assert "succeeded" in panel.header.value and "2 x cpu (gloo)" in panel.header.value
+    # the header says once more what the cell said once per kernel (issue 18)
+    assert ("(no GPU found)" in panel.header.value) == job.plan.no_gpu
     assert panel.tabs.titles == ("rank 0", "rank 1")
     assert panel.stop_button.disabled
+    # the panel shows state, not a manual: the instructions are the Stop button's tooltip (issue 18)
+    assert [type(c).__name__ for c in panel.widget.children] == ["HBox", "Tab"]
+    assert panel.stop_button.tooltip.startswith("Cancel the job: every rank is stopped. If this button does not "
+                                                "respond while the cell runs")
+    assert "Interrupt" not in panel.header.value and "Interrupt" not in panel.footers[0].value
     assert panel.flushes <= MAX_FLUSHES_PER_S * elapsed + 2
 
 
