@@ -51,7 +51,7 @@ from .redact import redact
 from .job import JobSink, JobState
 from .kernel_log import divert_info
 from .mlflow_rank import RUN_ID_ENV
-from .rundir import RunDir, default_root, make_private_dir
+from .rundir import RunDir, atomic_write_bytes, default_root, make_private_dir
 
 if TYPE_CHECKING:
     from .job import Job
@@ -323,7 +323,7 @@ class MlflowTracking(JobSink):
         finally:
             self._terminate(status, ended_s)
             # tells the launch host this run needs nothing from it when it exits (no mlflow import there)
-            (RunDir(job.run_dir).path / MLFLOW_ENDED_MARK).touch()
+            atomic_write_bytes(RunDir(job.run_dir).path / MLFLOW_ENDED_MARK, b"")  # 0600, as every run dir file
 
     def run_url(self) -> str | None:
         """The run's page (``job.run_url``): on the tracking server, or on the ``%mlflow_ui`` server running
@@ -436,7 +436,7 @@ class MlflowUI:
         # no job runner (2 processes instead of 15); no usage telemetry, whose flush held up the server's exit ~4 s
         env = {"MLFLOW_DISABLE_TELEMETRY": "true", **os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         cwd = _sqlite_dir(backend_uri) or folder
-        with open(self.log_path, "ab") as log:
+        with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
             self._proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), *cmd],
                                           stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True, env=env, cwd=str(cwd))

@@ -10,6 +10,7 @@ import os
 import pickle
 import stat
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -68,31 +69,54 @@ def test_the_launch_host_takes_commands_only_from_its_pipe():
     assert stat.S_ISFIFO(os.stat(f"/proc/{host.pid}/fd/0").st_mode)
 
 
-@distributed(gpus=1, timeout=120, mlflow=False)
+@distributed(gpus=1, timeout=120)
 def returns_one():
     return 1
 
 
-def test_everything_a_job_writes_is_private():
-    """The run dir tree, the host logs and the lease directory: directories 0700, files 0600, owned by us."""
+@distributed(gpus=2, timeout=120)
+def rank_1_fails():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 fails")
+    return 0
+
+
+def test_everything_a_job_writes_is_private(sgpu_home):
+    """Every folder and file under sgpu_magic's home, after a tracked job that succeeds and one whose rank
+    fails (results, errors, logs, status, the MLflow mark, host and kernel logs, the forkserver's marker):
+    directories 0700, files 0600, owned by us; also what other tests left there (the MLflow UI's log, more
+    jobs). Not walked: the session's MLflow store, which conftest keeps there (mlflow.db, mlruns/: MLflow's
+    files), and the VolumeDataset cache (cache/: copies of the user's data files)."""
     from helpers import wait_for
 
+    from sgpu_magic.errors import RankFailedError
+
     assert returns_one.distributed() == [1]
+    with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails"):
+        rank_1_fails.distributed()
     # the host's forkserver marks itself ready with a file there: wait for it, so it is checked too
     wait_for(lambda: list((default_root() / "hosts").glob("*.warm")), 120, "the warm forkserver's marker")
-    rd = returns_one.last_job.run_dir
-    roots = [rd, default_root() / "runs", default_root() / "hosts"]
-    loose = []
-    for root in roots:
-        for dirpath, dirnames, filenames in os.walk(root):
-            for name in [dirpath] + [os.path.join(dirpath, f) for f in filenames]:
+    for job in (returns_one.last_job, rank_1_fails.last_job):
+        assert job.mlflow_run_id and (job.run_dir / "mlflow_ended").exists()  # tracked, and its run ended
+    assert list((rank_1_fails.last_job.run_dir / "errors").iterdir())
+    assert default_root() == sgpu_home
+    store = {sgpu_home / "mlflow.db", sgpu_home / "mlflow.db-journal", sgpu_home / "mlruns", sgpu_home / "cache"}
+    loose, seen = [], 0
+    for dirpath, dirnames, filenames in os.walk(sgpu_home):
+        dirnames[:] = [d for d in dirnames if Path(dirpath, d) not in store]
+        for name in [dirpath] + [os.path.join(dirpath, f) for f in filenames if Path(dirpath, f) not in store]:
+            try:
                 st = os.lstat(name)
-                want = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
-                if st.st_uid != os.getuid() or st.st_mode & 0o777 & ~want or st.st_mode & 0o077:
-                    loose.append(f"{name} {oct(st.st_mode & 0o777)}")
-            if root != rd:
-                break  # runs/ and hosts/ themselves and their files; other jobs' dirs are walked by their own tests
+            except FileNotFoundError:  # a temporary file renamed meanwhile
+                continue
+            seen += 1
+            want = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
+            if st.st_uid != os.getuid() or st.st_mode & 0o777 & ~want or st.st_mode & 0o077:
+                loose.append(f"{name} {oct(st.st_mode & 0o777)}")
     assert not loose, loose
+    assert seen > 20
 
 
 def test_a_lease_directory_is_created_private(tmp_path):
