@@ -189,10 +189,13 @@ def test_ranks_never_end_the_run_even_with_start_run_end_run_or_a_with_block(exp
     assert run.data.metrics["inside_with"] == 1.0 and run.data.metrics["bare"] == 2.0
 
 
-def test_nested_under_the_kernels_active_run(experiment):
+def test_nested_under_the_kernels_active_run(experiment, tmp_path):
     import mlflow
 
     client, name = experiment
+    # the fluent start_run() would create the experiment with MLflow's default artifact root, ./mlruns in the
+    # working directory (here the repository): create it first, with its artifacts under this test's folder
+    client.create_experiment(name, artifact_location=(tmp_path / "artifacts").as_uri())
 
     @distributed(gpus=2)
     def one():

@@ -3,8 +3,10 @@
 Everything here is made per test session in a temporary directory: the server's root (a copy of the
 quickstart notebook), its Jupyter config/data/runtime folders, sgpu_magic's home, the MLflow store, and an
 IPython profile that turns on ``DistributedMagics.mlflow_ui`` (so the panel's MLflow link points at a
-local server that the test can ask about the run). Screenshots go to ``tests/browser/screenshots/``
-(ignored by git). Without chromium or Playwright the tests are skipped, saying what is missing.
+local server that the test can ask about the run). Screenshots go to the session's temporary directory,
+or to ``$SGPU_MAGIC_SCREENSHOTS`` when set (``tests/browser/screenshots/`` is ignored by git, for
+refreshing ``docs/panel.png``). Without chromium or Playwright the tests are skipped, saying what is
+missing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("SGPU_MAGIC_CHROMIUM", "/usr/bin/chromium")
-SCREENSHOTS = Path(__file__).resolve().parent / "screenshots"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage"]
@@ -179,14 +180,19 @@ def browser(lab):
 
 
 @pytest.fixture(scope="session")
-def screenshots() -> Path:
-    """Where the scenarios' screenshots go (``tests/browser/screenshots/``, ignored by git)."""
-    SCREENSHOTS.mkdir(exist_ok=True)
-    return SCREENSHOTS
+def screenshots(tmp_path_factory) -> Path:
+    """Where the scenarios' screenshots go: ``$SGPU_MAGIC_SCREENSHOTS``, else a temporary folder (tests
+    write nothing into the repository)."""
+    chosen = os.environ.get("SGPU_MAGIC_SCREENSHOTS")
+    if not chosen:
+        return tmp_path_factory.mktemp("screenshots")
+    path = Path(chosen).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @pytest.fixture
-def page(browser, request):
+def page(browser, request, screenshots):
     """A fresh browser page; on failure its screenshot is kept beside the others."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
@@ -195,8 +201,7 @@ def page(browser, request):
         yield page
     finally:
         if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-            SCREENSHOTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(SCREENSHOTS / f"{request.node.name}-FAILED.png"))
+            page.screenshot(path=str(screenshots / f"{request.node.name}-FAILED.png"))
         context.close()
 
 

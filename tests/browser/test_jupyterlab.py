@@ -6,7 +6,8 @@
 2. A blocking ``fn.distributed(...)`` job stopped with the panel's Stop button while its cell runs.
 3. The same with a ``%%distributed --background`` job.
 
-Screenshots of each scenario are written to ``tests/browser/screenshots/``.
+Screenshots of each scenario are written to the session's temporary directory, or to
+``$SGPU_MAGIC_SCREENSHOTS`` when set.
 """
 
 from __future__ import annotations
