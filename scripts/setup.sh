@@ -6,22 +6,77 @@
 # and Playwright (the "browser" extra) and, when run as root with apt-get, Debian's chromium, for the panel's
 # end-to-end tests in tests/browser (skipped, saying why, where chromium cannot be installed; no browser is
 # downloaded by Playwright). SGPU_SKIP_CHROMIUM=1 skips the apt-get step.
+#
+# Each step prints one line with its time; what pip and apt-get say goes to .venv/setup-logs/<step>.log and is
+# shown only when the step fails (without pip's "Location ... is ignored" lines), and then setup stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check "${SGPU_TORCH_SPEC:-torch==2.13.0}"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,deepspeed,browser,ray]"
-if [ "${SGPU_SKIP_CHROMIUM:-0}" != 1 ] && [ ! -x /usr/bin/chromium ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        log=$(mktemp)
-        if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >"$log" 2>&1 ||
-               { apt-get update -q >>"$log" 2>&1 &&
-                 DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >>"$log" 2>&1; }; }; then
-            echo "setup: Debian's chromium could not be installed (see $log); the browser tests will be skipped"
-        fi
+torch_spec=${SGPU_TORCH_SPEC:-torch==2.13.0}
+extras="test,deepspeed,browser,ray"
+logs=.venv/setup-logs
+pip=(.venv/bin/python -m pip install --disable-pip-version-check)
+setup_started=$SECONDS
+
+# show_log LOG: the log of a failed step, pip's "Location '...' is ignored" warnings (one per index and package
+# looked up) left out, at most its last 200 lines
+show_log() {
+    local kept
+    kept=$(grep -v "^WARNING: Location '.*' is ignored" "$1" || true)
+    if [ "$(printf '%s\n' "$kept" | wc -l)" -gt 200 ]; then
+        echo "setup: ... the last 200 lines of $1 (pip's 'Location ... is ignored' warnings left out):"
+        kept=$(printf '%s\n' "$kept" | tail -n 200)
     else
-        echo "setup: not root or no apt-get: install Debian's chromium (/usr/bin/chromium) for the browser tests"
+        echo "setup: $1 (pip's 'Location ... is ignored' warnings left out):"
     fi
+    printf '%s\n' "$kept" | sed 's/^/    /'
+}
+
+# step WHAT LOG COMMAND...: run COMMAND with its output in LOG, saying "setup: WHAT ... done (N s)";
+# on failure say so, show LOG and return COMMAND's exit status
+step() {
+    local what=$1 log=$2 started=$SECONDS code=0
+    shift 2
+    printf 'setup: %s ... ' "$what"
+    "$@" >"$log" 2>&1 || code=$?
+    if [ "$code" = 0 ]; then
+        printf 'done (%d s)\n' $((SECONDS - started))
+    else
+        printf 'FAILED (exit code %d, %d s)\n' "$code" $((SECONDS - started))
+        show_log "$log"
+    fi
+    return "$code"
+}
+
+if [ -x .venv/bin/python ]; then
+    mkdir -p "$logs"
+    echo "setup: using the existing .venv ($(.venv/bin/python -V))"
+else
+    first_log=$(mktemp)
+    step "creating .venv with $python ($("$python" -V 2>&1))" "$first_log" "$python" -m venv .venv || exit $?
+    mkdir -p "$logs"
+    mv "$first_log" "$logs/venv.log"
 fi
+step "upgrading pip" "$logs/pip.log" "${pip[@]}" --upgrade pip || exit $?
+step "installing ${torch_spec/==/ }" "$logs/torch.log" \
+    "${pip[@]}" "$torch_spec" || exit $?
+echo "setup: installed $(.venv/bin/python -c 'import torch; print(f"torch {torch.__version__},",
+    f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build")')"
+step "installing the package and its extras (${extras//,/, })" "$logs/package.log" "${pip[@]}" -e ".[$extras]" || exit $?
+
+if [ "${SGPU_SKIP_CHROMIUM:-0}" = 1 ]; then
+    echo "setup: chromium for the browser tests: skipped (SGPU_SKIP_CHROMIUM=1); those tests will be skipped"
+elif [ -x /usr/bin/chromium ]; then
+    echo "setup: chromium for the browser tests: /usr/bin/chromium is there"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt_install() {
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ||
+            { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+    }
+    step "installing chromium for the browser tests (apt-get)" "$logs/chromium.log" apt_install ||
+        echo "setup: Debian's chromium could not be installed; the browser tests will be skipped"
+else
+    echo "setup: chromium for the browser tests: not root or no apt-get: install Debian's chromium" \
+         "(/usr/bin/chromium), or the browser tests will be skipped"
+fi
+echo "setup: ready in $((SECONDS - setup_started)) s: .venv/bin/python; each step's log is in $logs/"
