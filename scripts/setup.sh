@@ -60,7 +60,7 @@ fi
 step "upgrading pip" "$logs/pip.log" "${pip[@]}" --upgrade pip || exit $?
 step "installing ${torch_spec/==/ }" "$logs/torch.log" \
     "${pip[@]}" "$torch_spec" || exit $?
-echo "setup: installed $(.venv/bin/python -c 'import torch; print(f"torch {torch.__version__},",
+echo "setup: installed $(.venv/bin/python -W ignore -c 'import torch; print(f"torch {torch.__version__},",
     f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build")')"
 step "installing the package and its extras (${extras//,/, })" "$logs/package.log" "${pip[@]}" -e ".[$extras]" || exit $?
 
