@@ -27,6 +27,7 @@ class Inventory:
 
     gpus: tuple[Gpu, ...] = ()
     bad_fake: str | None = None
+    unreadable: str | None = None
     driver: str | None = None
     driver_cuda: tuple[int, int] | None = None
     attached: int = 0
@@ -58,7 +59,19 @@ class Facts:
 
     @classmethod
     def gather(cls, config: DoctorConfig) -> "Facts":
-        return cls(_inventory(), _leases(config.lease_dir))
+        try:
+            inventory = _inventory()
+        except Exception as exc:  # noqa: BLE001 - an NVML error mid-listing: the other rows still come
+            inventory = Inventory(unreadable=f"{type(exc).__name__}: {exc}")
+        try:
+            leases = _leases(config.lease_dir)
+        except Exception as exc:  # noqa: BLE001 - e.g. a registry lock of another user's
+            from ..leases import default_lease_dir
+
+            directory = Path(config.lease_dir) if config.lease_dir else default_lease_dir()
+            leases = Leases(directory, problem=warning("leases", f"{directory} could not be read "
+                                                       f"({type(exc).__name__}: {exc})", LEASE_DIR_REMEDY))
+        return cls(inventory, leases)
 
 
 def _nvml_driver() -> tuple[str | None, tuple[int, int] | None, int]:
@@ -187,10 +200,10 @@ def _holder_text(holder: dict) -> str:
 
 def _gpu_row(gpu: Gpu, held: dict[str, dict]) -> Check:
     name = f"gpu {gpu.index}"
+    busy = ", ".join(p.describe() for p in gpu.processes)
     if gpu.uuid in held:
-        return ok(name, f"{gpu.name}: leased by {_holder_text(held[gpu.uuid])}")
-    if gpu.processes:
-        busy = ", ".join(p.describe() for p in gpu.processes)
+        return ok(name, f"{gpu.name}: leased by {_holder_text(held[gpu.uuid])}" + (f"; running {busy}" if busy else ""))
+    if busy:
         return warning(name, f"{gpu.name}: busy outside sgpu_magic ({busy}); jobs skip it",
                        "end that process, or pick other GPUs with gpu_ids= / --gpu-ids")
     return ok(name, f"{gpu.name}: free")
@@ -200,6 +213,9 @@ def _inventory_row(inv: Inventory) -> Check:
     if inv.bad_fake is not None:
         return error("gpus", f"{FAKE_GPUS_ENV}={inv.bad_fake!r} is not a GPU inventory",
                      f"write it as '8 x H100' (count x name), or unset {FAKE_GPUS_ENV} to use the real GPUs")
+    if inv.unreadable is not None:
+        return warning("gpus", f"NVML's GPU list could not be read ({inv.unreadable})",
+                       "check the NVIDIA driver (nvidia-smi); jobs may not see the GPUs")
     if inv.fake:
         return warning("gpus", f"{len(inv.gpus)} x {inv.gpus[0].name} from {FAKE_GPUS_ENV} (a test seam): jobs "
                                f"lease them as real GPUs and their ranks run on CPU with gloo",
@@ -212,8 +228,8 @@ def _inventory_row(inv: Inventory) -> Check:
         return ok("gpus", "none (no NVIDIA driver or GPU seen through NVML): jobs run CPU ranks with gloo")
     names = sorted({g.name for g in inv.gpus})
     cuda = f"{inv.driver_cuda[0]}.{inv.driver_cuda[1]}" if inv.driver_cuda else "?"
-    shown = f" of {inv.attached} (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-    return ok("gpus", f"{len(inv.gpus)}{shown} x {', '.join(names)}; NVIDIA driver {inv.driver} (CUDA {cuda})")
+    shown = f"; CUDA_VISIBLE_DEVICES={visible!r} shows {len(inv.gpus)} of {inv.attached}" if visible is not None else ""
+    return ok("gpus", f"{len(inv.gpus)} x {', '.join(names)}; NVIDIA driver {inv.driver} (CUDA {cuda}){shown}")
 
 
 def gpu_rows(config: DoctorConfig, facts: Facts) -> list[Check]:

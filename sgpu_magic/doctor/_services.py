@@ -196,17 +196,18 @@ def jupyter_row(versions: dict[str, str | None]) -> Check:
 
 
 def _view_row(config: DoctorConfig) -> Check:
+    """The panel or the text view, and what decided it (as :func:`sgpu_magic.panel.use_widgets` decides)."""
     from ..panel import use_widgets
 
-    if use_widgets(config.widgets):
-        return ok("view", "the ipywidgets panel (a Jupyter kernel)")
-    if config.widgets is False:
-        why = "DistributedMagics.widgets = False"
-    elif os.environ.get("SGPU_MAGIC_WIDGETS", "").strip():
-        why = f"SGPU_MAGIC_WIDGETS={os.environ['SGPU_MAGIC_WIDGETS']}"
+    env = os.environ.get("SGPU_MAGIC_WIDGETS", "").strip()
+    if config.widgets is not None:
+        why = f"DistributedMagics.widgets = {config.widgets}"
+    elif env:
+        why = f"SGPU_MAGIC_WIDGETS={env}"
     else:
-        why = "not a Jupyter kernel"
-    return ok("view", f"plain [rank N] text and a summary line ({why})")
+        why = "a Jupyter kernel" if use_widgets(None) else "not a Jupyter kernel"
+    view = "the ipywidgets panel" if use_widgets(config.widgets) else "plain [rank N] text and a summary line"
+    return ok("view", f"{view} ({why})")
 
 
 def frontend_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
