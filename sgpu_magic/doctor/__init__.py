@@ -11,9 +11,9 @@ run, never when this module is imported.
 
 Example::
 
-    >>> report = diagnose()                       # the same checks as the command line
-    >>> [row.name for row in report.errors]       # e.g. ['mlflow'] when the tracking server is down
-    >>> print(report.to_json())                   # what ``python -m sgpu_magic doctor --json`` prints
+    report = diagnose()                    # the same checks as the command line
+    [row.name for row in report.errors]    # e.g. ['mlflow'] when the tracking server does not answer
+    print(report.to_json())                # what ``python -m sgpu_magic doctor --json`` prints
 """
 
 from __future__ import annotations
