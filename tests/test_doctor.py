@@ -517,3 +517,19 @@ def test_distributed_doctor_reads_the_kernels_config_and_its_options(ip, clean_e
     assert row(report, f"port {port}").status is Status.ERROR
     with pytest.raises(UsageError, match=r"argument --port: invalid int value: 'x'"):
         ip.run_line_magic("distributed_doctor", "--port x")
+
+
+def test_distributed_doctor_says_when_the_launch_host_has_exited(ip, clean_env):
+    import signal
+
+    from sgpu_magic.launcher import get_host
+
+    from helpers import wait_for
+
+    host = get_host()
+    os.kill(host.pid, signal.SIGKILL)
+    wait_for(lambda: not host.alive(), 30, "the killed launch host to be gone")
+    assert row(ip.run_line_magic("distributed_doctor", ""), "launch host") == Check(
+        "launch host", Status.WARNING, f"pid {host.pid} has exited (its log: {host.log_path})",
+        "nothing to do: the next job starts a new one; the log says why this one ended")
+    assert get_host().pid != host.pid  # as the next job does
