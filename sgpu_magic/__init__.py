@@ -8,6 +8,8 @@ host; with no GPU they run on CPU with gloo.
 
 from __future__ import annotations
 
+import functools
+
 from . import runtime
 from .decorator import DistributedFunction, distributed
 from .errors import (CaptureError, CheckpointError, JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, ResourceError, SgpuError,
@@ -18,7 +20,32 @@ __all__ = ["distributed", "DistributedFunction", "Job", "JobState", "runtime", "
            "ResourceError", "CaptureError", "LauncherError", "RankFailedError", "JobTimeoutError", "JobCancelledError",
            "UnpicklableGlobalError", "CheckpointError", "load_ipython_extension"]
 
-__version__ = "0.1.0"
+
+@functools.lru_cache(maxsize=None)
+def _package_version() -> str:
+    """The installed distribution's version (its metadata); in a source checkout that was never installed,
+    the ``version`` line of its ``pyproject.toml``; else ``"0+unknown"``."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    try:
+        return importlib.metadata.version("sgpu_magic")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    except OSError:
+        return "0+unknown"
+    match = re.search(r'^version\s*=\s*"([^"]+)"', text, re.MULTILINE)
+    return match.group(1) if match else "0+unknown"
+
+
+def __getattr__(name: str):
+    # PEP 562: ``__version__`` is read from the package metadata on first use (~40 ms), not by every rank's import
+    if name == "__version__":
+        return _package_version()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython) -> None:

@@ -68,6 +68,11 @@ class LaunchHost:
         except psutil.NoSuchProcess:
             return False
 
+    @property
+    def warm(self) -> bool:
+        """Whether the host's forkserver has finished preloading torch (the marker the host names after its log)."""
+        return Path(f"{self.log_path}.warm").exists()
+
     def send(self, cmd: dict) -> None:
         """Send one command; raises :class:`LauncherError` if the host is gone."""
         data = (json.dumps(cmd) + "\n").encode()
@@ -129,6 +134,11 @@ def get_host() -> LaunchHost:
         if _host is None or not _host.alive():
             _host = LaunchHost()
         return _host
+
+
+def running_host() -> LaunchHost | None:
+    """This kernel's launch host if one was started (alive or not), without starting one."""
+    return _host
 
 
 def shutdown_host() -> None:

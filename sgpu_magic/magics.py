@@ -338,6 +338,19 @@ class DistributedMagics(Magics):
         if not chosen:
             print("no running job to stop")
 
+    @magic_arguments(name="distributed_doctor")
+    @argument("--port", type=int, default=None, help="Also check that this pinned MASTER_PORT is free.")
+    @argument("--cluster", default=None, metavar="ADDRESS", help="Check this Ray cluster (default: the configured one).")
+    @line_magic
+    def distributed_doctor(self, line: str):
+        """Check what a job of this kernel will use and what is wrong: one row per check (Python, torch, GPUs and
+        their holders, leases, ports, launch host, MLflow, widgets, Ray, DeepSpeed), each ok / warning / error
+        with the remedy. ``python -m sgpu_magic doctor`` runs the same checks outside a kernel."""
+        from .doctor import DoctorConfig, diagnose
+
+        args = parse_argstring(self.distributed_doctor, line)
+        return diagnose(DoctorConfig.from_magics(self, port=args.port, cluster=args.cluster))
+
     @magic_arguments(name="mlflow_ui")
     @argument("--port", type=int, default=None, help="Port on 127.0.0.1; default: a free port.")
     @argument("--stop", action="store_true", help="Stop the server.")

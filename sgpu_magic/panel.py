@@ -507,15 +507,19 @@ def _in_kernel_with_widgets() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-def make_view(widgets: bool | None = None, max_lines: int = DEFAULT_MAX_LINES) -> JobSink:
-    """The panel in a Jupyter kernel with ipywidgets, else the text view.
+def use_widgets(widgets: bool | None = None) -> bool:
+    """Whether a job shows the panel (True) or the text view (False).
 
     ``widgets`` forces the choice; when ``None``, ``SGPU_MAGIC_WIDGETS=0`` / ``1`` in the
-    environment decides, else where the code runs (IPython in a terminal: text).
+    environment decides, else where the code runs (a Jupyter kernel with ipywidgets: the panel;
+    IPython in a terminal: text).
     """
     if widgets is None:
         env = os.environ.get("SGPU_MAGIC_WIDGETS", "").strip().lower()
         widgets = {"0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}.get(env)
-    if widgets is None:
-        widgets = _in_kernel_with_widgets()
-    return Panel(max_lines) if widgets else TextView()
+    return _in_kernel_with_widgets() if widgets is None else widgets
+
+
+def make_view(widgets: bool | None = None, max_lines: int = DEFAULT_MAX_LINES) -> JobSink:
+    """The panel in a Jupyter kernel with ipywidgets, else the text view (see :func:`use_widgets`)."""
+    return Panel(max_lines) if use_widgets(widgets) else TextView()

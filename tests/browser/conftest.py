@@ -1,12 +1,13 @@
-"""A real JupyterLab on 127.0.0.1 and Debian's chromium driven by Playwright, for tests/browser.
+"""A real Jupyter server on 127.0.0.1 — JupyterLab, then Notebook 7 — and Debian's chromium driven by Playwright,
+for tests/browser.
 
-Everything here is made per test session in a temporary directory: the server's root (a copy of the
-quickstart notebook), its Jupyter config/data/runtime folders, sgpu_magic's home, the MLflow store, and an
-IPython profile that turns on ``DistributedMagics.mlflow_ui`` (so the panel's MLflow link points at a
-local server that the test can ask about the run). Screenshots go to the session's temporary directory,
-or to ``$SGPU_MAGIC_SCREENSHOTS`` when set (``tests/browser/screenshots/`` is ignored by git, for
-refreshing ``docs/panel.png``). Without chromium or Playwright the tests are skipped, saying what is
-missing.
+Each test module runs once per frontend (the ``jupyter`` fixture is parametrized; one server and one browser at a
+time). Everything is made per server in a temporary directory: its root (a copy of the quickstart notebook), its
+Jupyter config/data/runtime folders, sgpu_magic's home, the MLflow store, and an IPython profile that turns on
+``DistributedMagics.mlflow_ui`` (so the panel's MLflow link points at a local server that the test can ask about
+the run). Screenshots go to the session's temporary directory, or to ``$SGPU_MAGIC_SCREENSHOTS`` when set
+(``tests/browser/screenshots/`` is ignored by git, for refreshing ``docs/panel.png``). Without chromium,
+Playwright or a frontend's package the tests are skipped, saying what is missing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -43,13 +45,46 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-def _missing() -> str | None:
+@dataclass(frozen=True)
+class Frontend:
+    """How one Jupyter frontend's server is started and where it opens a notebook.
+
+    Attributes:
+        name: the test id (``jupyterlab``, ``notebook7``).
+        module: the server's ``python -m`` module (also what must be importable).
+        args: its own options, beyond the ``ServerApp`` ones every frontend shares.
+        screenshot_prefix: put before each screenshot's name (JupyterLab's keep the names ``docs/`` uses).
+    """
+
+    name: str
+    module: str
+    args: tuple[str, ...]
+    screenshot_prefix: str
+
+    def notebook_path(self, name: str) -> str:
+        """The page of notebook ``name``: JupyterLab's in a workspace of its own (``reset`` there: nothing restored
+        from an earlier page); Notebook 7's ``/notebooks/<name>``."""
+        if self.name == "jupyterlab":
+            return f"lab/workspaces/{Path(name).stem}/tree/{name}"
+        return f"notebooks/{name}"
+
+
+FRONTENDS = {
+    "jupyterlab": Frontend("jupyterlab", "jupyterlab", (
+        "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.extension_manager=readonly"), ""),
+    "notebook7": Frontend("notebook7", "notebook", (), "notebook7-"),
+}
+
+
+def _missing(frontend: Frontend) -> str | None:
     if not Path(CHROMIUM).exists():
         return (f"Debian's chromium is not installed ({CHROMIUM} is missing): scripts/setup.sh installs it with "
                 f"'apt-get install chromium' when run as root; install it, or set SGPU_MAGIC_CHROMIUM")
     try:
         import playwright  # noqa: F401
-        import jupyterlab  # noqa: F401
+
+        __import__(frontend.module)
     except ImportError as exc:
         return f"{exc.name} is not installed: pip install -e '.[browser]' (scripts/setup.sh does)"
     return None
@@ -61,11 +96,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Lab:
-    """A JupyterLab server: ``url(path)`` with the token, ``root`` (its files), ``env`` (its kernels' env)."""
+class JupyterServer:
+    """A Jupyter server of one frontend: ``url(path)`` with the token, ``notebook_url(name)``, ``root`` (its files),
+    ``env`` (its kernels' env), ``frontend``."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, frontend: Frontend) -> None:
         self.base = base
+        self.frontend = frontend
         self.root = base / "root"
         self.root.mkdir()
         shutil.copy(REPO / "notebooks" / "01_quickstart.ipynb", self.root / "01_quickstart.ipynb")
@@ -75,7 +112,7 @@ class Lab:
         # what a user writes to have every tracked job's link work on a local store
         (ipython_dir / "profile_default" / "ipython_config.py").write_text(
             "c.DistributedMagics.mlflow_ui = True\n")
-        # JupyterLab's own settings: no "notified about Jupyter news?" prompt (the machine has no network)
+        # JupyterLab's own settings (Notebook 7 shares them): no "notified about Jupyter news?" prompt (no network)
         notification = base / "lab_settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
         notification.parent.mkdir(parents=True, exist_ok=True)
         notification.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
@@ -92,21 +129,23 @@ class Lab:
             "JUPYTERLAB_WORKSPACES_DIR": str(base / "lab_workspaces"),
             "PYTHONPATH": os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
         }
-        self.env.pop("SGPU_MAGIC_WIDGETS", None)  # the panel, as a JupyterLab user gets it
-        self.log_path = base / "jupyterlab.log"
+        self.env.pop("SGPU_MAGIC_WIDGETS", None)  # the panel, as a user of the frontend gets it
+        self.log_path = base / f"{frontend.module}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - open for the server's life
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+            [sys.executable, "-m", frontend.module, "--no-browser", "--ServerApp.ip=127.0.0.1",
              f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
-             "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-             "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False"]
+             "--ServerApp.terminals_enabled=False", *frontend.args]
             + (["--allow-root"] if os.geteuid() == 0 else []),  # CI and this machine run as root
             cwd=self.root, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready()
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}/{path.lstrip('/')}?token={self.token}"
+
+    def notebook_url(self, name: str) -> str:
+        return self.url(self.frontend.notebook_path(name)) + ("&reset" if self.frontend.name == "jupyterlab" else "")
 
     def api(self, path: str):
         with urllib.request.urlopen(self.url(f"api/{path}"), timeout=10) as response:
@@ -116,7 +155,8 @@ class Lab:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"JupyterLab exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{self.frontend.module} exited with {self.proc.returncode}: "
+                                   f"{self.log_path.read_text()[-3000:]}")
             try:
                 self.api("status")
                 return
@@ -125,7 +165,7 @@ class Lab:
                     self.proc.wait(timeout=0.25)
                 except subprocess.TimeoutExpired:
                     pass
-        raise RuntimeError(f"JupyterLab did not answer within {SERVER_START_TIMEOUT_S} s: "
+        raise RuntimeError(f"{self.frontend.module} did not answer within {SERVER_START_TIMEOUT_S} s: "
                            f"{self.log_path.read_text()[-3000:]}")
 
     def stop(self) -> None:
@@ -150,17 +190,18 @@ class Lab:
             except psutil.NoSuchProcess:
                 pass
         self._log.close()
-        assert not alive, f"processes started by JupyterLab outlived it by 30 s: {alive}"
+        assert not alive, f"processes started by the {self.frontend.module} server outlived it by 30 s: {alive}"
 
 
-# module scope: the server, its kernels and the browser are gone before the next test module, whose
-# tests check that nothing they started is left running
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    missing = _missing()
+# module scope, one frontend after the other: the server, its kernels and the browser are gone before the next
+# frontend's (and the next test module's) tests, which check that nothing they started is left running
+@pytest.fixture(scope="module", params=list(FRONTENDS))
+def jupyter(request, tmp_path_factory):
+    frontend = FRONTENDS[request.param]
+    missing = _missing(frontend)
     if missing:
         pytest.skip(missing)
-    server = Lab(tmp_path_factory.mktemp("lab"))
+    server = JupyterServer(tmp_path_factory.mktemp(frontend.name), frontend)
     try:
         yield server
     finally:
@@ -168,7 +209,7 @@ def lab(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser(lab):
+def browser(jupyter):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:

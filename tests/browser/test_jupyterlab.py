@@ -1,4 +1,5 @@
-"""The panel as a person sees it: JupyterLab in headless chromium, cells run and buttons clicked in the page.
+"""The panel as a person sees it: JupyterLab and Notebook 7 in headless chromium, cells run and buttons clicked in
+the page. Every test runs once per frontend (the ``jupyter`` fixture), one server and browser at a time.
 
 1. The quickstart notebook's ``%%distributed --gpus $RANKS`` cell (2 CPU ranks): the panel appears, its header goes to
    succeeded, each rank's tab (switched by clicking) shows that rank's lines, the tqdm bar is one line,
@@ -7,7 +8,7 @@
 3. The same with a ``%%distributed --background`` job.
 
 Screenshots of each scenario are written to the session's temporary directory, or to
-``$SGPU_MAGIC_SCREENSHOTS`` when set.
+``$SGPU_MAGIC_SCREENSHOTS`` when set (Notebook 7's with a ``notebook7-`` prefix).
 """
 
 from __future__ import annotations
@@ -28,17 +29,33 @@ JOB_TIMEOUT_MS = 240_000
 """A 2-rank CPU job on a loaded 2-core machine, first launch included."""
 
 
-def open_notebook(page, lab, name: str):
-    """Open ``name`` alone, in a workspace of its own (``reset``: nothing restored from an earlier page)."""
-    page.goto(lab.url(f"lab/workspaces/{Path(name).stem}/tree/{name}") + "&reset")
+def open_notebook(page, jupyter, name: str):
+    """Open ``name`` alone (in JupyterLab, in a workspace of its own) and wait until its kernel is connected."""
+    page.goto(jupyter.notebook_url(name))
     notebook = page.locator(".jp-NotebookPanel .jp-Notebook")
-    expect_count(page.locator(".jp-NotebookPanel"), 1, timeout_ms=60_000)  # JupyterLab's first load on a busy machine
-    # a cell run before the notebook's kernel is up is dropped: wait for the status bar's "| Idle"
+    expect_count(page.locator(".jp-NotebookPanel"), 1, timeout_ms=60_000)  # the first load on a busy machine
+    # a cell run before the notebook's kernel is up is dropped: wait until the page shows it idle
     from playwright.sync_api import expect
 
-    expect(page.locator("#jp-main-statusbar")).to_contain_text("(ipykernel) | Idle", timeout=120_000)
+    if jupyter.frontend.name == "jupyterlab":
+        expect(page.locator("#jp-main-statusbar")).to_contain_text("(ipykernel) | Idle", timeout=120_000)
+    else:  # Notebook 7 has no status bar, and its toolbar's indicator says idle before the kernel starts too
+        wait_kernel_connected(jupyter, name)
+        expect(page.locator(".jp-NotebookPanel-toolbar .jp-Notebook-ExecutionIndicator")).to_have_attribute(
+            "data-status", "idle", timeout=60_000)
     notebook.locator(".jp-CodeCell").first.wait_for()
     return notebook
+
+
+def wait_kernel_connected(jupyter, name: str, timeout_s: float = 120) -> None:
+    """The server's session of notebook ``name`` has an idle kernel with the page's websocket connected."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        kernels = [s["kernel"] for s in jupyter.api("sessions") if s.get("path") == name and s.get("kernel")]
+        if kernels and kernels[0].get("execution_state") == "idle" and kernels[0].get("connections", 0) >= 1:
+            return
+        time.sleep(0.25)  # the server's own view: asked again shortly
+    raise AssertionError(f"the kernel of {name} was not connected and idle within {timeout_s} s")
 
 
 def expect_count(locator, n: int, timeout_ms: int = 15_000) -> None:
@@ -78,11 +95,11 @@ def write_notebook(path: Path, cells: list[str]) -> None:
     nbformat.write(nb, path)
 
 
-def running_job_pids(lab, timeout_s: float = 120) -> tuple[str, list[int]]:
+def running_job_pids(jupyter, timeout_s: float = 120) -> tuple[str, list[int]]:
     """(job id, rank pids) of the one running job under the server's sgpu_magic home, from its status.json."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for status_file in sorted((lab.home / "runs").glob("*/status.json")):
+        for status_file in sorted((jupyter.home / "runs").glob("*/status.json")):
             try:
                 status = json.loads(status_file.read_text())
             except (OSError, ValueError):  # replaced while read
@@ -90,7 +107,7 @@ def running_job_pids(lab, timeout_s: float = 120) -> tuple[str, list[int]]:
             if status.get("state") == "running" and status.get("pids"):
                 return status_file.parent.name, [int(pid) for pid in status["pids"].values()]
         time.sleep(0.2)  # the launch host writes it: look again shortly
-    raise AssertionError(f"no running job under {lab.home / 'runs'} within {timeout_s} s")
+    raise AssertionError(f"no running job under {jupyter.home / 'runs'} within {timeout_s} s")
 
 
 def assert_gone(pids: list[int], timeout_s: float = 30) -> None:
@@ -105,10 +122,10 @@ def assert_gone(pids: list[int], timeout_s: float = 30) -> None:
     assert not alive, f"rank processes still running after Stop: {[p.pid for p in alive]}"
 
 
-def test_quickstart_panel_tabs_tqdm_and_mlflow_link(lab, page, screenshots):
+def test_quickstart_panel_tabs_tqdm_and_mlflow_link(jupyter, page, screenshots):
     from playwright.sync_api import expect
 
-    notebook = open_notebook(page, lab, "01_quickstart.ipynb")
+    notebook = open_notebook(page, jupyter, "01_quickstart.ipynb")
     for index in (0, 1, 2, 3):  # %load_ext, imports, the model, setup/make_loader
         wait_cell_done(run_cell(page, notebook, index), 120_000)
     magic_cell = notebook.locator(".jp-CodeCell").nth(7)
@@ -137,8 +154,9 @@ def test_quickstart_panel_tabs_tqdm_and_mlflow_link(lab, page, screenshots):
         assert len(bars) == 1 and "100%" in bars[0] and "3/3" in bars[0], lines  # the bar is one updating line
         footer = panel.locator(".widget-tab-contents .widget-output:visible").locator("small").first
         expect(footer).to_contain_text("exited 0")
-    page.screenshot(path=str(screenshots / "quickstart-page.png"))
-    panel.screenshot(path=str(screenshots / "quickstart-panel.png"))
+    prefix = jupyter.frontend.screenshot_prefix
+    page.screenshot(path=str(screenshots / f"{prefix}quickstart-page.png"))
+    panel.screenshot(path=str(screenshots / f"{prefix}quickstart-panel.png"))
 
     link = header.locator("a", has_text="MLflow run")
     href = link.get_attribute("href")
@@ -180,15 +198,15 @@ def sleeper(seconds):
 
 
 @pytest.mark.parametrize("mode", ["blocking", "background"])
-def test_stop_button_cancels_a_running_job(lab, page, mode, screenshots):
+def test_stop_button_cancels_a_running_job(jupyter, page, mode, screenshots):
     from playwright.sync_api import expect
 
     call = ("sleeper.distributed(600)" if mode == "blocking" else
             "%%distributed --gpus 2 --background --no-mlflow -o bg\nimport os, time\n"
             "print(f\"rank {os.environ['RANK']} sleeping\", flush=True)\ntime.sleep(600)")
     name = f"stop_{mode}.ipynb"
-    write_notebook(lab.root / name, ["%load_ext sgpu_magic", SLEEPER, call])
-    notebook = open_notebook(page, lab, name)
+    write_notebook(jupyter.root / name, ["%load_ext sgpu_magic", SLEEPER, call])
+    notebook = open_notebook(page, jupyter, name)
     for index in (0, 1):
         wait_cell_done(run_cell(page, notebook, index), 120_000)
     job_cell = run_cell(page, notebook, 2)
@@ -197,7 +215,7 @@ def test_stop_button_cancels_a_running_job(lab, page, mode, screenshots):
     header = panel.locator(".widget-html").filter(has_text="sgpu_magic job").first
     expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text(
         "rank 0 sleeping", timeout=JOB_TIMEOUT_MS)
-    job_id, pids = running_job_pids(lab)
+    job_id, pids = running_job_pids(jupyter)
     expect(header).to_contain_text(job_id)
     if mode == "blocking":
         expect(job_cell.locator(".jp-InputPrompt")).to_have_text("[*]:")  # the cell is still executing
@@ -209,9 +227,9 @@ def test_stop_button_cancels_a_running_job(lab, page, mode, screenshots):
     expect(header).to_contain_text("cancelled", timeout=60_000)
     wait_cell_done(job_cell, 60_000)
     assert_gone(pids)
-    status = json.loads((lab.home / "runs" / job_id / "status.json").read_text())
+    status = json.loads((jupyter.home / "runs" / job_id / "status.json").read_text())
     assert status["state"] == "cancelled"
     if mode == "blocking":  # the blocking call raised: the job was cancelled, not finished
         expect(job_cell.locator(".jp-Cell-outputArea")).to_contain_text("JobCancelledError")
     expect(panel.locator("button", has_text="Stop")).to_be_disabled()
-    page.screenshot(path=str(screenshots / f"stop-{mode}-page.png"))
+    page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}stop-{mode}-page.png"))
