@@ -63,7 +63,8 @@ def _parse_line(parser, line: str, magic: str = "%%distributed"):
         return args
     except UsageError as exc:
         usage = " ".join(parser.format_usage().replace("::", "").split())
-        raise UsageError(f"{exc}\nusage: %{usage} ({magic}? shows the help)") from None
+        prefix = "%" if magic.startswith("%%") else ""  # the parser's prog is "%name"
+        raise UsageError(f"{exc}\nusage: {prefix}{usage} ({magic}? shows the help)") from None
 
 
 def _check_output_name(name: str | None) -> None:
