@@ -214,12 +214,19 @@ def parse_accelerator_type(accelerator_type: object) -> tuple[int, str]:
     """
     match = _ACCELERATOR_TYPE.fullmatch(accelerator_type.strip()) if isinstance(accelerator_type, str) else None
     if match is None or int(match.group(1)) < 1:
-        hint = ""
-        if isinstance(accelerator_type, str) and accelerator_type.strip() and match is None and "_" not in accelerator_type:
-            hint = f" (for a GPU model alone, write gpu_type={accelerator_type.strip()!r})"
         raise SpecError(f"accelerator_type takes the serverless GPU API's form 'GPU_<n>x<model>' with n >= 1, such as "
-                        f"'GPU_8xH100' or 'GPU_1xA10'; got {shown(accelerator_type)}{hint}")
+                        f"'GPU_8xH100' or 'GPU_1xA10'; got {shown(accelerator_type)}{_accelerator_hint(accelerator_type)}")
     return int(match.group(1)), match.group(2)
+
+
+def _accelerator_hint(value: object) -> str:
+    """The near miss: ``8xH100`` (the prefix left out), or ``H100`` (a model, which is ``gpu_type``)."""
+    text = value.strip() if isinstance(value, str) else ""
+    if _ACCELERATOR_TYPE.fullmatch(f"GPU_{text}") and not text.startswith("0"):
+        return f" (write 'GPU_{text}')"
+    if re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", text):
+        return f" (for a GPU model alone, write gpu_type={text!r})"
+    return ""
 
 
 def _check_cluster(cluster: object, gpu_ids: object, max_restarts: object) -> str | None:
