@@ -278,7 +278,9 @@ def distributed(gpus: int | None = None, gpu_type: str | None = None,
     remote=True)``, and the current ``from databricks.air import distributed`` with
     ``@distributed(num_accelerators=8, accelerator_type="GPU_8xH100")`` or ``@distributed()`` for every GPU
     of the node). A notebook written for either runs here after changing that import line; the
-    options below it (``timeout`` on) are sgpu_magic's own.
+    options from ``timeout`` to ``cluster`` are sgpu_magic's own. Sources: the API's docs pages
+    docs.databricks.com/aws/en/machine-learning/ai-runtime/distributed-training and
+    .../ai-runtime/connecting/distributed-training, and pypi.org/project/databricks-sdk-air.
 
     Args:
         gpus: number of ranks, one GPU each; on a machine with no GPU, CPU ranks with gloo. Default: every

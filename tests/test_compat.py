@@ -2,7 +2,8 @@
 ``accelerator_type=``, the runtime helpers, and the notebooks written in the API's own style.
 
 Sources (public docs only): ``@distributed(gpus=8, gpu_type='A10', remote=True)`` from
-docs.databricks.com/aws/en/compute/serverless/distributed-training (``from serverless_gpu import
+docs.databricks.com/aws/ja/compute/serverless/distributed-training and the English
+docs.databricks.com/aws/en/machine-learning/ai-runtime/distributed-training (``from serverless_gpu import
 distributed``); ``@distributed()`` (every GPU of the node) and ``num_accelerators`` from
 docs.databricks.com/aws/en/machine-learning/ai-runtime/connecting/distributed-training and
 ``@databricks.air.distributed(num_accelerators=8, accelerator_type="GPU_8xH100")`` from
