@@ -116,3 +116,24 @@ def flush_async_logging() -> None:
                   f"metrics logged last may be missing from the run", file=sys.stderr, flush=True)
         except OSError:
             pass
+
+
+_RUN_OPERATIONS = ("mlflow.utils.async_logging.run_operations", "RunOperations")
+
+
+def settled_value(value):
+    """``value``, except that MLflow's async-logging future becomes ``None`` once its points are written.
+
+    With async logging ``mlflow.log_metric(...)`` returns a ``RunOperations`` future instead of ``None``;
+    a cell ending with that call would otherwise make rank 0 send back an object that cannot be pickled.
+    The rank gets what synchronous logging returns, as the code was written for.
+    """
+    kind = type(value)
+    if (kind.__module__, kind.__qualname__) != _RUN_OPERATIONS:
+        return value
+    try:
+        value.wait()
+    except Exception as exc:  # noqa: BLE001 - the points' fate is MLflow's; the value is None either way
+        print(f"sgpu_magic: MLflow could not log the points of the last call ({type(exc).__name__}: {exc})",
+              file=sys.stderr, flush=True)
+    return None

@@ -32,7 +32,7 @@ import zipfile
 import cloudpickle
 
 from .capture import Unpicklable
-from .mlflow_rank import flush_async_logging, guard_job_run
+from .mlflow_rank import flush_async_logging, guard_job_run, settled_value
 from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private, traceback_marker
 
 _PR_SET_PDEATHSIG = 1
@@ -157,17 +157,18 @@ def run_payload(payload: dict, ns: dict):
     """Run the captured cell, function or script in ``ns``; return its value (a script's: its exit status).
 
     MLflow's async logging queue (on by default in tracked jobs) is flushed before this returns, so
-    every point the user code logged is in the run before the rank reports.
+    every point the user code logged is in the run before the rank reports; a value that is the future
+    of an async ``mlflow.log_metric`` call (a cell ending with one) is ``None``, as with sync logging.
     """
     try:
         if payload["kind"] == "script":
             return _run_script(payload, ns)
         if payload["kind"] == "cell":
-            return _run_cell(payload["source"], payload["filename"], ns)
+            return settled_value(_run_cell(payload["source"], payload["filename"], ns))
         fn = _resolve_function(payload, ns)
         args = [cloudpickle.loads(b) for b in payload["args"]]
         kwargs = {k: cloudpickle.loads(b) for k, b in payload["kwargs"].items()}
-        return fn(*args, **kwargs)
+        return settled_value(fn(*args, **kwargs))
     finally:
         flush_async_logging()
 

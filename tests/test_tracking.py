@@ -293,6 +293,27 @@ def test_rank_metrics_are_logged_asynchronously_and_none_is_lost(experiment):
         assert {m.step: m.value for m in history}[4999] == 1.0 / 5000
 
 
+def test_a_cell_ending_with_log_metric_gives_none_as_with_sync_logging(run_cell, experiment):
+    """With async logging ``log_metric`` returns a future (which cannot be pickled back); as the cell's value it
+    becomes ``None`` once written, as synchronous logging returns; a future whose batch failed says why."""
+    client, name = experiment
+    result, out, err = run_cell('%%distributed --gpus 1 --no-widgets -o logged_job\nimport mlflow\n'
+                                'mlflow.log_metric("last_line", 7.0)')
+    assert result.error_in_exec is None and result.result is None, (out, err)
+    (run,) = runs_of(client, name)
+    assert run.data.metrics["last_line"] == 7.0
+
+    @distributed(gpus=1, widgets=False)
+    def returns_a_failed_future():
+        from mlflow import MlflowClient
+
+        return MlflowClient().log_metric("0" * 32, "x", 1.0, synchronous=False)  # no such run
+
+    assert returns_a_failed_future.distributed() == [None]
+    assert re.search(r"sgpu_magic: MLflow could not log the points of the last call \(MlflowException: .*Run with "
+                     r"id=0{32} not found", returns_a_failed_future.last_job.logs(0))
+
+
 def test_the_kernels_own_choice_of_sync_logging_reaches_the_ranks(experiment, monkeypatch):
     """``MLFLOW_ENABLE_ASYNC_LOGGING=false`` in the kernel (what ``mlflow.config.enable_async_logging(False)`` sets)
     keeps the ranks' ``log_metric`` synchronous."""
