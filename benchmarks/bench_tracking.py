@@ -106,13 +106,15 @@ def _section(samples: dict, epochs: int, reps: int) -> Section:
         slower = (ratio(median(s["epoch_s"]), base) if mode != SYNC_MODE
                   else ratio(base_rate, median(s["steps_per_s"])))
         t.rows.append([mode, fmt(median(s["steps_per_s"]), 1), fmt_range(s["steps_per_s"], 1),
-                       fmt(median(s["epoch_s"])), fmt_range(s["epoch_s"]), points, len(s["epoch_s"]), fmt_ratio(slower)])
+                       fmt(median(s["epoch_s"])), fmt_range(s["epoch_s"]), points, len(s["epoch_s"]),
+                       fmt_ratio(slower)])
         for e in s["errors"]:
             t.notes.append(f"{mode} failed once: {e.splitlines()[0][:300]}")
     t.notes.append(f"{reps} repetition(s), order alternated; 1 untimed warm-up epoch, then {epochs} timed epoch(s) of "
                    f"2500 steps per rank (5000 samples, batch size 1, 2 ranks); steps/s of the slower rank. The "
-                   f"synchronous row runs {SYNC_STEPS} steps per epoch once (at its rate a full epoch takes minutes): its "
-                   f"epoch time is projected from its steps/s, and its ratio is the steps/s of no logging over its own. "
+                   f"synchronous row runs {SYNC_STEPS} steps per epoch once (at its rate a full epoch takes "
+                   f"minutes): its epoch time is projected from its steps/s, and its ratio is the steps/s of no "
+                   f"logging over its own. "
                    f"'points in the run' counts both ranks' metric history after the job (warm-up steps included). "
                    f"Tracking is on for every job of this table (the other sections turn it off).")
     sec = Section(tables=[t], raw={"samples": samples})

@@ -24,8 +24,8 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext sgpu_magic``: register ``%%distributed``, ``%distributed_run`` and ``%mlflow_ui``, start the launch host and
-    import mlflow in the background."""
+    """``%load_ext sgpu_magic``: register ``%%distributed``, ``%distributed_run`` and ``%mlflow_ui``, start the
+    launch host and import mlflow in the background."""
     from .launcher import get_host
     from .magics import DistributedMagics
 

@@ -204,8 +204,8 @@ def _cluster_for(remote: object, cluster: object) -> object:
                         f"the kernel's environment), pass cluster='ray://head:10001', or use remote=False to run on "
                         f"this machine")
     if cluster is not None and cluster != configured:
-        raise SpecError(f"remote=True runs on the configured remote cluster {configured!r} but cluster={shown(cluster)} "
-                        f"names another; give one of them")
+        raise SpecError(f"remote=True runs on the configured remote cluster {configured!r} but "
+                        f"cluster={shown(cluster)} names another; give one of them")
     return configured
 
 

@@ -277,7 +277,7 @@ class DistributedMagics(Magics):
     @argument("args", nargs=argparse.REMAINDER, help="Arguments for the script, passed on untouched.")
     @line_magic
     def distributed_run(self, line: str):
-        """Run a script (or ``-m module``) on every rank, as torchrun does: ``%distributed_run --gpus 2 train.py --lr 1e-3``.
+        """Run a script (or ``-m module``) on every rank as torchrun does: ``%distributed_run --gpus 2 train.py 3``.
 
         Every %%distributed option works here; what follows the script or module goes to it untouched.
         A rank's result is the script's exit status (0); sys.exit(n) with n != 0 fails the rank with
