@@ -4,7 +4,8 @@ The part above the ``ENTRY POINT`` line is sent verbatim as a notebook cell to t
 that runs it under sgpu_magic; torchrun runs this whole file as a script. So both run the
 same code: SimpleMLP 10->64->64->1 with Dropout 0.2, Adam lr 1e-3, MSELoss, DDP, batch 32,
 5000 random samples sharded by a DistributedSampler. ``warmup_epochs`` are not timed; the
-timed loop is the remaining epochs (``loop_s``), measured on each rank. ``log_metrics=True`` adds
+timed loop is the remaining epochs (``loop_s``; ``loop_cpu_s``: the rank process's CPU seconds over it, all
+its threads), measured on each rank. ``log_metrics=True`` adds
 what the seed example does at every step, ``mlflow.log_metric(f"loss_rank{rank}", loss, step=step)``
 (for the tracking benchmark); ``max_steps`` ends each epoch early.
 """
@@ -67,7 +68,7 @@ def mlp_train(epochs: int, warmup_epochs: int = 1, batch_size: int = 32, log_met
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
         sampler.set_epoch(epoch)
         ddp_model.train()
         total_loss = 0.0
@@ -88,10 +89,10 @@ def mlp_train(epochs: int, warmup_epochs: int = 1, batch_size: int = 32, log_met
                 steps += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
-    loop_s = time.perf_counter() - t0
+    loop_s, loop_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     result = {"rank": rank, "world_size": world_size, "backend": backend, "steps": steps, "loop_s": loop_s,
               "steps_per_s": steps / loop_s, "setup_s": t0 - t_start, "final_loss": round(total_loss, 4),
-              "threads": torch.get_num_threads(), "logged": logged}
+              "threads": torch.get_num_threads(), "logged": logged, "loop_cpu_s": loop_cpu_s}
     del ddp_model, optimizer
     gc.collect()
     dist.destroy_process_group()
