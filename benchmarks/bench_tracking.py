@@ -73,7 +73,7 @@ def _one(ctx: Context, kernel, factory, mode: str, epochs: int, max_steps, sampl
 
 def run(ctx: Context) -> Section:
     cfg = ctx.cfg
-    reps, epochs = (2, 1) if cfg.quick else (cfg.train_reps, 2)
+    reps, epochs = (max(2, cfg.train_reps), 1) if cfg.quick else (cfg.train_reps, 2)  # --reps N sets train_reps
     store = f"sqlite:///{ctx.workdir}/tracking-mlflow.db"
 
     def factory():
