@@ -4,7 +4,10 @@ The part above the ``ENTRY POINT`` line is sent verbatim as a notebook cell to t
 that runs it under sgpu_magic; torchrun runs this whole file as a script. So both run the
 same code: SimpleMLP 10->64->64->1 with Dropout 0.2, Adam lr 1e-3, MSELoss, DDP, batch 32,
 5000 random samples sharded by a DistributedSampler. ``warmup_epochs`` are not timed; the
-timed loop is the remaining epochs (``loop_s``), measured on each rank.
+timed loop is the remaining epochs (``loop_s``; ``loop_cpu_s``: the rank process's CPU seconds over it, all
+its threads), measured on each rank. ``log_metrics=True`` adds
+what the seed example does at every step, ``mlflow.log_metric(f"loss_rank{rank}", loss, step=step)``
+(for the tracking benchmark); ``max_steps`` ends each epoch early.
 """
 
 import gc
@@ -35,8 +38,11 @@ class SimpleMLP(nn.Module):
         return self.net(x)
 
 
-def mlp_train(epochs: int, warmup_epochs: int = 1, batch_size: int = 32):
+def mlp_train(epochs: int, warmup_epochs: int = 1, batch_size: int = 32, log_metrics: bool = False,
+              max_steps: int | None = None):
     t_start = time.perf_counter()
+    if log_metrics:
+        import mlflow
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -56,31 +62,37 @@ def mlp_train(epochs: int, warmup_epochs: int = 1, batch_size: int = 32):
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=1e-3)
     loss_fn = nn.MSELoss()
 
-    steps, total_loss, t0 = 0, 0.0, None
+    steps, total_loss, t0, logged = 0, 0.0, None, 0
     for epoch in range(warmup_epochs + epochs):
         if epoch == warmup_epochs:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
         sampler.set_epoch(epoch)
         ddp_model.train()
         total_loss = 0.0
-        for features_b, targets_b in loader:
+        for step, (features_b, targets_b) in enumerate(loader):
+            if max_steps is not None and step >= max_steps:
+                break
             features_b, targets_b = features_b.to(device), targets_b.to(device)
             optimizer.zero_grad()
             loss = loss_fn(ddp_model(features_b), targets_b)
             loss.backward()
             optimizer.step()
-            total_loss += loss.item()
+            step_loss = loss.item()
+            total_loss += step_loss
+            if log_metrics:
+                mlflow.log_metric(f"loss_rank{rank}", step_loss, step=logged)
+                logged += 1
             if t0 is not None:
                 steps += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
-    loop_s = time.perf_counter() - t0
+    loop_s, loop_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     result = {"rank": rank, "world_size": world_size, "backend": backend, "steps": steps, "loop_s": loop_s,
               "steps_per_s": steps / loop_s, "setup_s": t0 - t_start, "final_loss": round(total_loss, 4),
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), "logged": logged, "loop_cpu_s": loop_cpu_s}
     del ddp_model, optimizer
     gc.collect()
     dist.destroy_process_group()

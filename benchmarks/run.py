@@ -7,6 +7,7 @@ Usage (from the repository root)::
     .venv/bin/python -m benchmarks.run --gpu      # adds the GPU section (skipped with a note without CUDA)
     .venv/bin/python -m benchmarks.run --only launch,train --reps 3 --json out.json
     .venv/bin/python -m benchmarks.run --only soak --soak 200   # 200 warm 8-rank launches, hangs counted
+    .venv/bin/python -m benchmarks.run --only tracking        # per-step mlflow.log_metric vs none (batch 1)
 
 Every measurement runs in real Jupyter kernels driven through jupyter_client, as a notebook
 user would; all rows of a table come from the same run; values are medians of the
@@ -33,7 +34,7 @@ import shutil
 import tempfile
 import time
 
-SECTIONS = ["launch", "soak", "train", "logging", "capture", "gpu"]
+SECTIONS = ["launch", "soak", "train", "tracking", "logging", "capture", "gpu"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown section(s): {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
 
-    from . import bench_capture, bench_launch, bench_logging, bench_train
+    from . import bench_capture, bench_launch, bench_logging, bench_tracking, bench_train
     from .common import Config, Context, Table, machine_description
 
     cfg = Config.make(args.quick, args.gpu, only, args.soak, args.reps)
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sgpu_magic benchmarks ({mode}): sections {', '.join(s for s in SECTIONS if s in only)}; "
           f"scratch {workdir}", flush=True)
     t_start = time.perf_counter()
-    runners = {"launch": bench_launch.run, "soak": bench_launch.run_soak, "train": bench_train.run, "logging": bench_logging.run,
+    runners = {"launch": bench_launch.run, "soak": bench_launch.run_soak, "train": bench_train.run,
+               "tracking": bench_tracking.run, "logging": bench_logging.run,
                "capture": bench_capture.run, "gpu": bench_train.run_gpu}
     sections, raw = [], {}
     try:

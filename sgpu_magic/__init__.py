@@ -1,7 +1,8 @@
 """sgpu_magic: run distributed PyTorch from a notebook.
 
-``%load_ext sgpu_magic`` adds the ``%%distributed`` cell magic; ``from sgpu_magic import
-distributed`` gives the decorator, call-compatible with the Databricks serverless GPU API.
+``%load_ext sgpu_magic`` adds the ``%%distributed`` cell magic and ``%distributed_run``; ``from sgpu_magic
+import distributed`` gives the decorator, call-compatible with both generations of the Databricks
+serverless GPU API (``serverless_gpu``, ``databricks.air``); ``run_script`` runs a script as torchrun does.
 Ranks are fresh processes started by torch.distributed.elastic in a per-kernel launch
 host; with no GPU they run on CPU with gloo.
 """
@@ -15,8 +16,9 @@ from .decorator import DistributedFunction, distributed
 from .errors import (CaptureError, CheckpointError, JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, ResourceError, SgpuError,
                      SpecError, UnpicklableGlobalError)
 from .job import Job, JobState
+from .script import run_script
 
-__all__ = ["distributed", "DistributedFunction", "Job", "JobState", "runtime", "SgpuError", "SpecError",
+__all__ = ["distributed", "DistributedFunction", "run_script", "Job", "JobState", "runtime", "SgpuError", "SpecError",
            "ResourceError", "CaptureError", "LauncherError", "RankFailedError", "JobTimeoutError", "JobCancelledError",
            "UnpicklableGlobalError", "CheckpointError", "load_ipython_extension"]
 
@@ -49,8 +51,8 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext sgpu_magic``: register ``%%distributed`` and ``%mlflow_ui``, start the launch host and
-    import mlflow in the background."""
+    """``%load_ext sgpu_magic``: register ``%%distributed``, ``%distributed_run`` and ``%mlflow_ui``, start the
+    launch host and import mlflow in the background."""
     from .launcher import get_host
     from .magics import DistributedMagics
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import os
 import threading
 from dataclasses import replace
 from typing import Any, Callable
@@ -27,8 +28,9 @@ from .job import Job, JobSink, submit
 from .launcher import get_host
 from .leases import LeaseRegistry
 from .panel import DEFAULT_MAX_LINES, TextView, make_view
-from .resources import check_port_free, plan_devices
-from .spec import DEFAULT_TIMEOUT_S, LaunchSpec, check_max_capture_bytes, make_spec, shown
+from .resources import check_port_free, list_gpus, plan_devices
+from .spec import (DEFAULT_TIMEOUT_S, LaunchSpec, _check_switch, check_gpus, check_max_capture_bytes, make_spec,
+                   parse_accelerator_type, shown)
 from .errors import SpecError
 
 
@@ -191,29 +193,114 @@ def _resolve(value: Any) -> Any:
     return value.resolve() if isinstance(value, _FromConfig) else value
 
 
-class _Required:
-    """Default of ``gpus``: lets ``@distributed(gpu=2)`` reach the unknown-argument message."""
-
-    def __repr__(self) -> str:
-        return "<required>"
+REMOTE_CLUSTER_ENV = "SGPU_MAGIC_REMOTE_CLUSTER"
+"""Environment variable naming the kernel's remote cluster for ``remote=True`` when the trait is not set."""
 
 
-_REQUIRED: Any = _Required()
+def remote_cluster() -> str | None:
+    """The cluster ``remote=True`` runs on: ``%config DistributedMagics.remote_cluster``, else
+    ``$SGPU_MAGIC_REMOTE_CLUSTER``, else ``None`` (none configured)."""
+    configured = _resolve(_FromConfig("remote_cluster", "")) or os.environ.get(REMOTE_CLUSTER_ENV, "")
+    return configured.strip() or None
 
 
-def distributed(gpus: int = _REQUIRED, gpu_type: str | None = None,
+def _cluster_for(remote: object, cluster: object) -> object:
+    """``cluster=`` as given, or the kernel's remote cluster for ``remote=True`` (the serverless GPU API's switch).
+
+    Raises:
+        SpecError: ``remote`` is not True/False, ``remote=True`` with no remote cluster configured, or
+            ``remote=True`` together with a different ``cluster=``.
+    """
+    if not _check_switch("remote", remote, "run on the kernel's remote cluster, or on this machine"):
+        return cluster
+    configured = remote_cluster()
+    if configured is None:
+        raise SpecError(f"remote=True runs the job on this kernel's remote cluster, and none is configured: set "
+                        f"%config DistributedMagics.remote_cluster = 'ray://head:10001' (or {REMOTE_CLUSTER_ENV} in "
+                        f"the kernel's environment), pass cluster='ray://head:10001', or use remote=False to run on "
+                        f"this machine")
+    if cluster is not None and cluster != configured:
+        raise SpecError(f"remote=True runs on the configured remote cluster {configured!r} but "
+                        f"cluster={shown(cluster)} names another; give one of them")
+    return configured
+
+
+def _same(old: str, new: str, old_value: object, new_value: object) -> None:
+    if old_value is not None and new_value is not None and old_value != new_value:
+        raise SpecError(f"{old}={shown(old_value)} and {new}={shown(new_value)} disagree: {new} is the current "
+                        f"serverless GPU API's name for {old}; give one of them")
+
+
+def _ranks_and_type(gpus: object, gpu_type: object, num_accelerators: object,
+                    accelerator_type: object) -> tuple[object, object]:
+    """``(gpus, gpu_type)`` from either generation's names: ``gpus`` / ``gpu_type`` (serverless_gpu) or
+    ``num_accelerators`` / ``accelerator_type="GPU_<n>x<model>"`` (databricks.air). ``gpus`` stays ``None``
+    when neither gives a count (the caller then takes every GPU of the machine)."""
+    per_node, model = (None, None) if accelerator_type is None else parse_accelerator_type(accelerator_type)
+    if num_accelerators is not None:
+        check_gpus(num_accelerators, "num_accelerators")
+    _same("gpus", "num_accelerators", gpus, num_accelerators)
+    if isinstance(gpu_type, str) and model is not None and gpu_type.strip().lower() != model.lower():
+        raise SpecError(f"gpu_type={gpu_type!r} and accelerator_type={accelerator_type!r} name different GPU models; "
+                        f"give one of them")
+    count = next((c for c in (gpus, num_accelerators, per_node) if c is not None), None)
+    return count, gpu_type if gpu_type is not None else model
+
+
+def _every_gpu(gpu_type: object, cluster: object) -> int:
+    """The default world size: every GPU of this machine (matching ``gpu_type``), as ``databricks.air``'s
+    ``@distributed()`` uses every GPU of its node; 1 CPU rank on a machine without GPUs."""
+    if cluster is not None:
+        raise SpecError("a job on a Ray cluster needs its number of ranks: give gpus=N (or num_accelerators=N, or "
+                        "accelerator_type='GPU_<n>x<model>')")
+    gpus = list_gpus()
+    if isinstance(gpu_type, str) and gpu_type.strip():
+        gpus = [g for g in gpus if gpu_type.strip().lower() in g.name.lower()] or gpus
+    return max(1, len(gpus))
+
+
+def job_spec(name: str, gpus: object = None, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S, *,
+             port: object = None, widgets: object = None, mlflow: object = True, gpu_ids: object = None,
+             wait: object = True, max_restarts: object = 0, cluster: object = None, remote: object = False,
+             num_accelerators: object = None, accelerator_type: object = None) -> LaunchSpec:
+    """The :class:`LaunchSpec` for the decorator's and :func:`~sgpu_magic.run_script`'s options (both
+    generations of the serverless GPU API's names, ``remote=``), validated before anything starts.
+
+    Raises:
+        SpecError: naming the bad option (see :func:`distributed`).
+    """
+    cluster = _cluster_for(remote, cluster)
+    count, gpu_type = _ranks_and_type(gpus, gpu_type, num_accelerators, accelerator_type)
+    if count is None and isinstance(gpu_ids, (list, tuple, range)) and len(gpu_ids):
+        count = len(gpu_ids)  # one rank per GPU named
+    if count is None:
+        count = _every_gpu(gpu_type, cluster)
+    return make_spec(count, gpu_type, timeout, port, name=name, widgets=widgets, mlflow=mlflow, gpu_ids=gpu_ids,
+                     wait=wait, max_restarts=max_restarts, cluster=cluster)
+
+
+def distributed(gpus: int | None = None, gpu_type: str | None = None,
                 timeout: float | None = _FromConfig("timeout_s", DEFAULT_TIMEOUT_S), *, port: int | None = None,
                 widgets: bool | None = _FromConfig("widgets", None),
                 max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
                 mlflow: bool = _FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
-                max_restarts: int = 0, cluster: str | None = None,
+                max_restarts: int = 0, cluster: str | None = None, remote: bool = False,
+                num_accelerators: int | None = None, accelerator_type: str | None = None,
                 **unknown: Any) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
-    Follows the serverless GPU API's ``@distributed(gpus, gpu_type, remote=False)`` shape.
+    Call-compatible with both generations of the Databricks serverless GPU API's decorator (their public
+    docs: ``from serverless_gpu import distributed`` with ``@distributed(gpus=8, gpu_type='A10',
+    remote=True)``, and the current ``from databricks.air import distributed`` with
+    ``@distributed(num_accelerators=8, accelerator_type="GPU_8xH100")`` or ``@distributed()`` for every GPU
+    of the node). A notebook written for either runs here after changing that import line; the
+    options from ``timeout`` to ``cluster`` are sgpu_magic's own. Sources: the API's docs pages
+    docs.databricks.com/aws/en/machine-learning/ai-runtime/distributed-training and
+    .../ai-runtime/connecting/distributed-training, and pypi.org/project/databricks-sdk-air.
 
     Args:
-        gpus: number of ranks, one GPU each; on a machine with no GPU, CPU ranks with gloo.
+        gpus: number of ranks, one GPU each; on a machine with no GPU, CPU ranks with gloo. Default: every
+            GPU of this machine (of ``gpu_type`` when given), or 1 CPU rank where there is none.
         gpu_type: GPU model to require, e.g. ``"H100"`` (case-insensitive substring of the
             device name); ``None`` (default) takes any. Ignored, with a note, on a machine without GPUs.
         timeout: seconds before every rank is stopped and ``TimeoutError`` raised; default
@@ -224,7 +311,8 @@ def distributed(gpus: int = _REQUIRED, gpu_type: str | None = None,
         max_capture_bytes: captured globals above this size get a warning (default 100 MiB, or
             ``%config DistributedMagics.max_capture_bytes``).
         mlflow: track each call as one MLflow run (default True, or ``%config DistributedMagics.mlflow``);
-            ranks log into it with plain ``mlflow.log_metric(...)``. ``False`` turns tracking off.
+            ranks log into it with plain ``mlflow.log_metric(...)``, asynchronously by default (MLflow's own
+            async logging, flushed before each rank ends). ``False`` turns tracking off.
         gpu_ids: physical GPU indices (NVML order) to run on, one per rank, e.g. ``[0, 1]``; default
             any free GPUs. GPUs running processes outside sgpu_magic are skipped unless named here.
         wait: when other sgpu_magic jobs (from any kernel sharing the lease directory) hold the
@@ -239,25 +327,33 @@ def distributed(gpus: int = _REQUIRED, gpu_type: str | None = None,
             The job reserves one placement group of ``gpus`` GPU bundles (CPU bundles when the cluster
             has no GPU) and runs one actor per rank (see :mod:`sgpu_magic.ray_cluster`); needs
             ``pip install "sgpu_magic[ray]"``. Not with ``gpu_ids`` or ``max_restarts``.
+        remote: the serverless GPU API's switch. ``False`` (default): this machine. ``True``: the kernel's
+            remote cluster, ``%config DistributedMagics.remote_cluster = "ray://head:10001"`` (else
+            ``$SGPU_MAGIC_REMOTE_CLUSTER``), through the same Ray path as ``cluster=``.
+        num_accelerators: the current API's (``databricks.air``) name for ``gpus``.
+        accelerator_type: the current API's hardware name, ``"GPU_<n>x<model>"`` (``"GPU_8xH100"``,
+            ``"GPU_1xA10"``): ``<model>`` is the ``gpu_type``, and ``<n>`` the number of ranks unless
+            ``gpus`` / ``num_accelerators`` gives fewer.
 
     Raises (at decoration time, before anything starts):
         SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``max_capture_bytes``,
-            ``mlflow``, ``gpu_ids``, ``wait`` or ``max_restarts`` (``widgets``, ``mlflow`` and ``wait`` take
-            ``True`` / ``False``, not strings); or a decorated object that cannot run on the ranks (not
-            callable, a bound method, a generator or ``async def`` function, a partial or callable instance).
+            ``mlflow``, ``gpu_ids``, ``wait``, ``max_restarts``, ``remote``, ``num_accelerators`` or
+            ``accelerator_type`` (``widgets``, ``mlflow``, ``wait`` and ``remote`` take ``True`` / ``False``,
+            not strings); an old and a new name that disagree (``gpus=4, num_accelerators=8``);
+            ``remote=True`` with no remote cluster configured; or a decorated object that cannot run on
+            the ranks (not callable, a bound method, a generator or ``async def`` function, a partial or
+            callable instance).
         TypeError: an argument this signature does not have (e.g. ``gpu=2``), naming it and the accepted ones.
     """
     if unknown:
         raise TypeError(_unknown_arguments_message(unknown))
-    if gpus is _REQUIRED:
-        raise TypeError("@distributed needs gpus, the number of ranks (one GPU each): write @distributed(gpus=N)")
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
     timeout, max_capture_bytes, widgets = _resolve(timeout), _resolve(max_capture_bytes), _resolve(widgets)
-    mlflow = _resolve(mlflow)
     # fail at the decorator line
-    spec = make_spec(gpus, gpu_type, timeout, port, widgets=widgets, mlflow=mlflow, gpu_ids=gpu_ids, wait=wait,
-                     max_restarts=max_restarts, cluster=cluster)
+    spec = job_spec("function", gpus, gpu_type, timeout, port=port, widgets=widgets, mlflow=_resolve(mlflow),
+                    gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts, cluster=cluster, remote=remote,
+                    num_accelerators=num_accelerators, accelerator_type=accelerator_type)
     max_capture_bytes = check_max_capture_bytes(max_capture_bytes)
 
     def wrap(fn: Callable) -> DistributedFunction:

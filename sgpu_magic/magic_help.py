@@ -25,9 +25,11 @@ from typing import Callable
 
 MAGICS = {
     "%%distributed": "run the cell on N ranks (%%distributed --gpus N [options])",
+    "%distributed_run": "run a script or module on N ranks as torchrun does (%distributed_run --gpus N script.py ...)",
     "%distributed_jobs": "this kernel's jobs: state, world size, elapsed time, MLflow run",
     "%distributed_stop": "cancel a job of this kernel (every rank stopped), or all of them with --all",
     "%mlflow_ui": "a local MLflow UI server for the kernel's store, so run links work",
+    "%distributed_doctor": "what a job will use and what is wrong (GPUs, leases, ports, MLflow, widgets, Ray ...)",
 }
 """Every magic sgpu_magic adds, with one line each for the ``See also`` sections."""
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import html
 import keyword
 import shlex
+from dataclasses import replace
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -13,13 +15,13 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.utils.process import arg_split
 from traitlets import Bool, Float, Int, Unicode
 
-from . import capture
-from .decorator import start
+from . import capture, script
+from .decorator import job_spec, start
 from .errors import CellSyntaxError, SpecError
 from .job import Job, jobs
 from .magic_help import magic_help, usage_line
 from .redact import redact
-from .spec import DEFAULT_TIMEOUT_S, make_spec, shown
+from .spec import DEFAULT_TIMEOUT_S, LaunchSpec, shown
 
 
 def _parse_timeout(text: str | None, default: float | None) -> float | None:
@@ -45,7 +47,7 @@ def _parse_gpu_ids(text: str | None) -> list[int] | None:
         raise UsageError(f"--gpu-ids takes GPU indices separated by commas, e.g. --gpu-ids 0,1; got {shown(text)}") from None
 
 
-def _parse_line(parser, line: str):
+def _parse_line(parser, line: str, magic: str = "%%distributed"):
     """The magic's options: ``line`` split as a POSIX shell does (``--gpu-type ''`` is an empty value), then argparse.
 
     Raises:
@@ -54,14 +56,14 @@ def _parse_line(parser, line: str):
     try:
         argv = arg_split(line, posix=True)
     except ValueError as exc:  # shlex: "No closing quotation"
-        raise UsageError(f"cannot read the %%distributed line ({exc}): {shown(line)}; close the quote") from None
+        raise UsageError(f"cannot read the {magic} line ({exc}): {shown(line)}; close the quote") from None
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # as parse_args, but quoted: an empty or blank argument stays visible
             parser.error(f"unrecognized arguments: {shlex.join(extra)}")
         return args
     except UsageError as exc:
-        raise UsageError(f"{exc}\nusage: {usage_line(parser)} (%%distributed? shows the help)") from None
+        raise UsageError(f"{exc}\nusage: {usage_line(parser)} ({magic}? shows the help)") from None
 
 
 def _check_output_name(name: str | None) -> None:
@@ -196,6 +198,38 @@ def show_cell_syntax_errors_alone(shell) -> None:
     shell.set_custom_exc((CellSyntaxError,), show)
 
 
+_JOB_OPTIONS = (
+    argument("--gpus", type=int, required=True, help="Number of ranks, one GPU each (CPU ranks with gloo when the "
+             "machine has no GPU)."),
+    argument("--gpu-type", default=None, help="GPU model to require, e.g. H100 (case-insensitive match of the device name)."),
+    argument("--timeout", default=None, help="Seconds before every rank is stopped, or 'none'. Default: "
+             "DistributedMagics.timeout_s (3 h)."),
+    argument("--port", type=int, default=None, help="MASTER_PORT for the rendezvous; default: a free port."),
+    argument("--no-widgets", action="store_true", help="Plain [rank N] text instead of the widget panel."),
+    argument("--no-mlflow", action="store_true", help="Do not track this job as an MLflow run."),
+    argument("--gpu-ids", default=None, metavar="I,J", help="Physical GPU indices to run on, one per rank, e.g. 0,1."),
+    argument("--background", action="store_true", help="Return the Job at once; the cell ends and the job's "
+             "output keeps coming here. Interrupting the kernel does not stop it (%%distributed_stop does)."),
+    argument("--no-wait", action="store_true", help="Fail at once, naming who holds them, when the GPUs are "
+             "leased by other jobs (default: wait in the queue)."),
+    argument("--cluster", default=None, metavar="ADDRESS", help="Run on a Ray cluster: 'auto', 'ray://host:10001' "
+             "or 'host:6379' (needs sgpu_magic[ray]); one placement group of --gpus bundles, one actor per rank."),
+    argument("--remote", action="store_true", help="Run on the kernel's remote cluster (DistributedMagics."
+             "remote_cluster, else $SGPU_MAGIC_REMOTE_CLUSTER), as the serverless GPU API's remote=True."),
+    argument("--max-restarts", type=int, default=0, metavar="N", help="Restart all ranks up to N times after a "
+             "rank fails (torchrun's --max-restarts; ranks read TORCHELASTIC_RESTART_COUNT). Default 0."),
+    argument("-o", "--output", default=None, metavar="NAME", help="Store the Job handle (per-rank results, log "
+             "paths) in this variable."),
+)
+
+
+def _job_options(magic):
+    """The options every job magic takes (%%distributed, %distributed_run), in this order in its help."""
+    for option in reversed(_JOB_OPTIONS):
+        magic = option(magic)
+    return magic
+
+
 @magics_class
 class DistributedMagics(Magics):
     """Run a cell on N ranks. Defaults can be set with ``%config DistributedMagics.<name> = ...``."""
@@ -223,23 +257,22 @@ class DistributedMagics(Magics):
     mlflow_experiment = Unicode("sgpu_magic", help="MLflow experiment for jobs when neither mlflow.set_experiment, "
                                 "MLFLOW_EXPERIMENT_NAME/ID nor a notebook name gives one.").tag(config=True)
 
+    remote_cluster = Unicode("", help="The cluster remote=True / --remote runs on, e.g. 'ray://head:10001' (a Ray "
+                             "address, as cluster=); default: $SGPU_MAGIC_REMOTE_CLUSTER.").tag(config=True)
+
+    def _job_spec(self, args, name: str) -> LaunchSpec:
+        """The job's spec from the options both magics share; a bad one is a UsageError naming it."""
+        try:
+            return job_spec(name, args.gpus, args.gpu_type, _parse_timeout(args.timeout, self.timeout_s),
+                            port=args.port, widgets=False if args.no_widgets else self.widgets,
+                            mlflow=self.mlflow and not args.no_mlflow, gpu_ids=_parse_gpu_ids(args.gpu_ids),
+                            wait=not args.no_wait, max_restarts=args.max_restarts, cluster=args.cluster,
+                            remote=args.remote)
+        except SpecError as exc:
+            raise UsageError(str(exc)) from None
+
     @magic_arguments(name="%distributed")  # a cell magic: the usage line reads %%distributed
-    @argument("--gpus", type=int, required=True, help="Number of ranks, one GPU each (CPU ranks with gloo when the machine has no GPU).")
-    @argument("--gpu-type", default=None, help="GPU model to require, e.g. H100 (case-insensitive match of the device name).")
-    @argument("--timeout", default=None, help="Seconds before every rank is stopped, or 'none'. Default: DistributedMagics.timeout_s (3 h).")
-    @argument("--port", type=int, default=None, help="MASTER_PORT for the rendezvous; default: a free port.")
-    @argument("--no-widgets", action="store_true", help="Plain [rank N] text instead of the widget panel.")
-    @argument("--no-mlflow", action="store_true", help="Do not track this job as an MLflow run.")
-    @argument("--gpu-ids", default=None, metavar="I,J", help="Physical GPU indices to run on, one per rank, e.g. 0,1.")
-    @argument("--background", action="store_true", help="Return the Job at once; the cell ends and the job's "
-              "output keeps coming here. Interrupting the kernel does not stop it (%%distributed_stop does).")
-    @argument("--no-wait", action="store_true", help="Fail at once, naming who holds them, when the GPUs are "
-              "leased by other jobs (default: wait in the queue).")
-    @argument("--cluster", default=None, metavar="ADDRESS", help="Run on a Ray cluster: 'auto', 'ray://host:10001' "
-              "or 'host:6379' (needs sgpu_magic[ray]); one placement group of --gpus bundles, one actor per rank.")
-    @argument("--max-restarts", type=int, default=0, metavar="N", help="Restart all ranks up to N times after a "
-              "rank fails (torchrun's --max-restarts; ranks read TORCHELASTIC_RESTART_COUNT). Default 0.")
-    @argument("-o", "--output", default=None, metavar="NAME", help="Store the Job handle (per-rank results, log paths) in this variable.")
+    @_job_options
     @magic_help("%%distributed", examples="""
         %%distributed --gpus 2
         import torch, torch.distributed as dist
@@ -268,15 +301,9 @@ class DistributedMagics(Magics):
         Python: a cell with IPython syntax (%magic, !shell, ? help) or a top-level return is
         refused with a SyntaxError before anything starts.
         """
-        args = _parse_line(self.distributed.parser, line)
+        args = _parse_line(self.distributed.parser, line, "%%distributed")
         _check_output_name(args.output)
-        try:
-            spec = make_spec(args.gpus, args.gpu_type, _parse_timeout(args.timeout, self.timeout_s), args.port,
-                             name="%%distributed cell", widgets=False if args.no_widgets else self.widgets,
-                             mlflow=self.mlflow and not args.no_mlflow, gpu_ids=_parse_gpu_ids(args.gpu_ids),
-                             wait=not args.no_wait, max_restarts=args.max_restarts, cluster=args.cluster)
-        except SpecError as exc:
-            raise UsageError(str(exc)) from None
+        spec = self._job_spec(args, "%%distributed cell")
         source = _checked_source(cell, self.shell.transform_cell(cell))  # stops bad cells before anything starts
 
         def payload(warn) -> dict:
@@ -291,6 +318,43 @@ class DistributedMagics(Magics):
             return job
         job._follow_blocking()
         return job.result()[0]
+
+    @magic_arguments(name="distributed_run")
+    @_job_options
+    @argument("-m", "--module", action="store_true", help="Run a module as `python -m` does (sys.path[0] is the "
+              "current directory) instead of a script file.")
+    @argument("script", metavar="script.py | module", help="The script file (or with -m, the module) each rank runs "
+              "as torchrun does: __name__ == '__main__', sys.argv = [script, *args], its folder first on sys.path.")
+    @argument("args", nargs=argparse.REMAINDER, help="Arguments for the script, passed on untouched.")
+    @magic_help("%distributed_run", examples="""
+        %distributed_run --gpus 2 train.py --epochs 3 data/     # each rank: sys.argv = ['train.py', '--epochs', '3', 'data/']
+        %distributed_run --gpus 2 -m mypkg.train --lr 0.1       # as python -m mypkg.train --lr 0.1
+        %distributed_run --gpus 8 --background -o job train.py  # returns at once; job.result() later
+        """)
+    @line_magic
+    def distributed_run(self, line: str):
+        """Run a script (or ``-m module``) on every rank as torchrun does: ``%distributed_run --gpus 2 train.py 3``.
+
+        Every %%distributed option works here; what follows the script or module goes to it untouched.
+        A rank's result is the script's exit status (0); sys.exit(n) with n != 0 fails the rank with
+        code n. A missing file, a file that is not Python or an unknown module is refused before
+        anything starts. Returns nothing (the Job with -o NAME, or with --background).
+        """
+        args = _parse_line(self.distributed_run.parser, line, "%distributed_run")
+        _check_output_name(args.output)
+        spec = self._job_spec(args, "script")
+        try:
+            target = script.resolve(args.script, module=args.module)
+        except (FileNotFoundError, ValueError, ModuleNotFoundError) as exc:
+            raise UsageError(str(exc)) from None
+        job = start(replace(spec, name=target.name), lambda warn: target.payload(args.args), background=args.background)
+        if args.output:
+            self.shell.user_ns[args.output] = job
+        if args.background:
+            return job
+        job._follow_blocking()
+        job.result()
+        return None
 
     @magic_help("%distributed_jobs", examples="""
         %distributed_jobs
@@ -341,6 +405,10 @@ class DistributedMagics(Magics):
     @magic_arguments(name="distributed_doctor")
     @argument("--port", type=int, default=None, help="Also check that this pinned MASTER_PORT is free.")
     @argument("--cluster", default=None, metavar="ADDRESS", help="Check this Ray cluster (default: the configured one).")
+    @magic_help("%distributed_doctor", examples="""
+        %distributed_doctor
+        %distributed_doctor --port 29500 --cluster ray://head:10001
+        """)
     @line_magic
     def distributed_doctor(self, line: str):
         """Check what a job of this kernel will use and what is wrong: one row per check (Python, torch, GPUs and

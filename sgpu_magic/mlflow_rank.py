@@ -1,4 +1,4 @@
-"""Rank side of MLflow tracking: a rank never ends the job's MLflow run.
+"""Rank side of MLflow tracking: a rank never ends the job's MLflow run, and flushes its async logging.
 
 The kernel creates the job's run and passes it to the ranks as ``MLFLOW_RUN_ID`` (and
 ``SGPU_MAGIC_MLFLOW_RUN_ID``, which MLflow does not consume). A rank that calls ``mlflow.log_metric``
@@ -79,3 +79,61 @@ def guard_job_run() -> None:
             finder.run_id = run_id
             return
     sys.meta_path.insert(0, _PatchOnImport(run_id))
+
+
+def _tracking_store_exists() -> bool:
+    """Whether this process has built an MLflow tracking store (only then can async logging hold points).
+
+    MLflow caches its stores on ``TrackingStoreRegistry._get_store_with_resolved_uri`` (an lru_cache);
+    where that private detail differs (another mlflow version), assume a store exists.
+    """
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    registry = getattr(utils, "_tracking_store_registry", None)
+    cached = getattr(type(registry), "_get_store_with_resolved_uri", None)
+    try:
+        return cached.cache_info().currsize > 0
+    except Exception:  # noqa: BLE001 - unknown layout: flushing is harmless
+        return True
+
+
+def flush_async_logging() -> None:
+    """Wait until MLflow's async logging queue of this rank is written (``mlflow.flush_async_logging()``).
+
+    Ranks of a tracked job log asynchronously (``MLFLOW_ENABLE_ASYNC_LOGGING``, set by the kernel), so
+    ``mlflow.log_metric`` returns at once and a background thread writes the points in batches; this
+    runs when the rank's code has ended, before the rank reports, so no point is lost. It does nothing
+    when the rank never imported mlflow or never logged (building a store would cost seconds). A
+    failure is written to the rank's log, never raised: the user code's outcome stands.
+    """
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None or not hasattr(mlflow, "flush_async_logging") or not _tracking_store_exists():
+        return
+    try:
+        mlflow.flush_async_logging()
+    except Exception as exc:  # noqa: BLE001
+        try:
+            print(f"sgpu_magic: MLflow's async logging could not be flushed ({type(exc).__name__}: {exc}); "
+                  f"metrics logged last may be missing from the run", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+
+
+_RUN_OPERATIONS = ("mlflow.utils.async_logging.run_operations", "RunOperations")
+
+
+def settled_value(value):
+    """``value``, except that MLflow's async-logging future becomes ``None`` once its points are written.
+
+    With async logging ``mlflow.log_metric(...)`` returns a ``RunOperations`` future instead of ``None``;
+    a cell ending with that call would otherwise make rank 0 send back an object that cannot be pickled.
+    The rank gets what synchronous logging returns, as the code was written for.
+    """
+    kind = type(value)
+    if (kind.__module__, kind.__qualname__) != _RUN_OPERATIONS:
+        return value
+    try:
+        value.wait()
+    except Exception as exc:  # noqa: BLE001 - the points' fate is MLflow's; the value is None either way
+        print(f"sgpu_magic: MLflow could not log the points of the last call ({type(exc).__name__}: {exc})",
+              file=sys.stderr, flush=True)
+    return None

@@ -5,6 +5,13 @@ LOCAL_WORLD_SIZE, GROUP_RANK), which sgpu_magic sets for every rank as torchrun 
 so the same code also works under torchrun. Outside a job they describe a single
 process: rank 0 of a world of size 1.
 
+The ``get_*`` functions are those the serverless GPU API's runtime module lists in its public
+reference (https://api-docs.databricks.com/python/serverless_gpu/api/generated/serverless_gpu.runtime.html:
+``get_global_rank([group])``, ``get_local_rank()``, ``get_local_world_size()``, ``get_node_rank()``,
+``get_replica_rank()``, ``get_world_size()``), with the same names and signatures, so
+``from serverless_gpu.runtime import get_local_rank`` becomes ``from sgpu_magic.runtime import
+get_local_rank``. ``backend()`` and ``device()`` are sgpu_magic's own.
+
 Example::
 
     import torch.distributed as dist
@@ -18,7 +25,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["get_global_rank", "get_local_rank", "get_world_size", "get_local_world_size",
-           "get_node_rank", "backend", "device"]
+           "get_node_rank", "get_replica_rank", "backend", "device"]
 
 
 def _env_int(name: str, default: int) -> int:
@@ -26,8 +33,18 @@ def _env_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
-def get_global_rank() -> int:
-    """This process's global rank (``RANK``), 0 outside a job."""
+def get_global_rank(group=None) -> int:
+    """This process's global rank, in ``[0, world_size - 1]``: ``RANK``, 0 outside a job.
+
+    Args:
+        group: a ``torch.distributed`` process group; when given, this process's rank in it
+            (``torch.distributed.get_rank(group)``). Default ``None``: the ``RANK`` variable, as the
+            serverless GPU API's ``get_global_rank(group=None)`` documents.
+    """
+    if group is not None:
+        import torch.distributed as dist
+
+        return dist.get_rank(group)
     return _env_int("RANK", 0)
 
 
@@ -47,8 +64,21 @@ def get_local_world_size() -> int:
 
 
 def get_node_rank() -> int:
-    """Index of this node (``GROUP_RANK``, torchrun's node rank), 0 on a single machine."""
+    """Index of this node (``GROUP_RANK``, torchrun's node rank), 0 on a single machine.
+
+    With 2 nodes of 2 ranks each, global ranks 0-1 have node rank 0 and ranks 2-3 node rank 1.
+    """
     return _env_int("GROUP_RANK", 0)
+
+
+def get_replica_rank() -> int:
+    """Index of this job among replicas of the same job; 0 in an sgpu_magic job.
+
+    The serverless GPU API's runtime reference lists ``get_replica_rank() -> int`` without describing
+    it. sgpu_magic launches each job once (no replicas), so every rank of a job is in replica 0;
+    outside a job it is 0 too. Code that shards work by replica therefore does one replica's share.
+    """
+    return 0
 
 
 def backend() -> str:

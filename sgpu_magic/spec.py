@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -74,11 +75,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_gpus(gpus: object) -> int:
+def check_gpus(gpus: object, name: str = "gpus") -> int:
+    """Validate a number of ranks (``gpus``, or the serverless GPU API's ``num_accelerators``): an int in 1..1024.
+
+    Raises:
+        SpecError: naming ``name`` and the value given.
+    """
     if not _is_int(gpus):
-        raise SpecError(f"gpus must be an int >= 1 (the number of ranks), got {shown(gpus)} of type {type(gpus).__name__}")
+        raise SpecError(f"{name} must be an int >= 1 (the number of ranks), got {shown(gpus)} of type {type(gpus).__name__}")
     if not 1 <= int(gpus) <= MAX_RANKS:
-        raise SpecError(f"gpus must be between 1 and {MAX_RANKS}, got {shown(int(gpus))}")
+        raise SpecError(f"{name} must be between 1 and {MAX_RANKS}, got {shown(int(gpus))}")
     return int(gpus)
 
 
@@ -182,7 +188,7 @@ def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_T
     Raises:
         SpecError: naming the bad option, the value given (shortened to about 80 characters) and what is allowed.
     """
-    count = _check_gpus(gpus)
+    count = check_gpus(gpus)
     return LaunchSpec(gpus=count, gpu_type=_check_gpu_type(gpu_type),
                       timeout_s=_check_timeout(timeout), port=_check_port(port), name=name,
                       widgets=_check_switch("widgets", widgets, "the widget panel, plain text, or decide", True),
@@ -191,6 +197,36 @@ def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_T
                       wait=_check_switch("wait", wait, "queue for GPUs other jobs hold, or fail at once"),
                       max_restarts=_check_max_restarts(max_restarts),
                       cluster=_check_cluster(cluster, gpu_ids, max_restarts))
+
+
+_ACCELERATOR_TYPE = re.compile(r"GPU_([0-9]+)x([A-Za-z0-9][A-Za-z0-9_-]*)", re.IGNORECASE)
+
+
+def parse_accelerator_type(accelerator_type: object) -> tuple[int, str]:
+    """Split the serverless GPU API's ``accelerator_type`` into ``(GPUs per node, GPU model)``.
+
+    The current generation of that API (``databricks.air``) names hardware as ``GPU_<n>x<model>``
+    (``"GPU_1xA10"``, ``"GPU_1xH100"``, ``"GPU_8xH100"``: n GPUs of that model on one node). Case is
+    ignored in the ``GPU_`` prefix and the ``x``. Example: ``parse_accelerator_type("GPU_8xH100") == (8, "H100")``.
+
+    Raises:
+        SpecError: not a string of that form, or ``n`` is 0; the message gives the form and an example.
+    """
+    match = _ACCELERATOR_TYPE.fullmatch(accelerator_type.strip()) if isinstance(accelerator_type, str) else None
+    if match is None or int(match.group(1)) < 1:
+        raise SpecError(f"accelerator_type takes the serverless GPU API's form 'GPU_<n>x<model>' with n >= 1, such as "
+                        f"'GPU_8xH100' or 'GPU_1xA10'; got {shown(accelerator_type)}{_accelerator_hint(accelerator_type)}")
+    return int(match.group(1)), match.group(2)
+
+
+def _accelerator_hint(value: object) -> str:
+    """The near miss: ``8xH100`` (the prefix left out), or ``H100`` (a model, which is ``gpu_type``)."""
+    text = value.strip() if isinstance(value, str) else ""
+    if _ACCELERATOR_TYPE.fullmatch(f"GPU_{text}") and not text.startswith("0"):
+        return f" (write 'GPU_{text}')"
+    if re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", text):
+        return f" (for a GPU model alone, write gpu_type={text!r})"
+    return ""
 
 
 def _check_cluster(cluster: object, gpu_ids: object, max_restarts: object) -> str | None:

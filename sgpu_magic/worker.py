@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import builtins
 import ctypes
+import functools
 import gc
 import importlib
 import io
@@ -19,17 +20,19 @@ import linecache
 import multiprocessing
 import os
 import pickle
+import runpy
 import signal
 import sys
 import threading
 import time
 import traceback
 import types
+import zipfile
 
 import cloudpickle
 
 from .capture import Unpicklable
-from .mlflow_rank import guard_job_run
+from .mlflow_rank import flush_async_logging, guard_job_run, settled_value
 from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private, traceback_marker
 
 _PR_SET_PDEATHSIG = 1
@@ -125,14 +128,49 @@ def _resolve_function(payload: dict, ns: dict):
     return fn
 
 
+def _run_script(payload: dict, ns: dict) -> int:
+    """Run the payload's script file or module as torchrun would (``python [-m] target args...``) with runpy;
+    return its exit status, 0 (``sys.exit(0)`` included); ``sys.exit(n != 0)`` propagates.
+
+    What the script leaves (its globals, or the frames of a ``SystemExit``) is kept in ``ns`` until the
+    result is written, so no destructor of the script's objects runs before the rank reports.
+    """
+    sys.argv = list(payload["argv"])
+    target = payload["script"]
+    if payload["module"] is not None:
+        sys.path.insert(0, os.getcwd())  # as python -m
+        run = functools.partial(runpy.run_module, payload["module"], run_name="__main__", alter_sys=True)
+    else:
+        if not (os.path.isdir(target) or zipfile.is_zipfile(target)):  # runpy inserts a folder or zip itself
+            sys.path.insert(0, os.path.dirname(target))  # as python script.py
+        run = functools.partial(runpy.run_path, target, run_name="__main__")
+    try:
+        ns["__sgpu_script_globals__"] = run()
+    except SystemExit as exc:
+        ns["__sgpu_script_exit__"] = exc
+        if exc.code not in (None, 0):
+            raise
+    return 0
+
+
 def run_payload(payload: dict, ns: dict):
-    """Run the captured cell or function in ``ns``; return its value."""
-    if payload["kind"] == "cell":
-        return _run_cell(payload["source"], payload["filename"], ns)
-    fn = _resolve_function(payload, ns)
-    args = [cloudpickle.loads(b) for b in payload["args"]]
-    kwargs = {k: cloudpickle.loads(b) for k, b in payload["kwargs"].items()}
-    return fn(*args, **kwargs)
+    """Run the captured cell, function or script in ``ns``; return its value (a script's: its exit status).
+
+    MLflow's async logging queue (on by default in tracked jobs) is flushed before this returns, so
+    every point the user code logged is in the run before the rank reports; a value that is the future
+    of an async ``mlflow.log_metric`` call (a cell ending with one) is ``None``, as with sync logging.
+    """
+    try:
+        if payload["kind"] == "script":
+            return _run_script(payload, ns)
+        if payload["kind"] == "cell":
+            return settled_value(_run_cell(payload["source"], payload["filename"], ns))
+        fn = _resolve_function(payload, ns)
+        args = [cloudpickle.loads(b) for b in payload["args"]]
+        kwargs = {k: cloudpickle.loads(b) for k, b in payload["kwargs"].items()}
+        return settled_value(fn(*args, **kwargs))
+    finally:
+        flush_async_logging()
 
 
 class _ResultPickler(cloudpickle.Pickler):

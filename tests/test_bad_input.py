@@ -50,7 +50,8 @@ BASE_LINES = [(1, "--gpus 1"), (2, "--gpus 2 --no-mlflow --no-widgets"), (1, "--
 """Valid lines, with their number of ranks; a bad option appended overrides the base's (argparse: last wins)."""
 BASE_CELL_LINES = ["x = 1", "import math", "y = [i * 2 for i in range(3)]", "def f(a):\n    return a + 1",
                    "f(2) if False else 0"]
-ACCEPTED = "gpus, gpu_type, timeout, port, widgets, max_capture_bytes, mlflow, gpu_ids, wait, max_restarts, cluster"
+ACCEPTED = ("gpus, gpu_type, timeout, port, widgets, max_capture_bytes, mlflow, gpu_ids, wait, max_restarts, cluster, "
+            "remote, num_accelerators, accelerator_type")
 
 
 # --- nothing starts ------------------------------------------------------------------------
@@ -312,14 +313,16 @@ def bad_decorator_kwargs(draw) -> tuple[dict, type, str]:
                                    {"gpus": 2, "gpu_ids": [0, 1], "wait": False, "widgets": False},
                                    {"gpus": 1, "port": 29555, "max_restarts": 2, "max_capture_bytes": 1024}]))
     name = draw(st.sampled_from(["gpus", "gpu_type", "timeout", "port", "gpu_ids", "max_restarts", "wait", "mlflow",
-                                 "widgets", "max_capture_bytes", "cluster", "unknown"]))
+                                 "widgets", "max_capture_bytes", "cluster", "remote", "num_accelerators",
+                                 "accelerator_type", "unknown"]))
     if name == "unknown":
         bad_name = draw(st.one_of(_IDENT, st.text(_CHARS, min_size=1, max_size=8).filter(str.isidentifier)).filter(
             lambda n: n not in ACCEPTED.split(", ")))
         kwargs = {**kwargs, bad_name: draw(st.integers())}
         return kwargs, TypeError, rf"^@distributed got unknown argument\(s\) {re.escape(repr(bad_name))}.*; it takes {ACCEPTED}"
     strategies = {
-        "gpus": st.one_of(st.integers(max_value=0), st.integers(min_value=1025), _NOT_AN_INT, st.none(), st.just(10**5000)),
+        # gpus=None is every GPU of the machine (databricks.air's @distributed())
+        "gpus": st.one_of(st.integers(max_value=0), st.integers(min_value=1025), _NOT_AN_INT, st.just(10**5000)),
         "gpu_type": st.one_of(_BAD_GPU_TYPE, st.integers(), st.floats(), st.binary(max_size=4), st.booleans(),
                               st.lists(st.text(_CHARS, max_size=4), max_size=2)),
         "timeout": st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.integers(max_value=0),
@@ -333,6 +336,10 @@ def bad_decorator_kwargs(draw) -> tuple[dict, type, str]:
         "max_capture_bytes": st.one_of(st.integers(max_value=-1), _NOT_AN_INT, st.none()),
         "cluster": st.one_of(st.integers(), st.floats(), st.booleans(), st.binary(max_size=4), st.just(""),
                              st.text(_CHARS, max_size=8).filter(lambda t: ":" not in t and t.strip() != "auto")),
+        "remote": st.one_of(_NOT_A_SWITCH, st.none()),
+        "num_accelerators": st.one_of(st.integers(max_value=0), st.integers(min_value=1025), _NOT_AN_INT),
+        "accelerator_type": st.one_of(st.integers(), st.booleans(), st.binary(max_size=4), st.just("GPU_0xH100"),
+                                      st.text(_CHARS, max_size=8).filter(lambda t: "x" not in t.lower())),
     }
     messages = {
         "gpus": r"^gpus must be (an int >= 1 \(the number of ranks\)|between 1 and 1024), got ",
@@ -346,7 +353,13 @@ def bad_decorator_kwargs(draw) -> tuple[dict, type, str]:
         "widgets": r"^widgets must be True, False or None \(the widget panel, plain text, or decide\); got ",
         "max_capture_bytes": r"^max_capture_bytes must be an int >= 0 \(bytes",
         "cluster": r"^cluster(='.*' is not a Ray address| must be 'auto' \(an already running or initialised Ray\))",
+        "remote": r"^remote must be True or False \(run on the kernel's remote cluster, or on this machine\); got ",
+        "num_accelerators": r"^num_accelerators must be (an int >= 1 \(the number of ranks\)|between 1 and 1024), got ",
+        "accelerator_type": r"^accelerator_type takes the serverless GPU API's form 'GPU_<n>x<model>' with n >= 1, "
+                            r"such as 'GPU_8xH100' or 'GPU_1xA10'; got ",
     }
+    if name in ("num_accelerators", "accelerator_type"):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("gpus", "gpu_ids")}  # no old name to disagree with
     return {**kwargs, name: draw(strategies[name])}, SpecError, messages[name]
 
 
@@ -554,9 +567,11 @@ class _NoTruth:
     # was "distributed() got an unexpected keyword argument 'gpu'": now the near miss and what is accepted
     ({"gpus": 1, "gpu": 2}, TypeError, rf"^@distributed got unknown argument\(s\) 'gpu' \(did you mean 'gpus'\?\); "
                                        rf"it takes {ACCEPTED} \(see help\(distributed\)\)$"),
-    ({"gpus": 1, "remote": False}, TypeError, rf"^@distributed got unknown argument\(s\) 'remote'; it takes {ACCEPTED}"),
+    # was "unknown argument 'remote'", although the docstring claimed the serverless GPU API's shape
+    ({"gpus": 1, "remote": "yes"}, SpecError, r"^remote must be True or False \(run on the kernel's remote cluster, or "
+                                              r"on this machine\); got 'yes'$"),
 ], ids=["gpus-huge", "timeout-huge", "gpu-type-nul", "gpu-ids-iterator", "gpu-ids-dict", "wait-string",
-        "mlflow-string", "widgets-no-truth", "max-capture-bytes-string", "near-miss", "remote"])
+        "mlflow-string", "widgets-no-truth", "max-capture-bytes-string", "near-miss", "remote-string"])
 def test_decorator_regressions(settled, kwargs, error, message):
     """Decorator arguments that escaped before: each is now refused at the decorator line, naming the argument."""
     with settled(), pytest.raises(error, match=message) as info:
@@ -605,10 +620,9 @@ def test_a_bad_cluster_on_the_magic_line_is_a_usage_error(settled, ip):
         ip.run_cell_magic("distributed", "--gpus 2 --cluster nowhere", "1")
 
 
-def test_gpus_missing_or_misspelled_is_named():
-    with pytest.raises(TypeError, match=r"^@distributed needs gpus, the number of ranks \(one GPU each\): write "
-                                        r"@distributed\(gpus=N\)$"):
-        distributed()
+def test_gpus_left_out_is_every_gpu_and_misspelled_is_named():
+    """``@distributed()`` is databricks.air's "every GPU of the node": here, with no GPU, 1 CPU rank."""
+    assert distributed()(len).spec.gpus == 1
     with pytest.raises(TypeError, match=r"^@distributed got unknown argument\(s\) 'gpu' \(did you mean 'gpus'\?\)"):
         distributed(gpu=2)
 

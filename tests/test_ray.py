@@ -83,6 +83,36 @@ def test_a_4_rank_ddp_job_spreads_over_both_nodes(cluster, monkeypatch):
         f"logs/rank_{r}.log" for r in range(4)]  # the ranks' logs kept as run artifacts
 
 
+def test_remote_true_and_scripts_run_on_the_kernels_remote_cluster(cluster, ip, monkeypatch, tmp_path):
+    """The serverless GPU API's ``remote=True`` goes to the configured remote cluster through the Ray path, for
+    the decorator (trait), ``run_script`` and ``%distributed_run --remote`` (environment variable)."""
+    from sgpu_magic import run_script
+
+    monkeypatch.delenv("SGPU_MAGIC_REMOTE_CLUSTER", raising=False)
+    ip.run_line_magic("config", f"DistributedMagics.remote_cluster = {cluster.address!r}")
+    try:
+        @distributed(gpus=2, remote=True, mlflow=False, widgets=False)
+        def where():
+            import os
+
+            return os.environ["GROUP_RANK"], os.environ["WORLD_SIZE"]
+
+        assert where.spec.cluster == cluster.address
+        assert where.distributed() == [("0", "2"), ("0", "2")]
+        assert where.last_job._status()["start_method"] == "ray"
+    finally:
+        ip.run_line_magic("config", "DistributedMagics.remote_cluster = ''")
+    monkeypatch.setenv("SGPU_MAGIC_REMOTE_CLUSTER", cluster.address)
+    script = tmp_path / "report.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'argv', sys.argv[1:], 'main', __name__)\n")
+    job = run_script(str(script), ["--flag", "x"], num_accelerators=2, remote=True, mlflow=False, widgets=False,
+                     background=True)
+    assert job.result(timeout_s=300) == [0, 0] and job._status()["start_method"] == "ray"
+    assert "rank 1 argv ['--flag', 'x'] main __main__" in job.logs(1)
+    ip.run_line_magic("distributed_run", f"--gpus 2 --remote --no-mlflow --no-widgets -o remote_job {script} y")
+    assert ip.user_ns["remote_job"].result() == [0, 0] and "argv ['y']" in ip.user_ns["remote_job"].logs(0)
+
+
 def test_a_job_past_its_timeout_is_stopped(cluster):
     from sgpu_magic.errors import JobTimeoutError
 

@@ -270,6 +270,93 @@ def test_tracking_that_cannot_start_warns_and_the_job_still_runs(experiment, cap
     assert fine.last_job.mlflow_run_id is None
 
 
+# ----------------------------------------------------------------------------- rank-side async logging
+
+def test_rank_metrics_are_logged_asynchronously_and_none_is_lost(experiment):
+    """10,000 points from 2 ranks with plain per-step ``mlflow.log_metric``: the calls are MLflow's async ones
+    (they return a future at once), and every point is in the run when the job has ended."""
+    client, name = experiment
+
+    @distributed(gpus=2, widgets=False)
+    def log_many(n):
+        import os
+
+        import mlflow
+
+        rank = int(os.environ["RANK"])
+        futures = [mlflow.log_metric(f"loss_rank{rank}", 1.0 / (step + 1), step=step) for step in range(n)]
+        return os.environ["MLFLOW_ENABLE_ASYNC_LOGGING"], type(futures[-1]).__name__
+
+    assert log_many.distributed(5000) == [("true", "RunOperations")] * 2
+    (run,) = runs_of(client, name)
+    assert run.info.status == "FINISHED"
+    for rank in range(2):
+        history = client.get_metric_history(run.info.run_id, f"loss_rank{rank}")
+        assert sorted(m.step for m in history) == list(range(5000))
+        assert {m.step: m.value for m in history}[4999] == 1.0 / 5000
+
+
+def test_a_cell_ending_with_log_metric_gives_none_as_with_sync_logging(run_cell, experiment):
+    """With async logging ``log_metric`` returns a future (which cannot be pickled back); as the cell's value it
+    becomes ``None`` once written, as synchronous logging returns; a future whose batch failed says why."""
+    client, name = experiment
+    result, out, err = run_cell('%%distributed --gpus 1 --no-widgets -o logged_job\nimport mlflow\n'
+                                'mlflow.log_metric("last_line", 7.0)')
+    assert result.error_in_exec is None and result.result is None, (out, err)
+    (run,) = runs_of(client, name)
+    assert run.data.metrics["last_line"] == 7.0
+
+    @distributed(gpus=1, widgets=False)
+    def returns_a_failed_future():
+        from mlflow import MlflowClient
+
+        return MlflowClient().log_metric("0" * 32, "x", 1.0, synchronous=False)  # no such run
+
+    assert returns_a_failed_future.distributed() == [None]
+    assert re.search(r"sgpu_magic: MLflow could not log the points of the last call \(MlflowException: .*Run with "
+                     r"id=0{32} not found", returns_a_failed_future.last_job.logs(0))
+
+
+def test_the_kernels_own_choice_of_sync_logging_reaches_the_ranks(experiment, monkeypatch):
+    """``MLFLOW_ENABLE_ASYNC_LOGGING=false`` in the kernel (what ``mlflow.config.enable_async_logging(False)`` sets)
+    keeps the ranks' ``log_metric`` synchronous."""
+    from sgpu_magic.tracking import ASYNC_LOGGING_ENV, rank_logging_env
+
+    assert rank_logging_env({}) == ASYNC_LOGGING_ENV
+    assert rank_logging_env({"MLFLOW_ENABLE_ASYNC_LOGGING": "false"}) == {"MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS": "1"}
+    monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+
+    @distributed(gpus=1, widgets=False)
+    def log_one():
+        import os
+
+        import mlflow
+
+        return os.environ["MLFLOW_ENABLE_ASYNC_LOGGING"], mlflow.log_metric("x", 1.0)
+
+    assert log_one.distributed() == [("false", None)]
+
+
+def test_a_flush_that_fails_is_named_in_the_rank_log_and_the_job_stands(experiment):
+    """A rank that points MLflow at a tracking URI it cannot use after logging: the flush at the rank's end
+    fails; the rank's log says so and that the last points may be missing; the job still succeeds."""
+
+    @distributed(gpus=1, widgets=False)
+    def moves_the_store():
+        import os
+
+        import mlflow
+
+        mlflow.log_metric("before", 1.0)
+        os.environ["MLFLOW_TRACKING_URI"] = "no-such-scheme://nowhere"
+        return "done"
+
+    assert moves_the_store.distributed() == ["done"]
+    log = moves_the_store.last_job.logs(0)
+    assert re.search(r"sgpu_magic: MLflow's async logging could not be flushed \(\w+: .*no-such-scheme.*\); metrics "
+                     r"logged last may be missing from the run", log), log
+
+
 # ----------------------------------------------------------------------------- final status
 
 def test_failed_job_is_failed_with_its_logs_and_error_file(experiment):
