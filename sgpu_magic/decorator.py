@@ -27,7 +27,7 @@ from .launcher import get_host
 from .leases import LeaseRegistry
 from .panel import DEFAULT_MAX_LINES, TextView, make_view
 from .resources import check_port_free, plan_devices
-from .spec import DEFAULT_TIMEOUT_S, LaunchSpec, check_max_capture_bytes, make_spec, shown
+from .spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec, check_max_capture_bytes, make_spec, shown
 from .errors import SpecError
 
 
@@ -67,6 +67,7 @@ def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dic
         host_factory = get_host
     payload = build_payload(view.warn)  # warnings are shown as capture finds them
     payload["display_names"] = _cell_labels(payload.get("sources", {}))
+    payload.setdefault("argv", [spec.name])  # the ranks' sys.argv: a script run without arguments
     if plan.note:
         view.note(plan.note)
     registry = LeaseRegistry(_resolve(_FromConfig("lease_dir", "")) or None) if plan.needs_lease else None
@@ -191,6 +192,7 @@ def distributed(gpus: int = _REQUIRED, gpu_type: str | None = None,
                 max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
                 mlflow: bool = _FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
                 max_restarts: int = 0, cluster: str | None = None,
+                teardown_grace_s: float = _FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
                 **unknown: Any) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
@@ -223,11 +225,15 @@ def distributed(gpus: int = _REQUIRED, gpu_type: str | None = None,
             The job reserves one placement group of ``gpus`` GPU bundles (CPU bundles when the cluster
             has no GPU) and runs one actor per rank (see :mod:`sgpu_magic.ray_cluster`); needs
             ``pip install "sgpu_magic[ray]"``. Not with ``gpu_ids`` or ``max_restarts``.
+        teardown_grace_s: seconds a rank may take to exit after it has returned (or raised): destructors of the
+            function's locals, ``atexit`` handlers, stream flushes. A rank still running then is ended (SIGTERM,
+            then SIGKILL) and the call still returns the values, with a note naming the rank. Default 10, or
+            ``%config DistributedMagics.teardown_grace_s``; >= 0.
 
     Raises (at decoration time, before anything starts):
         SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``max_capture_bytes``,
-            ``mlflow``, ``gpu_ids``, ``wait`` or ``max_restarts`` (``widgets``, ``mlflow`` and ``wait`` take
-            ``True`` / ``False``, not strings); or a decorated object that cannot run on the ranks (not
+            ``mlflow``, ``gpu_ids``, ``wait``, ``max_restarts`` or ``teardown_grace_s`` (``widgets``, ``mlflow``
+            and ``wait`` take ``True`` / ``False``, not strings); or a decorated object that cannot run on the ranks (not
             callable, a bound method, a generator or ``async def`` function, a partial or callable instance).
         TypeError: an argument this signature does not have (e.g. ``gpu=2``), naming it and the accepted ones.
     """
@@ -238,10 +244,10 @@ def distributed(gpus: int = _REQUIRED, gpu_type: str | None = None,
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
     timeout, max_capture_bytes, widgets = _resolve(timeout), _resolve(max_capture_bytes), _resolve(widgets)
-    mlflow = _resolve(mlflow)
+    mlflow, teardown_grace_s = _resolve(mlflow), _resolve(teardown_grace_s)
     # fail at the decorator line
     spec = make_spec(gpus, gpu_type, timeout, port, widgets=widgets, mlflow=mlflow, gpu_ids=gpu_ids, wait=wait,
-                     max_restarts=max_restarts, cluster=cluster)
+                     max_restarts=max_restarts, cluster=cluster, teardown_grace_s=teardown_grace_s)
     max_capture_bytes = check_max_capture_bytes(max_capture_bytes)
 
     def wrap(fn: Callable) -> DistributedFunction:

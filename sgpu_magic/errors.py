@@ -83,6 +83,7 @@ class RankFailure:
         traceback: the rank's formatted traceback text, with notebook cell lines.
         log_path: the rank's log file.
         time_s: when the failure happened (epoch seconds); the earliest one is the root cause.
+        cuda: the exception came from CUDA (raised through ``torch.cuda``, or naming CUDA or NCCL).
     """
 
     rank: int
@@ -92,6 +93,7 @@ class RankFailure:
     traceback: str = ""
     log_path: str = ""
     time_s: float = 0.0
+    cuda: bool = False
 
     def what(self) -> str:
         """``ValueError: bad batch`` (first line, at most 200 characters), or that it left no exception."""
@@ -120,6 +122,11 @@ def _secondary(f: RankFailure, root_rank: int) -> str:
     return f"rank {f.rank} stopped because rank {root_rank} failed: {f.what()} ({describe_exit(f.exitcode)})"
 
 
+NO_GPU_HINT = ("this machine has no GPU (the ranks ran on CPU with gloo): use sgpu_magic.runtime.device() / "
+               "runtime.backend()")
+"""Shown under a root cause that came from CUDA when the job's ranks ran on CPU."""
+
+
 @dataclass(eq=False)
 class RankFailedError(SgpuError, RuntimeError):
     """A rank failed, and the job was stopped.
@@ -134,6 +141,7 @@ class RankFailedError(SgpuError, RuntimeError):
         stopped_ranks: ranks that were still running and were stopped by sgpu_magic.
         run_dir: the job's run directory, where every rank's log stays.
         attempt_note: with ``max_restarts``, which attempt failed and how many restarts came before.
+        hint: a remedy shown under the root cause (e.g. CUDA code run on a machine without a GPU), or ``""``.
     """
 
     root_cause: RankFailure
@@ -141,6 +149,7 @@ class RankFailedError(SgpuError, RuntimeError):
     stopped_ranks: list[int] = field(default_factory=list)
     run_dir: str = ""
     attempt_note: str = ""
+    hint: str = ""
 
     def __post_init__(self) -> None:
         super().__init__(self._message())
@@ -151,6 +160,8 @@ class RankFailedError(SgpuError, RuntimeError):
     def _message(self) -> str:
         rc = self.root_cause
         lines = [f"rank {rc.rank} failed (root cause): {rc.what()} ({describe_exit(rc.exitcode)})"]
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
         lines += [f"  {_secondary(f, rc.rank)}" for f in self.others]
         if self.stopped_ranks:
             ranks = ", ".join(str(r) for r in self.stopped_ranks)

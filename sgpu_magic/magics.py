@@ -18,7 +18,7 @@ from .decorator import start
 from .errors import SpecError
 from .job import Job, jobs
 from .redact import redact
-from .spec import DEFAULT_TIMEOUT_S, make_spec, shown
+from .spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, make_spec, shown
 
 
 def _parse_timeout(text: str | None, default: float | None) -> float | None:
@@ -142,6 +142,23 @@ def _compile_cell(source: str) -> ast.Module:
     return tree
 
 
+def _quiet(source: str) -> bool:
+    """Whether the cell ends with ``;``, so IPython would not show its value (IPython's own rule: the last token
+    that is not a newline or comment is ``;``)."""
+    from IPython.core.displayhook import DisplayHook
+
+    rule = getattr(DisplayHook, "semicolon_at_end_of_expression", None)
+    if rule is not None:
+        return bool(rule(source))
+    import io
+    import tokenize
+
+    for token in reversed(list(tokenize.generate_tokens(io.StringIO(source).readline))):
+        if token.type not in (tokenize.ENDMARKER, tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT):
+            return token.type == tokenize.OP and token.string == ";"
+    return False
+
+
 def _checked_source(cell: str, transformed: str) -> str:
     """The cell as the ranks run it, refused before launch when it cannot run there.
 
@@ -187,6 +204,9 @@ class DistributedMagics(Magics):
                         "GPUs (default: $SGPU_MAGIC_LEASE_DIR, else <sgpu_magic home>/leases).").tag(config=True)
     mlflow_experiment = Unicode("sgpu_magic", help="MLflow experiment for jobs when neither mlflow.set_experiment, "
                                 "MLFLOW_EXPERIMENT_NAME/ID nor a notebook name gives one.").tag(config=True)
+    teardown_grace_s = Float(DEFAULT_TEARDOWN_GRACE_S, min=0.0, help="Seconds a rank may take to exit (destructors, "
+                             "atexit handlers) after its value or error is written; a rank still running then is "
+                             "ended and the job keeps its outcome, noting which rank needed it.").tag(config=True)
 
     @magic_arguments()
     @argument("--gpus", type=int, required=True, help="Number of ranks, one GPU each (CPU ranks with gloo when the machine has no GPU).")
@@ -222,14 +242,15 @@ class DistributedMagics(Magics):
             spec = make_spec(args.gpus, args.gpu_type, _parse_timeout(args.timeout, self.timeout_s), args.port,
                              name="%%distributed cell", widgets=False if args.no_widgets else self.widgets,
                              mlflow=self.mlflow and not args.no_mlflow, gpu_ids=_parse_gpu_ids(args.gpu_ids),
-                             wait=not args.no_wait, max_restarts=args.max_restarts, cluster=args.cluster)
+                             wait=not args.no_wait, max_restarts=args.max_restarts, cluster=args.cluster,
+                             teardown_grace_s=self.teardown_grace_s)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
         source = _checked_source(cell, self.shell.transform_cell(cell))  # stops bad cells before anything starts
 
         def payload(warn) -> dict:
             part = capture.capture_cell(source, self.shell.user_ns, self.max_capture_bytes, warn)
-            part["filename"] = CELL_FILENAME
+            part.update(filename=CELL_FILENAME, quiet=_quiet(source))
             return part
 
         job = start(spec, payload, background=args.background)
