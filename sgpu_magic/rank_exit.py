@@ -138,7 +138,7 @@ def exit_like_python() -> None:
             pass
 
 
-_SKIPPED_FILES = ("_sitebuiltins.py",)  # exit() and quit() raise SystemExit from there
+_SKIPPED_MODULES = ("_sitebuiltins",)  # exit() and quit() raise SystemExit from there
 
 
 def raise_site(exc: BaseException, labels: dict[str, str]) -> str:
@@ -149,7 +149,7 @@ def raise_site(exc: BaseException, labels: dict[str, str]) -> str:
     for frame, lineno in traceback.walk_tb(exc.__traceback__):
         filename = frame.f_code.co_filename
         path = os.path.abspath(filename)
-        if path.startswith(package) or os.path.basename(path) in _SKIPPED_FILES:
+        if path.startswith(package) or frame.f_globals.get("__name__") in _SKIPPED_MODULES:
             continue
         where = f"{labels.get(filename, filename)}:{lineno}"
     return where

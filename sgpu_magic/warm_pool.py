@@ -97,15 +97,13 @@ class WarmPool:
         return (self.import_s or 2.0) * math.ceil(world_size / _cores()) + INTERPRETER_S
 
     def wait_s(self, world_size: int, sys_path: list[str]) -> float | None:
-        """How long a launch of ``world_size`` ranks should wait for the warming forkserver: ``0.0`` when it is
-        ready, ``None`` when cold ranks would start sooner than it is expected to be ready, else at most the cold
-        start-up time (after that the launch goes cold: it is never much slower than a cold start)."""
+        """How long a launch of ``world_size`` ranks should wait for the warming forkserver (:func:`warm_wait_s`):
+        ``0.0`` when it is ready, ``None`` to start cold ranks now."""
         if self.ready(sys_path):
             return 0.0
-        cold = self.cold_start_s(world_size)
         expected = self.warm_s if self.warm_s is not None else PRELOAD_PER_IMPORT * (self.import_s or 2.0)
         remaining = expected - (time.time() - (self.started_s or time.time()))
-        return cold if remaining <= cold else None
+        return warm_wait_s(False, remaining, self.cold_start_s(world_size))
 
     @staticmethod
     def stop() -> None:
@@ -118,6 +116,17 @@ class WarmPool:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def warm_wait_s(ready: bool, remaining_s: float | None, cold_s: float) -> float | None:
+    """Whether and how long a launch waits for the forkserver: ``0.0`` when it is ready; ``None`` (start cold
+    ranks now) when they would have started before the forkserver is expected to be ready (``remaining_s``,
+    ``None``: unknown); else ``cold_s``, the longest a launch waits, so it is never much slower than a cold one."""
+    if ready:
+        return 0.0
+    if remaining_s is None or remaining_s > cold_s:
+        return None
+    return cold_s
 
 
 def _read_warm_s(stats_path: Path | None) -> float | None:
