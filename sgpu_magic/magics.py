@@ -227,7 +227,8 @@ class DistributedMagics(Magics):
     @argument("-o", "--output", default=None, metavar="NAME", help="Store the Job handle (per-rank results, log paths) in this variable.")
     @cell_magic
     def distributed(self, line: str, cell: str):
-        """Run the cell on every rank; its last expression's value on rank 0 is the output.
+        """Run the cell on every rank; its last expression's value on rank 0 is the output (a ``;`` at the end of
+        the last line suppresses it, as in IPython, and no value is sent back).
 
         The names the cell reads from the notebook are captured: functions, classes and
         values by value, modules by reference. Each rank gets torchrun's environment

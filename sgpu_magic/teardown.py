@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import psutil
@@ -55,11 +56,6 @@ class TeardownGuard:
         self._terminated_at: dict[int, float] = {}
         self._checked = 0.0
 
-    def _outcome(self, rank: int) -> str | None:
-        if self.run_dir.error_file(rank).exists():
-            return "error"
-        return "value" if self.run_dir.result_file(rank).exists() else None
-
     def check(self, pids: dict[int, int]) -> None:
         """Look at the ranks still running (every ``CHECK_S``); end those past their grace, SIGKILL the stubborn."""
         now = time.monotonic()
@@ -68,7 +64,7 @@ class TeardownGuard:
         self._checked = now
         running = {rank for rank, pid in pids.items() if _running(pid)}
         for rank in running - set(self.outcome_at):
-            kind = self._outcome(rank)
+            kind = _outcome(self.run_dir, rank)
             if kind is not None:
                 self.outcome_at[rank] = (now, kind)
         every = all(rank in self.outcome_at or rank not in running for rank in range(self.world_size))
@@ -103,3 +99,44 @@ class TeardownGuard:
     def report(self) -> list[dict]:
         """What goes into ``status.json`` as ``teardown_ended``."""
         return [{**entry, "grace_s": self.grace_s} for _, entry in sorted(self.ended.items())]
+
+
+def _outcome(run_dir: RunDir, rank: int) -> str | None:
+    if run_dir.error_file(rank).exists():
+        return "error"
+    return "value" if run_dir.result_file(rank).exists() else None
+
+
+def wait_with_grace(proc: subprocess.Popen, run_dir: RunDir, rank: int, grace_s: float,
+                    kill_after_s: float) -> tuple[int, dict | None]:
+    """Wait for one rank's process (the Ray agent's rank, a session leader) with the same grace, per rank:
+    once its outcome is written it has ``grace_s`` to exit, then its session gets SIGTERM, SIGKILL
+    ``kill_after_s`` later.
+
+    Returns:
+        ``(exit code, None)``, or ``(exit code, {"rank", "outcome", "after_s", "signal", "grace_s"})`` when it
+        was ended (an ended rank whose outcome is a value has not failed).
+    """
+    seen = None
+    while True:
+        try:
+            return proc.wait(timeout=CHECK_S), None
+        except subprocess.TimeoutExpired:
+            pass
+        if seen is None:
+            kind = _outcome(run_dir, rank)
+            seen = None if kind is None else time.monotonic()
+        elif time.monotonic() - seen >= grace_s:
+            break
+    ended = {"rank": rank, "outcome": kind, "after_s": round(time.monotonic() - seen, 1), "signal": "SIGTERM",
+             "grace_s": grace_s}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except OSError:
+            pass
+        try:
+            return proc.wait(timeout=kill_after_s), ended
+        except subprocess.TimeoutExpired:
+            ended["signal"] = "SIGKILL"
+    return proc.wait(), ended
