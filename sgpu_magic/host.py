@@ -271,6 +271,7 @@ class HostJob:
             return
         if self.ctx is None:  # waiting for the warming forkserver
             if self.pool.ready(self.launch["sys_path"]) or time.monotonic() >= self.warm_by:
+                self.status["waited_for_warm_s"] = round(time.time() - self.started_s, 2)
                 self._start_attempt()
             return
         self.guard.check(self.pids)
