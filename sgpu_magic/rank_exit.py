@@ -29,6 +29,7 @@ import re
 import sys
 import threading
 import traceback
+import weakref
 
 _C10D = "torch.distributed.distributed_c10d"
 _kept_groups: list = []
@@ -128,6 +129,7 @@ def exit_like_python() -> None:
             shutdown()
         except Exception:  # noqa: BLE001 - as at interpreter exit: reported, not fatal
             traceback.print_exc()
+    _skip_torch_library_finalizers()
     run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
     if run_exitfuncs is not None:
         run_exitfuncs()  # prints a handler's exception itself ("Exception ignored in atexit callback")
@@ -136,6 +138,20 @@ def exit_like_python() -> None:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
+
+
+def _skip_torch_library_finalizers() -> None:
+    """Leave torch's operator-library finalizers out of the exit (``weakref.finalize.atexit = False``): each of
+    them (~170 once torch._dynamo is loaded) undoes a registration inside this process with a call into torch,
+    30-100 ms per rank together, and the process ends with ``os._exit`` right after. Other finalizers
+    (``tempfile.TemporaryDirectory``'s, the user's) still run."""
+    del_library = getattr(sys.modules.get("torch.library"), "_del_library", None)
+    registry = getattr(weakref.finalize, "_registry", None)
+    if del_library is None or not isinstance(registry, dict):
+        return
+    for finalizer, info in list(registry.items()):
+        if getattr(info, "func", None) is del_library:
+            finalizer.atexit = False
 
 
 _SKIPPED_MODULES = ("_sitebuiltins",)  # exit() and quit() raise SystemExit from there

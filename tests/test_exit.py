@@ -8,6 +8,7 @@ The same behaviour in a real Jupyter kernel is in ``test_exit_kernel.py``.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -241,11 +242,17 @@ def registers_exit_work(folder):
     threading.Thread(target=finish, args=("thread",)).start()  # non-daemon: the program waits for it
     concurrent.futures.ThreadPoolExecutor(1).submit(finish, "pool")  # joined by threading's exit callbacks
     token = SetWhenFreed()  # noqa: F841 - freed after the return
-    return rank
+    import builtins
+    import tempfile
+
+    builtins.sgpu_test_scratch = tempfile.TemporaryDirectory(dir=folder)  # alive to the end: its finalizer cleans it
+    return rank, builtins.sgpu_test_scratch.name
 
 
 def test_atexit_handlers_threads_and_flushes_run_after_the_user_code(tmp_path):
-    assert registers_exit_work.distributed(str(tmp_path)) == ["0", "1"]
+    (rank0, scratch0), (rank1, scratch1) = registers_exit_work.distributed(str(tmp_path))
+    assert (rank0, rank1) == ("0", "1") and os.path.isabs(scratch0)
+    assert not os.path.exists(scratch0) and not os.path.exists(scratch1)  # weakref.finalize ran at exit
     job = registers_exit_work.last_job
     for rank in (0, 1):
         assert (tmp_path / f"log-{rank}.txt").read_text() == f"atexit ran on rank {rank}\n"
