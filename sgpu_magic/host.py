@@ -521,6 +521,8 @@ class Host:
                     last_check = time.monotonic()
                     if not self.kernel_alive():
                         break
+                    if self.pool is not None:
+                        self.pool.note_ready()
                     reap_adopted({pid for job in self.jobs.values() for pid in job.pids.values()})
         finally:
             for job in self.jobs.values():

@@ -8,7 +8,6 @@ forkserver is expected to be ready before they would have started (:meth:`WarmPo
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -23,8 +22,8 @@ WARM_PRELOAD = ["sgpu_magic._forkserver_guard", "torch", "torch.distributed", "t
 per-rank wrapper is unpickled from torch.distributed.elastic.multiprocessing, ~25 ms of CPU per rank otherwise)."""
 
 PRELOAD_PER_IMPORT = 2.0
-"""Preloading takes about this many times a bare ``import torch`` (torch._dynamo adds about as much again),
-the estimate of the forkserver's warm-up before one has been measured on this machine."""
+"""Preloading takes about this many times the host's own ``import torch`` run alongside it (torch._dynamo adds
+about as much again): the estimate before the ratio has been measured on this machine."""
 INTERPRETER_S = 0.3
 """A cold rank's own start-up besides ``import torch`` (interpreter, sgpu_magic's worker, the rendezvous)."""
 
@@ -45,8 +44,10 @@ class WarmPool:
     preloaded, so each rank imports them fresh.
 
     Attributes:
-        import_s: seconds the host's own ``import torch`` took (set by the host; the cost of a cold rank).
-        warm_s: seconds the forkserver took to preload, last measured on this machine (``None``: never).
+        import_s: seconds the host's own ``import torch`` took, alongside the forkserver's preloading (set by
+            the host; the cost of a cold rank under the machine's load of the moment).
+        ratio: the forkserver's preload time over ``import_s``, last measured on this machine (``None``: never);
+            the load of the moment scales both alike, so ``ratio * import_s`` is the expected preload time.
     """
 
     def __init__(self, marker: str, stats_path: Path | None = None) -> None:
@@ -55,7 +56,7 @@ class WarmPool:
         self.stats_path = stats_path
         self.started_s: float | None = None  # time.time() of the forkserver's (re)start
         self.import_s: float | None = None
-        self.warm_s: float | None = _read_warm_s(stats_path)
+        self.ratio: float | None = _read_ratio(stats_path)
         self._measured = False
 
     def ready(self, sys_path: list[str]) -> bool:
@@ -80,15 +81,24 @@ class WarmPool:
         self._record_warm_s()
         return True
 
+    def note_ready(self) -> None:
+        """Measure the preload time as soon as the forkserver is ready (called by the host's loop every half second,
+        so it is measured even when no launch comes to look)."""
+        if not self._measured and self.started_s is not None and os.path.exists(self.marker):
+            self._record_warm_s()
+
     def _record_warm_s(self) -> None:
-        """Remember how long this forkserver took to preload (the marker's mtime), for the next estimate."""
-        if self._measured or self.started_s is None:
+        """Remember how long this forkserver took to preload (the marker's mtime) against the host's own
+        ``import torch``, for the next host's estimate (:attr:`ratio`)."""
+        if self._measured or self.started_s is None or not self.import_s:
             return
         self._measured = True
         try:
-            self.warm_s = max(0.0, os.stat(self.marker).st_mtime - self.started_s)
+            warm_s = max(0.0, os.stat(self.marker).st_mtime - self.started_s)
+            self.ratio = warm_s / self.import_s
             if self.stats_path is not None:
-                atomic_write_json(self.stats_path, {"warm_s": round(self.warm_s, 3)})
+                atomic_write_json(self.stats_path, {"warm_s": round(warm_s, 3), "import_s": round(self.import_s, 3),
+                                                    "ratio": round(self.ratio, 3)})
         except OSError:
             pass
 
@@ -101,7 +111,7 @@ class WarmPool:
         ``0.0`` when it is ready, ``None`` to start cold ranks now."""
         if self.ready(sys_path):
             return 0.0
-        expected = self.warm_s if self.warm_s is not None else PRELOAD_PER_IMPORT * (self.import_s or 2.0)
+        expected = (self.ratio or PRELOAD_PER_IMPORT) * (self.import_s or 2.0)
         remaining = expected - (time.time() - (self.started_s or time.time()))
         return warm_wait_s(False, remaining, self.cold_start_s(world_size))
 
@@ -129,14 +139,14 @@ def warm_wait_s(ready: bool, remaining_s: float | None, cold_s: float) -> float 
     return cold_s
 
 
-def _read_warm_s(stats_path: Path | None) -> float | None:
+def _read_ratio(stats_path: Path | None) -> float | None:
     if stats_path is None:
         return None
     try:
-        value = (read_json(stats_path, private=True) or {}).get("warm_s")
-    except (OSError, json.JSONDecodeError, AttributeError):
+        value = (read_json(stats_path, private=True) or {}).get("ratio")
+    except (OSError, AttributeError):
         return None
-    return float(value) if isinstance(value, (int, float)) and value >= 0 else None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def _path_fingerprint(sys_path: list[str]) -> tuple:
