@@ -113,13 +113,15 @@ class Config:
     gpu_reps: int
     cell_timeout_s: float
     launch_timeout_s: float
+    teardown_launches: int = 500
 
     @classmethod
     def make(cls, quick: bool, gpu: bool, only: set[str], soak: int, reps: int | None) -> "Config":
         if quick:
             cfg = cls(quick, gpu, only, soak, launch_ranks=(1, 8), launch_reps=1, train_reps=1, train_epochs=3,
                       log_ranks=8, log_lines=10_000, log_reps=1, capture_reps=2, gather_ranks=8,
-                      gather_bytes=100_000_000, gather_reps=1, gpu_reps=2, cell_timeout_s=240, launch_timeout_s=120)
+                      gather_bytes=100_000_000, gather_reps=1, gpu_reps=2, cell_timeout_s=240, launch_timeout_s=120,
+                      teardown_launches=100)
         else:
             cfg = cls(quick, gpu, only, soak, launch_ranks=(1, 2, 4, 8), launch_reps=5, train_reps=5, train_epochs=10,
                       log_ranks=8, log_lines=100_000, log_reps=3, capture_reps=5, gather_ranks=8,

@@ -8,6 +8,7 @@ Usage (from the repository root)::
     .venv/bin/python -m benchmarks.run --only launch,train --reps 3 --json out.json
     .venv/bin/python -m benchmarks.run --only soak --soak 200   # 200 warm 8-rank launches, hangs counted
     .venv/bin/python -m benchmarks.run --only tracking        # per-step mlflow.log_metric vs none (batch 1)
+    .venv/bin/python -m benchmarks.run --only teardown          # 500 warm launches of the DDP tutorial's main()
 
 Every measurement runs in real Jupyter kernels driven through jupyter_client, as a notebook
 user would; all rows of a table come from the same run; values are medians of the
@@ -34,7 +35,9 @@ import shutil
 import tempfile
 import time
 
-SECTIONS = ["launch", "soak", "train", "tracking", "logging", "capture", "gpu"]
+SECTIONS = ["launch", "soak", "teardown", "train", "tracking", "logging", "capture", "gpu"]
+OPT_IN = {"gpu", "soak", "teardown"}
+"""Sections run only when asked for (--gpu, --soak N, --only teardown)."""
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -46,6 +49,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--soak", type=int, default=0, metavar="N",
                    help="also run N consecutive warm launches of 8 ranks and count hangs (the target asks for 200); "
                         "--only soak --soak 200 runs just that")
+    p.add_argument("--teardown", type=int, default=None, metavar="N",
+                   help="warm launches of the teardown soak (--only teardown; default 500, 100 with --quick)")
     p.add_argument("--json", type=Path, default=None, help="write every raw sample here")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (kernel logs, run dirs)")
     return p.parse_args(argv)
@@ -53,7 +58,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    only = set(SECTIONS) - {"gpu", "soak"} if args.only is None else {s.strip() for s in args.only.split(",") if s.strip()}
+    only = set(SECTIONS) - OPT_IN if args.only is None else {s.strip() for s in args.only.split(",") if s.strip()}
     if args.gpu:
         only.add("gpu")
     if args.soak:
@@ -66,10 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown section(s): {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
 
-    from . import bench_capture, bench_launch, bench_logging, bench_tracking, bench_train
+    from . import bench_capture, bench_launch, bench_logging, bench_teardown, bench_tracking, bench_train
     from .common import Config, Context, Table, machine_description
 
     cfg = Config.make(args.quick, args.gpu, only, args.soak, args.reps)
+    if args.teardown is not None:
+        cfg.teardown_launches = args.teardown
     workdir = Path(tempfile.mkdtemp(prefix="sgpu-bench-"))
     ctx = Context(cfg, workdir)
     machine = machine_description()
@@ -77,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sgpu_magic benchmarks ({mode}): sections {', '.join(s for s in SECTIONS if s in only)}; "
           f"scratch {workdir}", flush=True)
     t_start = time.perf_counter()
-    runners = {"launch": bench_launch.run, "soak": bench_launch.run_soak, "train": bench_train.run,
-               "tracking": bench_tracking.run, "logging": bench_logging.run,
+    runners = {"launch": bench_launch.run, "soak": bench_launch.run_soak, "teardown": bench_teardown.run,
+               "train": bench_train.run, "tracking": bench_tracking.run, "logging": bench_logging.run,
                "capture": bench_capture.run, "gpu": bench_train.run_gpu}
     sections, raw = [], {}
     try:

@@ -57,9 +57,11 @@ def load_ipython_extension(ipython) -> None:
     from .magics import DistributedMagics
 
     ipython.register_magics(DistributedMagics)
-    get_host()
+    host = get_host()
     magics = ipython.magics_manager.registry.get("DistributedMagics")
     if magics is None or magics.mlflow:
         from .tracking import warm_up
 
-        warm_up()  # import mlflow (~2 s) in the background, before the first tracked job needs it
+        # import mlflow (~2 s) in the background, before the first tracked job needs it, once the host's
+        # forkserver is warm (the first launch waits for it; on few cores the import would slow it down)
+        warm_up(after=host.warm_marker)

@@ -15,3 +15,4 @@ if _marker:
 import gc  # noqa: E402
 
 gc.freeze()
+gc.enable()  # off while preloading (sgpu_magic._forkserver_guard); ranks collect their own objects

@@ -29,8 +29,8 @@ from .launcher import get_host
 from .leases import LeaseRegistry
 from .panel import DEFAULT_MAX_LINES, TextView, make_view
 from .resources import check_port_free, list_gpus, plan_devices
-from .spec import (DEFAULT_TIMEOUT_S, LaunchSpec, _check_switch, check_gpus, check_max_capture_bytes, make_spec,
-                   parse_accelerator_type, shown)
+from .spec import (DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec, _check_switch, check_gpus,
+                   check_max_capture_bytes, make_spec, parse_accelerator_type, shown)
 from .errors import SpecError
 
 
@@ -70,6 +70,7 @@ def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dic
         host_factory = get_host
     payload = build_payload(view.warn)  # warnings are shown as capture finds them
     payload["display_names"] = _cell_labels(payload.get("sources", {}))
+    payload.setdefault("argv", [spec.name])  # the ranks' sys.argv: a script run without arguments
     _say_note(view, plan, spec)
     registry = LeaseRegistry(_resolve(_FromConfig("lease_dir", "")) or None) if plan.needs_lease else None
     return submit(spec, plan, payload, host_factory, sinks, background=background, registry=registry)
@@ -261,7 +262,8 @@ def _every_gpu(gpu_type: object, cluster: object) -> int:
 
 def job_spec(name: str, gpus: object = None, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S, *,
              port: object = None, widgets: object = None, mlflow: object = True, gpu_ids: object = None,
-             wait: object = True, max_restarts: object = 0, cluster: object = None, remote: object = False,
+             wait: object = True, max_restarts: object = 0, cluster: object = None,
+             teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S, remote: object = False,
              num_accelerators: object = None, accelerator_type: object = None) -> LaunchSpec:
     """The :class:`LaunchSpec` for the decorator's and :func:`~sgpu_magic.run_script`'s options (both
     generations of the serverless GPU API's names, ``remote=``), validated before anything starts.
@@ -276,7 +278,7 @@ def job_spec(name: str, gpus: object = None, gpu_type: object = None, timeout: o
     if count is None:
         count = _every_gpu(gpu_type, cluster)
     return make_spec(count, gpu_type, timeout, port, name=name, widgets=widgets, mlflow=mlflow, gpu_ids=gpu_ids,
-                     wait=wait, max_restarts=max_restarts, cluster=cluster)
+                     wait=wait, max_restarts=max_restarts, cluster=cluster, teardown_grace_s=teardown_grace_s)
 
 
 def distributed(gpus: int | None = None, gpu_type: str | None = None,
@@ -284,8 +286,9 @@ def distributed(gpus: int | None = None, gpu_type: str | None = None,
                 widgets: bool | None = _FromConfig("widgets", None),
                 max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
                 mlflow: bool = _FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
-                max_restarts: int = 0, cluster: str | None = None, remote: bool = False,
-                num_accelerators: int | None = None, accelerator_type: str | None = None,
+                max_restarts: int = 0, cluster: str | None = None,
+                teardown_grace_s: float = _FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
+                remote: bool = False, num_accelerators: int | None = None, accelerator_type: str | None = None,
                 **unknown: Any) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
@@ -327,6 +330,10 @@ def distributed(gpus: int | None = None, gpu_type: str | None = None,
             The job reserves one placement group of ``gpus`` GPU bundles (CPU bundles when the cluster
             has no GPU) and runs one actor per rank (see :mod:`sgpu_magic.ray_cluster`); needs
             ``pip install "sgpu_magic[ray]"``. Not with ``gpu_ids`` or ``max_restarts``.
+        teardown_grace_s: seconds a rank may take to exit after it has returned (or raised): destructors of the
+            function's locals, ``atexit`` handlers, stream flushes. A rank still running then is ended (SIGTERM,
+            then SIGKILL) and the call still returns the values, with a note naming the rank. Default 10, or
+            ``%config DistributedMagics.teardown_grace_s``; >= 0.
         remote: the serverless GPU API's switch. ``False`` (default): this machine. ``True``: the kernel's
             remote cluster, ``%config DistributedMagics.remote_cluster = "ray://head:10001"`` (else
             ``$SGPU_MAGIC_REMOTE_CLUSTER``), through the same Ray path as ``cluster=``.
@@ -337,12 +344,12 @@ def distributed(gpus: int | None = None, gpu_type: str | None = None,
 
     Raises (at decoration time, before anything starts):
         SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``max_capture_bytes``,
-            ``mlflow``, ``gpu_ids``, ``wait``, ``max_restarts``, ``remote``, ``num_accelerators`` or
-            ``accelerator_type`` (``widgets``, ``mlflow``, ``wait`` and ``remote`` take ``True`` / ``False``,
-            not strings); an old and a new name that disagree (``gpus=4, num_accelerators=8``);
-            ``remote=True`` with no remote cluster configured; or a decorated object that cannot run on
-            the ranks (not callable, a bound method, a generator or ``async def`` function, a partial or
-            callable instance).
+            ``mlflow``, ``gpu_ids``, ``wait``, ``max_restarts``, ``teardown_grace_s``, ``remote``,
+            ``num_accelerators`` or ``accelerator_type`` (``widgets``, ``mlflow``, ``wait`` and ``remote`` take
+            ``True`` / ``False``, not strings); an old and a new name that disagree (``gpus=4,
+            num_accelerators=8``); ``remote=True`` with no remote cluster configured; or a decorated object
+            that cannot run on the ranks (not callable, a bound method, a generator or ``async def`` function,
+            a partial or callable instance).
         TypeError: an argument this signature does not have (e.g. ``gpu=2``), naming it and the accepted ones.
     """
     if unknown:
@@ -352,7 +359,8 @@ def distributed(gpus: int | None = None, gpu_type: str | None = None,
     timeout, max_capture_bytes, widgets = _resolve(timeout), _resolve(max_capture_bytes), _resolve(widgets)
     # fail at the decorator line
     spec = job_spec("function", gpus, gpu_type, timeout, port=port, widgets=widgets, mlflow=_resolve(mlflow),
-                    gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts, cluster=cluster, remote=remote,
+                    gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts, cluster=cluster,
+                    teardown_grace_s=_resolve(teardown_grace_s), remote=remote,
                     num_accelerators=num_accelerators, accelerator_type=accelerator_type)
     max_capture_bytes = check_max_capture_bytes(max_capture_bytes)
 

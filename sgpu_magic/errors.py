@@ -92,6 +92,7 @@ class RankFailure:
         traceback: the rank's formatted traceback text, with notebook cell lines.
         log_path: the rank's log file.
         time_s: when the failure happened (epoch seconds); the earliest one is the root cause.
+        cuda: the exception came from CUDA (raised through ``torch.cuda``, or naming CUDA or NCCL).
     """
 
     rank: int
@@ -101,6 +102,7 @@ class RankFailure:
     traceback: str = ""
     log_path: str = ""
     time_s: float = 0.0
+    cuda: bool = False
 
     def what(self) -> str:
         """``ValueError: bad batch`` (first line, at most 200 characters), or that it left no exception."""
@@ -160,6 +162,11 @@ def grouped_failures(root: RankFailure, others: list[RankFailure], stopped_ranks
     return [f"{'ranks' if len(ranks) > 1 else 'rank'} {rank_ranges(ranks)} {what}" for what, ranks in ordered]
 
 
+NO_GPU_HINT = ("this machine has no GPU (the ranks ran on CPU with gloo): use sgpu_magic.runtime.device() / "
+               "runtime.backend()")
+"""Shown under a root cause that came from CUDA when the job's ranks ran on CPU."""
+
+
 @dataclass(eq=False)
 class RankFailedError(SgpuError, RuntimeError):
     """A rank failed, and the job was stopped.
@@ -175,6 +182,7 @@ class RankFailedError(SgpuError, RuntimeError):
         stopped_ranks: ranks that were still running and were stopped by sgpu_magic.
         run_dir: the job's run directory, where every rank's log stays.
         attempt_note: with ``max_restarts``, which attempt failed and how many restarts came before.
+        hint: a remedy shown under the root cause (e.g. CUDA code run on a machine without a GPU), or ``""``.
     """
 
     root_cause: RankFailure
@@ -182,6 +190,7 @@ class RankFailedError(SgpuError, RuntimeError):
     stopped_ranks: list[int] = field(default_factory=list)
     run_dir: str = ""
     attempt_note: str = ""
+    hint: str = ""
 
     def __post_init__(self) -> None:
         super().__init__(self._message())
@@ -192,6 +201,8 @@ class RankFailedError(SgpuError, RuntimeError):
     def _message(self) -> str:
         rc = self.root_cause
         lines = [f"rank {rc.rank} failed (root cause): {rc.what()} ({describe_exit(rc.exitcode)})"]
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
         lines += [f"  {line}" for line in grouped_failures(rc, self.others, self.stopped_ranks)]
         lines.append(f"  log of rank {rc.rank}: {rc.log_path}")
         if self.attempt_note:

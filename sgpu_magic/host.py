@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import gc
 import json
 import os
 import select
@@ -39,6 +40,9 @@ import psutil
 from .errors import describe_exit
 from .redact import redact
 from .rundir import RunDir, attempt_marker, read_json, write_status
+from .spec import DEFAULT_TEARDOWN_GRACE_S
+from .teardown import TeardownGuard
+from .warm_pool import WarmPool
 
 GRACE_S = 3.0
 STORE_TIMEOUT_S = 1800.0
@@ -127,66 +131,6 @@ def _rendezvous_store(port: int):
     return store, port
 
 
-WARM_PRELOAD = ["sgpu_magic._forkserver_guard", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-                "torch.distributed.elastic.multiprocessing", "sgpu_magic.worker", "sgpu_magic._warm_ready"]
-"""Modules the forkserver imports once, so warm ranks skip them (the first DDP imports torch._dynamo; elastic's
-per-rank wrapper is unpickled from torch.distributed.elastic.multiprocessing, ~25 ms of CPU per rank otherwise)."""
-
-
-class WarmPool:
-    """The host's forkserver, with torch preloaded (never CUDA-initialised): ranks fork from it.
-
-    It is restarted when the environment's packages change (a ``%pip install`` after it
-    started), detected from the modification times of the ``site-packages`` folders on the
-    ranks' ``sys.path``. Modules outside them (the notebook's own ``.py`` files) are never
-    preloaded, so each rank imports them fresh.
-    """
-
-    def __init__(self, marker: str) -> None:
-        self.fingerprint: tuple | None = None
-        self.marker = marker
-
-    def ready(self, sys_path: list[str]) -> bool:
-        """Start (or restart) the forkserver as needed; whether it has finished preloading."""
-        import multiprocessing.forkserver as forkserver
-
-        fingerprint = _path_fingerprint(sys_path)
-        if self.fingerprint is not None and fingerprint != self.fingerprint:
-            forkserver._forkserver._stop()
-            if os.path.exists(self.marker):
-                os.unlink(self.marker)
-        self.fingerprint = fingerprint
-        os.environ["SGPU_MAGIC_WARM_MARKER"] = self.marker
-        os.environ["SGPU_MAGIC_HOST_PID"] = str(os.getpid())
-        forkserver.set_forkserver_preload(WARM_PRELOAD)
-        forkserver.ensure_running()
-        return os.path.exists(self.marker)
-
-    @staticmethod
-    def stop() -> None:
-        """Kill the forkserver at once (it may still be importing torch)."""
-        import multiprocessing.forkserver as forkserver
-
-        pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-        if pid:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _path_fingerprint(sys_path: list[str]) -> tuple:
-    stamps = []
-    for entry in sys_path:
-        if os.path.basename(entry.rstrip(os.sep)) not in ("site-packages", "dist-packages"):
-            continue
-        try:
-            stamps.append((entry, os.stat(entry or ".").st_mtime_ns))
-        except OSError:
-            continue
-    return tuple(stamps)
-
-
 def _context_class(base):
     class Context(base):
         """An elastic PContext that remembers which ranks failed before it stopped the rest, and whose
@@ -268,11 +212,27 @@ class HostJob:
         self.env, self.pool = env, pool
         self.attempt, self.max_restarts = 1, int(self.launch.get("max_restarts") or 0)
         self.done = False
-        self._start_attempt()
+        grace_s = self.launch.get("teardown_grace_s")
+        self.guard = TeardownGuard(run_dir, self.launch["world_size"],
+                                   DEFAULT_TEARDOWN_GRACE_S if grace_s is None else float(grace_s), GRACE_S)
+        self.ctx, self.pids, self.warm_by = None, {}, 0.0
+        self._start_when_warm()
 
-    def _start_attempt(self) -> None:
-        """Start every rank for attempt ``self.attempt`` (1-based; ranks see TORCHELASTIC_RESTART_COUNT = attempt - 1)."""
-        warm = self.pool is not None and self.pool.ready(self.launch["sys_path"])  # cold while the pool warms up
+    def _start_when_warm(self) -> None:
+        """Start the ranks now, or once the warming forkserver is ready when it is expected to be ready before
+        cold interpreters would have started (at the latest when they would have: :meth:`WarmPool.wait_s`)."""
+        wait = None if self.pool is None else self.pool.wait_s(self.launch["world_size"], self.launch["sys_path"])
+        if wait:
+            self.warm_by = time.monotonic() + wait
+            return
+        self._start_attempt(warm=wait == 0.0)
+
+    def _start_attempt(self, warm: bool | None = None) -> None:
+        """Start every rank for attempt ``self.attempt`` (1-based; ranks see TORCHELASTIC_RESTART_COUNT = attempt - 1).
+
+        ``warm``: fork them from the forkserver; default: if it is ready (else cold while it warms up)."""
+        if warm is None:
+            warm = self.pool is not None and self.pool.ready(self.launch["sys_path"])
         self.status["start_method"] = "forkserver" if warm else "subprocess"
         self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.attempt - 1)
         self.ctx.start()
@@ -310,10 +270,16 @@ class HostJob:
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.stop("timed_out")
             return
+        if self.ctx is None:  # waiting for the warming forkserver
+            if self.pool.ready(self.launch["sys_path"]) or time.monotonic() >= self.warm_by:
+                self.status["waited_for_warm_s"] = round(time.time() - self.started_s, 2)
+                self._start_attempt()
+            return
+        self.guard.check(self.pids)
         result = self.ctx.wait(0)
         if result is None:
             return
-        failures = getattr(self.ctx, "first_failures", None) or result.failures
+        failures = self.guard.spare(getattr(self.ctx, "first_failures", None) or result.failures)
         now = time.time()
         self.status["failures"] = [{"rank": r, "exitcode": f.exitcode, "time_s": now} for r, f in sorted(failures.items())]
         if failures and self.attempt <= self.max_restarts:
@@ -335,8 +301,10 @@ class HostJob:
             {"attempt": self.attempt, "failures": failed, "ended_s": time.time(),
              "exitcodes": {str(r): code for r, code in _exitcodes(self.ctx).items()}})
         keep = self.run_dir.path / "errors" / f"attempt_{self.attempt}"
+        self.guard.reset()
         for rank in range(world):
             self.run_dir.result_file(rank).unlink(missing_ok=True)
+            self.run_dir.exit_file(rank).unlink(missing_ok=True)
             error = self.run_dir.error_file(rank)
             if error.exists():
                 keep.mkdir(mode=0o700, exist_ok=True)
@@ -356,13 +324,16 @@ class HostJob:
 
     def stop(self, state: str) -> None:
         """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end in ``state``."""
-        self.ctx.close(timeout=GRACE_S)
+        if self.ctx is not None:
+            self.ctx.close(timeout=GRACE_S)
         self._finish(state)
 
     def _finish(self, state: str) -> None:
         kill_leftovers(set(self.pids.values()), self.launch["job_id"])
+        if self.guard.ended:
+            self.status["teardown_ended"] = self.guard.report()
         self.status.update(state=state, ended_s=time.time(),
-                           exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()},
+                           exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()} if self.ctx else {},
                            log_lines=_count_lines([self.run_dir.log_file(r) for r in range(self.launch["world_size"])]))
         self.store = None  # closes the rendezvous listener before the kernel hears the job ended
         # the final status is the last thing written: once the kernel reads it, the run dir and the
@@ -478,9 +449,9 @@ def _detach(kernel_pid: int, log_path: str) -> None:
 class Host:
     """The host's loop: commands from stdin, polling of running jobs, shutdown with the kernel."""
 
-    def __init__(self, kernel_pid: int, warm_marker: str | None) -> None:
+    def __init__(self, kernel_pid: int, warm_marker: str | None, warm_stats: Path | None = None) -> None:
         self.kernel = psutil.Process(kernel_pid)
-        self.pool = WarmPool(warm_marker) if warm_marker else None
+        self.pool = WarmPool(warm_marker, warm_stats) if warm_marker else None
         self.jobs: dict[str, HostJob] = {}
         self.ended: collections.deque[HostJob] = collections.deque(maxlen=32)
         """Jobs that ended lately: if the kernel dies before it ends their MLflow runs, the host does."""
@@ -550,6 +521,8 @@ class Host:
                     last_check = time.monotonic()
                     if not self.kernel_alive():
                         break
+                    if self.pool is not None:
+                        self.pool.note_ready()
                     reap_adopted({pid for job in self.jobs.values() for pid in job.pids.values()})
         finally:
             for job in self.jobs.values():
@@ -613,14 +586,19 @@ def main(argv: list[str]) -> None:
     _detach(kernel_pid, log_path)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    warm = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess"
+    host = Host(kernel_pid, log_path + ".warm" if warm else None, Path(log_path).parent / "warm.json")
+    if host.pool is not None:
+        host.pool.ready(sys.path)  # the forkserver preloads while this host imports torch: the first launch can be warm
+    started = time.perf_counter()
+    gc.disable()  # torch's ~300k objects live as long as the host: collecting them while importing is wasted CPU
     import torch.distributed.elastic.multiprocessing.api  # noqa: F401 - warm import before the first launch
 
-    _plain_elastic_logging()
-
-    warm = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess"
-    host = Host(kernel_pid, log_path + ".warm" if warm else None)
+    gc.freeze()
+    gc.enable()
     if host.pool is not None:
-        host.pool.ready(sys.path)  # start the forkserver now, so that the first launch can be warm
+        host.pool.import_s = time.perf_counter() - started  # what a cold rank would pay now
+    _plain_elastic_logging()
     host.run()
 
 

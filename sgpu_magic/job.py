@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import (JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, RankFailure, ResourceError,
-                     SgpuError)
+from .errors import (NO_GPU_HINT, JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, RankFailure,
+                     ResourceError, SgpuError)
 from .launcher import LaunchHost
 from .leases import Lease, LeaseRegistry, foreign_processes
 from .resources import DevicePlan, Gpu
@@ -290,6 +290,7 @@ class Job:
         self.waited_s = 0.0
         self.pending_reason = ""
         self.mlflow_run_id: str | None = None
+        self._notes: list[str] | None = None
         with _JOBS_LOCK:
             _JOBS.append(self)
 
@@ -346,6 +347,17 @@ class Job:
         "time_s"}], "ended_s", "exitcodes"}]``; their error files are in ``<run_dir>/errors/attempt_<k>/``."""
         return [{**a, "exitcodes": {int(r): code for r, code in a.get("exitcodes", {}).items()}}
                 for a in self._status().get("attempts", [])]
+
+    @property
+    def notes(self) -> list[str]:
+        """Once the job has ended, how ranks ended that their exit codes do not say (the panel header and the
+        summary line show them): a rank that called ``sys.exit(0)``, a rank the launch host ended because it
+        had not exited ``teardown_grace_s`` after its value or error was written. ``[]`` while it runs."""
+        if not self.done():
+            return []
+        if self._notes is None:
+            self._notes = ending_notes(self._rd, self._status(), self.world_size)
+        return self._notes
 
     def _status(self, stamp: tuple | None = None) -> dict:
         """The job's status file as last written (re-read only when the file was replaced since);
@@ -426,7 +438,8 @@ class Job:
         rd, plan, spec = self._rd, self.plan, self.spec
         launch = {"job_id": rd.job_id, "name": spec.name, "world_size": plan.world_size, "backend": plan.backend,
                   "cuda_visible_devices": plan.cuda_visible_devices, "timeout_s": spec.timeout_s, "port": spec.port,
-                  "max_restarts": spec.max_restarts, "cwd": self._cwd, "sys_path": self._sys_path, "env": {}}
+                  "max_restarts": spec.max_restarts, "cwd": self._cwd, "sys_path": self._sys_path, "env": {},
+                  "teardown_grace_s": spec.teardown_grace_s}
         if plan.gpus:
             launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
         if self._lease is not None:  # the launch host gives the GPUs back as soon as the ranks are gone
@@ -778,6 +791,8 @@ class Job:
         if status.get("launch_error"):
             return LauncherError(f"job {self.job_id} could not start: {status['launch_error']}")
         error = failure_from_status(self._rd, status, self.world_size)
+        if error.root_cause.cuda and self.plan.backend == "gloo" and self.plan.cluster is None:
+            error.hint = NO_GPU_HINT
         if status.get("attempts"):
             error.attempt_note = (f"attempt {status.get('attempt', 1)} of {self.spec.max_restarts + 1} failed, after "
                                   f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures")
@@ -787,6 +802,22 @@ class Job:
         gpus = f" gpus={self.gpus}" if self.gpus else ""
         return (f"<Job {self.job_id} {self.state.label} world_size={self.world_size}{gpus} "
                 f"run_dir={str(self.run_dir)!r}>")
+
+
+def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:
+    """:attr:`Job.notes` from the host's status (``teardown_ended``) and the ranks' exit files."""
+    notes = []
+    for entry in status.get("teardown_ended", []):
+        what = "returned its value" if entry.get("outcome") == "value" else "raised"
+        kept = "; its value is kept" if entry.get("outcome") == "value" else ""
+        notes.append(f"rank {entry['rank']} needed the teardown grace: it {what} but had not exited "
+                     f"{entry.get('grace_s', 0):g} s later (teardown_grace_s), so sgpu_magic ended it "
+                     f"({entry.get('signal', 'SIGTERM')}){kept}")
+    for rank in range(world_size):
+        ended = read_json(rd.exit_file(rank))
+        if ended and ended.get("kind") != "script":  # a script's sys.exit(0) is its normal end
+            notes.append(f"rank {rank} called sys.exit(0) at {ended.get('where', '?')}; it returned nothing")
+    return notes
 
 
 def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailedError:
@@ -808,7 +839,7 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
             rank=rank, exitcode=seen.get("exitcode", exitcodes.get(rank)),
             exc_type=err and err["exc_type"], message=(err or {}).get("message", ""),
             traceback=(err or {}).get("traceback", ""), log_path=str(rd.log_file(rank)),
-            time_s=err["time_s"] if err else seen.get("time_s", float("inf"))))
+            time_s=err["time_s"] if err else seen.get("time_s", float("inf")), cuda=bool((err or {}).get("cuda"))))
     if not failures:
         failures.append(RankFailure(rank=0, exitcode=exitcodes.get(0), log_path=str(rd.log_file(0))))
     failures.sort(key=lambda f: (f.rank not in observed, f.time_s, f.rank))

@@ -57,6 +57,14 @@ class LaunchHost:
             raise LauncherError(f"the sgpu_magic launch host did not start (see {self.log_path})")
         return int(line.split()[1])
 
+    @property
+    def warm_marker(self) -> Path | None:
+        """The file the host's forkserver creates once it has preloaded torch (``None``: every launch is cold,
+        ``SGPU_MAGIC_START_METHOD=subprocess``)."""
+        if os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") == "subprocess":
+            return None
+        return Path(str(self.log_path) + ".warm")
+
     def alive(self) -> bool:
         """Whether the host process still runs and its command pipe is open."""
         if self._stdin.closed:

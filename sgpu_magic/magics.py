@@ -21,7 +21,7 @@ from .errors import CellSyntaxError, SpecError
 from .job import Job, jobs
 from .magic_help import magic_help, usage_line
 from .redact import redact
-from .spec import DEFAULT_TIMEOUT_S, LaunchSpec, shown
+from .spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec, shown
 
 
 def _parse_timeout(text: str | None, default: float | None) -> float | None:
@@ -156,6 +156,23 @@ def _compile_cell(source: str) -> ast.Module:
     return tree
 
 
+def _quiet(source: str) -> bool:
+    """Whether the cell ends with ``;``, so IPython would not show its value (IPython's own rule: the last token
+    that is not a newline or comment is ``;``)."""
+    from IPython.core.displayhook import DisplayHook
+
+    rule = getattr(DisplayHook, "semicolon_at_end_of_expression", None)
+    if rule is not None:
+        return bool(rule(source))
+    import io
+    import tokenize
+
+    for token in reversed(list(tokenize.generate_tokens(io.StringIO(source).readline))):
+        if token.type not in (tokenize.ENDMARKER, tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT):
+            return token.type == tokenize.OP and token.string == ";"
+    return False
+
+
 def _checked_source(cell: str, transformed: str) -> str:
     """The cell as the ranks run it, refused before launch when it cannot run there.
 
@@ -256,6 +273,9 @@ class DistributedMagics(Magics):
                         "GPUs (default: $SGPU_MAGIC_LEASE_DIR, else <sgpu_magic home>/leases).").tag(config=True)
     mlflow_experiment = Unicode("sgpu_magic", help="MLflow experiment for jobs when neither mlflow.set_experiment, "
                                 "MLFLOW_EXPERIMENT_NAME/ID nor a notebook name gives one.").tag(config=True)
+    teardown_grace_s = Float(DEFAULT_TEARDOWN_GRACE_S, min=0.0, help="Seconds a rank may take to exit (destructors, "
+                             "atexit handlers) after its value or error is written; a rank still running then is "
+                             "ended and the job keeps its outcome, noting which rank needed it.").tag(config=True)
 
     remote_cluster = Unicode("", help="The cluster remote=True / --remote runs on, e.g. 'ray://head:10001' (a Ray "
                              "address, as cluster=); default: $SGPU_MAGIC_REMOTE_CLUSTER.").tag(config=True)
@@ -267,7 +287,7 @@ class DistributedMagics(Magics):
                             port=args.port, widgets=False if args.no_widgets else self.widgets,
                             mlflow=self.mlflow and not args.no_mlflow, gpu_ids=_parse_gpu_ids(args.gpu_ids),
                             wait=not args.no_wait, max_restarts=args.max_restarts, cluster=args.cluster,
-                            remote=args.remote)
+                            teardown_grace_s=self.teardown_grace_s, remote=args.remote)
         except SpecError as exc:
             raise UsageError(str(exc)) from None
 
@@ -290,7 +310,8 @@ class DistributedMagics(Magics):
         """)
     @cell_magic
     def distributed(self, line: str, cell: str):
-        """Run the cell on N ranks; its last expression's value on rank 0 is the cell's output.
+        """Run the cell on N ranks; its last expression's value on rank 0 is the cell's output (a ``;`` at the
+        end of the last line suppresses it, as in IPython, and no value is sent back).
 
         The names the cell reads from the notebook are captured: functions, classes and
         values by value, modules by reference. Each rank gets torchrun's environment
@@ -308,7 +329,7 @@ class DistributedMagics(Magics):
 
         def payload(warn) -> dict:
             part = capture.capture_cell(source, self.shell.user_ns, self.max_capture_bytes, warn)
-            part["filename"] = CELL_FILENAME
+            part.update(filename=CELL_FILENAME, quiet=_quiet(source))
             return part
 
         job = start(spec, payload, background=args.background)

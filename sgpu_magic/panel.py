@@ -51,6 +51,11 @@ def summary_line(job: Job) -> str:
             f"logs: {job.run_dir / 'logs'}{link}")
 
 
+def summary_lines(job: Job) -> list[str]:
+    """:func:`summary_line`, then one ``sgpu_magic: ...`` line per note on how ranks ended (:attr:`Job.notes`)."""
+    return [summary_line(job)] + [f"sgpu_magic: {note}" for note in job.notes]
+
+
 def _restart_reason(job: Job) -> str:
     """``rank 1 failed (exit code 1)`` for the attempt that ended last."""
     attempts = job.attempts
@@ -124,7 +129,8 @@ class TextView(JobSink):
             if rest:
                 self.lines(rank, [rest])
         self._partial.clear()
-        self.note(summary_line(job))
+        for line in summary_lines(job):
+            self.note(line)
         if job.background and job.state is not JobState.SUCCEEDED:
             # nobody waits on a background job to raise its error: say what happened here
             error = job.exception()
@@ -309,6 +315,7 @@ class Panel(TextView):
         self._log_names = [html.escape(str(path)) for path in job.log_paths]
         self._exitcodes: dict[int, int | None] | None = None  # set once the job has ended
         self._counted: dict[str, int] | None = None
+        self._grace_ended: dict[int, dict] = {}  # ranks the host ended after their teardown grace
         log_layout = w.Layout(max_height="30em", overflow="auto")
         self.outputs = [w.Output(layout=log_layout, outputs=self._tab_outputs(rank, ""))
                         for rank in range(job.world_size)]
@@ -396,7 +403,8 @@ class Panel(TextView):
         if root is not None:
             self.tabs.selected_index = root.rank
         self._render_header(job, job.state, error)
-        self.note(summary_line(job))
+        for line in summary_lines(job):
+            self.note(line)
 
     def _flush(self, job: Job, final: bool = False) -> None:
         now = time.monotonic()
@@ -438,6 +446,7 @@ class Panel(TextView):
         """Once the job has ended: each rank's exit state, and its line count from the launch host."""
         self._exitcodes = job.rank_exitcodes
         self._counted = job._status().get("log_lines") or {}
+        self._grace_ended = {e["rank"]: e for e in job._status().get("teardown_ended", [])}
 
     def _render_footer(self, rank: int, shown_lines: int) -> str:
         """The footer of ``rank``'s tab when it shows ``shown_lines`` complete lines: state, earlier lines, log."""
@@ -452,6 +461,9 @@ class Panel(TextView):
             earlier = buf.total_lines - shown_lines
             hidden = f"{earlier} earlier lines are only in the log file. " if earlier > 0 else ""
         state = rank_state((self._exitcodes or {}).get(rank), not final)
+        ended = self._grace_ended.get(rank)
+        if ended is not None:
+            state = f"{'returned' if ended.get('outcome') == 'value' else 'raised'}; ended after the teardown grace"
         value = f"<small><b>{state}</b> &middot; {hidden}log: <code>{self._log_names[rank]}</code></small>"
         self.footers[rank].value = value
         return value
@@ -468,6 +480,8 @@ class Panel(TextView):
         problem = f"<br><code>{html.escape(str(error).splitlines()[0])}</code>" if error else ""
         if state is JobState.PENDING and job.pending_reason:
             problem = f"<br><small>{html.escape(job.pending_reason)}</small>"
+        if state.final:
+            problem += "".join(f"<br><small>{html.escape(note)}</small>" for note in job.notes)
         attempt = job.attempt if job.spec.max_restarts else 1
         if attempt > 1:
             badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"

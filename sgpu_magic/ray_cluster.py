@@ -187,10 +187,15 @@ def _agent_class():
             env = {**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())}
             self.proc = subprocess.Popen([sys.executable, "-u", "-m", "sgpu_magic.worker", str(rd.path)], env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
-            code = self.proc.wait()
+            from .spec import DEFAULT_TEARDOWN_GRACE_S
+            from .teardown import wait_with_grace
+
+            grace_s = launch.get("teardown_grace_s")
+            code, ended = wait_with_grace(self.proc, rd, rank, DEFAULT_TEARDOWN_GRACE_S if grace_s is None else grace_s,
+                                          3.0)
             result = rd.result_file(rank).read_bytes() if rd.result_file(rank).exists() else None
             error = read_json(rd.error_file(rank))
-            return {"exitcode": code, "result": result, "error": error}
+            return {"exitcode": code, "result": result, "error": error, "teardown": ended}
 
         def cleanup(self) -> None:
             """Stop the rank (its whole session) if it still runs, and remove this node's copy of its files."""
@@ -337,7 +342,10 @@ class _Supervisor(threading.Thread):
                     atomic_write_bytes(self.rd.result_file(rank), out["result"])
                 if out["error"]:
                     atomic_write_json(self.rd.error_file(rank), out["error"])
-                if out["exitcode"] != 0:
+                ended = out.get("teardown")
+                if ended:  # it had not exited teardown_grace_s after its outcome: its agent ended it
+                    self.status.setdefault("teardown_ended", []).append(ended)
+                if out["exitcode"] != 0 and not (ended and ended["outcome"] == "value"):
                     self.status["failures"] = [{"rank": rank, "exitcode": out["exitcode"], "time_s": time.time()}]
                     return self._finish("failed", exitcodes=exitcodes)
             reason = self._should_stop()
@@ -346,7 +354,7 @@ class _Supervisor(threading.Thread):
         self._finish("succeeded", exitcodes=exitcodes)
 
     def _rank_launch(self) -> dict:
-        keep = ("job_id", "name", "world_size", "backend", "cwd", "sys_path")
+        keep = ("job_id", "name", "world_size", "backend", "cwd", "sys_path", "teardown_grace_s")
         return {k: self.launch.get(k) for k in keep}
 
     def _rank_env(self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int) -> dict[str, str]:

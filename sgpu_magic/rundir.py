@@ -12,6 +12,7 @@ Layout::
         status.json          job state written by the host: running, pids, final state
         logs/rank_<N>.log    stdout and stderr of rank N, in order
         results/rank_<N>.pkl return value of rank N (written by the rank)
+        results/rank_<N>.exit.json  how rank N ended when it called sys.exit(0) (written by the rank)
         errors/rank_<N>.json exception of rank N (written by the rank)
         elastic/             torch elastic's own per-rank files
 """
@@ -270,6 +271,10 @@ class RunDir:
 
     def error_file(self, rank: int) -> Path:
         return self.path / "errors" / f"rank_{rank}.json"
+
+    def exit_file(self, rank: int) -> Path:
+        """Written by a rank that ended through ``SystemExit(0)``: ``{"code": 0, "where": "file:line", "kind"}``."""
+        return self.path / "results" / f"rank_{rank}.exit.json"
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"

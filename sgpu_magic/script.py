@@ -34,7 +34,7 @@ from typing import Any, Sequence
 from .decorator import _FromConfig, _resolve, job_spec, start
 from .errors import SpecError
 from .job import Job
-from .spec import DEFAULT_TIMEOUT_S, _check_switch, shown
+from .spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, _check_switch, shown
 
 __all__ = ["run_script", "resolve", "ScriptTarget"]
 
@@ -158,8 +158,9 @@ def run_script(path_or_module: str, args: Sequence[str] = (), *, module: bool = 
                gpu_type: str | None = None, timeout: float | None = _FromConfig("timeout_s", DEFAULT_TIMEOUT_S),
                port: int | None = None, widgets: bool | None = _FromConfig("widgets", None),
                mlflow: bool = _FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
-               max_restarts: int = 0, cluster: str | None = None, remote: bool = False,
-               num_accelerators: int | None = None, accelerator_type: str | None = None,
+               max_restarts: int = 0, cluster: str | None = None,
+               teardown_grace_s: float = _FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
+               remote: bool = False, num_accelerators: int | None = None, accelerator_type: str | None = None,
                background: bool = False) -> Any:
     """Run a script (or with ``module=True`` a module) on every rank, as ``torchrun`` does.
 
@@ -168,8 +169,8 @@ def run_script(path_or_module: str, args: Sequence[str] = (), *, module: bool = 
             name with ``module=True`` (``torchrun --module``, ``python -m``).
         args: the script's command-line arguments, strings, passed on untouched: ``sys.argv[1:]`` in every rank.
         module: run ``path_or_module`` as a module (default False).
-        gpus, gpu_type, timeout, port, widgets, mlflow, gpu_ids, wait, max_restarts, cluster, remote,
-            num_accelerators, accelerator_type: as for :func:`~sgpu_magic.distributed` (same defaults, same
+        gpus, gpu_type, timeout, port, widgets, mlflow, gpu_ids, wait, max_restarts, cluster, teardown_grace_s,
+            remote, num_accelerators, accelerator_type: as for :func:`~sgpu_magic.distributed` (same defaults, same
             ``%config DistributedMagics`` traits).
         background: return the :class:`~sgpu_magic.Job` at once (as ``fn.submit(...)`` and
             ``%distributed_run --background``); ``job.result()`` then waits for the per-rank list.
@@ -189,7 +190,8 @@ def run_script(path_or_module: str, args: Sequence[str] = (), *, module: bool = 
     background = _check_switch("background", background, "return the Job at once, or wait for the results")
     spec = job_spec("script", gpus, gpu_type, _resolve(timeout), port=port, widgets=_resolve(widgets),
                     mlflow=_resolve(mlflow), gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts, cluster=cluster,
-                    remote=remote, num_accelerators=num_accelerators, accelerator_type=accelerator_type)
+                    teardown_grace_s=_resolve(teardown_grace_s), remote=remote, num_accelerators=num_accelerators,
+                    accelerator_type=accelerator_type)
     target = resolve(path_or_module, module=module)
     job: Job = start(replace(spec, name=target.name), lambda warn: target.payload(args), background=background)
     if background:

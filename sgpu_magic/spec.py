@@ -17,6 +17,9 @@ from .errors import SpecError
 DEFAULT_TIMEOUT_S: float = 3 * 3600.0
 """Default job timeout, 3 hours, as in the serverless GPU API."""
 
+DEFAULT_TEARDOWN_GRACE_S: float = 10.0
+"""How long a rank may take to exit after its outcome is written before the launch host ends it."""
+
 MAX_RANKS = 1024
 MAX_RESTARTS = 1000
 
@@ -41,6 +44,9 @@ class LaunchSpec:
             job fails (torchrun's ``--max-restarts``; ranks see ``TORCHELASTIC_RESTART_COUNT``). Default 0.
         cluster: a Ray cluster to run on (``"auto"``, ``"ray://host:port"`` or a GCS ``"host:port"``;
             see :mod:`sgpu_magic.ray_cluster`); ``None`` = this machine. Default ``None``.
+        teardown_grace_s: seconds a rank may take to exit (destructors, ``atexit`` handlers) after its value
+            or error is written; a rank still running then is ended (SIGTERM, then SIGKILL) and the job keeps
+            its outcome (see :mod:`sgpu_magic.teardown`). Default 10.
     """
 
     gpus: int
@@ -54,6 +60,7 @@ class LaunchSpec:
     wait: bool = True
     max_restarts: int = 0
     cluster: str | None = None
+    teardown_grace_s: float = DEFAULT_TEARDOWN_GRACE_S
 
 
 def shown(value: object) -> str:
@@ -176,10 +183,29 @@ def check_max_capture_bytes(max_capture_bytes: object) -> int:
     return int(max_capture_bytes)
 
 
+def check_teardown_grace(grace_s: object) -> float:
+    """Validate ``teardown_grace_s``: a finite number of seconds >= 0.
+
+    Raises:
+        SpecError: naming the value given.
+    """
+    message = (f"teardown_grace_s must be a number of seconds >= 0 (how long a rank may take to exit after its "
+               f"value is written, before it is ended), got {shown(grace_s)}")
+    if isinstance(grace_s, bool) or not isinstance(grace_s, numbers.Real):
+        raise SpecError(message)
+    try:
+        value = float(grace_s)
+    except (OverflowError, ValueError):
+        raise SpecError(message) from None
+    if not math.isfinite(value) or value < 0:
+        raise SpecError(message)
+    return value
+
+
 def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S,
               port: object = None, name: str = "job", widgets: bool | None = None, mlflow: bool = True,
               gpu_ids: object = None, wait: bool = True, max_restarts: object = 0,
-              cluster: object = None) -> LaunchSpec:
+              cluster: object = None, teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S) -> LaunchSpec:
     """Validate user input into a :class:`LaunchSpec`.
 
     ``widgets``, ``mlflow`` and ``wait`` take ``True`` / ``False`` (or ``1`` / ``0``); a string such as
@@ -196,7 +222,8 @@ def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_T
                       gpu_ids=_check_gpu_ids(gpu_ids, count),
                       wait=_check_switch("wait", wait, "queue for GPUs other jobs hold, or fail at once"),
                       max_restarts=_check_max_restarts(max_restarts),
-                      cluster=_check_cluster(cluster, gpu_ids, max_restarts))
+                      cluster=_check_cluster(cluster, gpu_ids, max_restarts),
+                      teardown_grace_s=check_teardown_grace(teardown_grace_s))
 
 
 _ACCELERATOR_TYPE = re.compile(r"GPU_([0-9]+)x([A-Za-z0-9][A-Za-z0-9_-]*)", re.IGNORECASE)

@@ -80,11 +80,20 @@ class MlflowUIError(SgpuError):
 _warm_thread: threading.Thread | None = None
 
 
-def warm_up() -> None:
-    """Import mlflow in a background thread (about 2 s), so the first tracked job does not wait for it."""
+def warm_up(after: Path | None = None, max_wait_s: float = 30.0) -> None:
+    """Import mlflow in a background thread (about 2 s of CPU), so the first tracked job does not wait for it.
+
+    ``after``: start only once this file exists (the launch host's warm marker: its forkserver has
+    finished preloading) or ``max_wait_s`` have passed, so that on a machine with few cores the
+    import does not slow down the forkserver, nor hold the GIL while the notebook's first cell
+    imports torch. A tracked job that comes earlier imports mlflow itself.
+    """
     global _warm_thread
     if _warm_thread is None and "mlflow" not in sys.modules:
         def _import() -> None:
+            deadline = time.monotonic() + max_wait_s
+            while after is not None and not after.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
             try:
                 import mlflow  # noqa: F401
             except Exception:  # noqa: BLE001 - the job reports it when it needs mlflow

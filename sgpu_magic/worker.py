@@ -4,7 +4,8 @@ Started by the launch host through torch.distributed.elastic with torchrun's env
 contract (RANK, LOCAL_RANK, WORLD_SIZE, ...). It sends its stdout and stderr (file
 descriptors 1 and 2, so native code and child processes too) to its log file, applies the
 kernel's cwd and sys.path, loads the payload, runs it, and writes its result or its error
-into the RunDir atomically. It imports nothing from IPython or ipywidgets.
+into the RunDir atomically, before anything the user's code made is destroyed; then it ends as a
+Python program ends (see :mod:`sgpu_magic.rank_exit`). It imports nothing from IPython or ipywidgets.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import zipfile
 
 import cloudpickle
 
+from . import rank_exit
 from .capture import Unpicklable
 from .mlflow_rank import flush_async_logging, guard_job_run, settled_value
 from .rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private, traceback_marker
@@ -104,14 +106,16 @@ def _build_namespace(payload: dict) -> dict:
     return ns
 
 
-def _run_cell(source: str, filename: str, ns: dict):
+def _run_cell(source: str, filename: str, ns: dict, quiet: bool = False):
+    """Run the cell; the value of its last expression, or ``None`` (also when ``quiet``: the cell ends with ``;``)."""
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     tree = ast.parse(source, filename)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
     exec(compile(tree, filename, "exec"), ns)
-    return eval(compile(last, filename, "eval"), ns) if last is not None else None
+    value = eval(compile(last, filename, "eval"), ns) if last is not None else None
+    return None if quiet else value
 
 
 def _resolve_function(payload: dict, ns: dict):
@@ -153,8 +157,11 @@ def _run_script(payload: dict, ns: dict) -> int:
     return 0
 
 
-def run_payload(payload: dict, ns: dict):
+def run_payload(payload: dict, ns: dict, held: list | None = None):
     """Run the captured cell, function or script in ``ns``; return its value (a script's: its exit status).
+
+    ``held``: a list that keeps the function's frame, so its locals outlive its return until the
+    caller clears the list (:func:`sgpu_magic.rank_exit.call_holding_frame`).
 
     MLflow's async logging queue (on by default in tracked jobs) is flushed before this returns, so
     every point the user code logged is in the run before the rank reports; a value that is the future
@@ -164,11 +171,11 @@ def run_payload(payload: dict, ns: dict):
         if payload["kind"] == "script":
             return _run_script(payload, ns)
         if payload["kind"] == "cell":
-            return settled_value(_run_cell(payload["source"], payload["filename"], ns))
+            return settled_value(_run_cell(payload["source"], payload["filename"], ns, bool(payload.get("quiet"))))
         fn = _resolve_function(payload, ns)
         args = [cloudpickle.loads(b) for b in payload["args"]]
         kwargs = {k: cloudpickle.loads(b) for k, b in payload["kwargs"].items()}
-        return settled_value(fn(*args, **kwargs))
+        return settled_value(rank_exit.call_holding_frame(fn, args, kwargs, [] if held is None else held))
     finally:
         flush_async_logging()
 
@@ -209,7 +216,8 @@ def _write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[st
     text = _user_traceback(exc, labels or {})
     # the error file first: on a full disk it takes the run dir's reserve, and the log may not take a line
     atomic_write_json(run_dir.error_file(rank), {
-        "rank": rank, "exc_type": type(exc).__name__, "message": str(exc), "traceback": text, "time_s": time.time()})
+        "rank": rank, "exc_type": type(exc).__name__, "message": str(exc), "traceback": text, "time_s": time.time(),
+        "cuda": rank_exit.involves_cuda(exc)})
     try:
         sys.stderr.write(traceback_marker(rank, type(exc).__name__) + "\n" + text)
         sys.stderr.flush()
@@ -248,25 +256,43 @@ def _teardown(ns: dict) -> None:
     threading.Thread(target=destroy, name="sgpu_magic teardown", daemon=True).start()
 
 
-def _execute(run_dir: RunDir, rank: int) -> int:
-    payload = pickle.loads(read_private(run_dir.payload_file))
-    guard_job_run()  # before the payload's globals import mlflow: the kernel owns the run's status
-    ns = _build_namespace(payload)
+def _system_exit(run_dir: RunDir, rank: int, exc: SystemExit, payload: dict) -> int:
+    """A rank that raised ``SystemExit``: non-zero fails it, as under torchrun; zero returns nothing, noted where."""
+    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    if code:
+        _write_error(run_dir, rank, exc, payload.get("display_names"))
+        return code
+    atomic_write_json(run_dir.exit_file(rank), {"code": 0, "where": rank_exit.raise_site(
+        exc, payload.get("display_names") or {}), "kind": payload["kind"]})
+    atomic_write_bytes(run_dir.result_file(rank), _dump_result(None, rank))
+    return 0
+
+
+def _run_and_record(run_dir: RunDir, rank: int, payload: dict, ns: dict, held: list) -> int:
+    """Run the payload and write its outcome (value or error); the exit code. ``held`` keeps the function's frame."""
     try:
-        value = run_payload(payload, ns)
+        value = run_payload(payload, ns, held)
         atomic_write_bytes(run_dir.result_file(rank), _dump_result(value, rank))
         return 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if code:
-            _write_error(run_dir, rank, exc, payload.get("display_names"))
-        else:
-            atomic_write_bytes(run_dir.result_file(rank), _dump_result(None, rank))
-        return code
+        return _system_exit(run_dir, rank, exc, payload)
     except BaseException as exc:  # noqa: BLE001 - every rank failure is recorded
         _write_error(run_dir, rank, exc, payload.get("display_names"))
         return 1
+
+
+def _execute(run_dir: RunDir, rank: int) -> int:
+    """Load the payload, run it, write its outcome, then free what it made (the teardown the host bounds)."""
+    payload = pickle.loads(read_private(run_dir.payload_file))
+    guard_job_run()  # before the payload's globals import mlflow: the kernel owns the run's status
+    rank_exit.keep_process_groups()  # before they import torch.distributed (cold) or any group exists (warm)
+    sys.argv = list(payload.get("argv") or sys.argv[:1])  # [cell or function name]: parse_args() reads defaults
+    ns = _build_namespace(payload)
+    held: list = []
+    try:
+        return _run_and_record(run_dir, rank, payload, ns, held)
     finally:
+        held.clear()  # the function's locals go now: its outcome is written
         _teardown(ns)
 
 
@@ -281,8 +307,7 @@ def _run_rank(run_dir: RunDir, expected_parent: int | None) -> int:
     except BaseException as exc:  # noqa: BLE001 - payload could not even be loaded
         _write_error(run_dir, rank, exc)
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        rank_exit.exit_like_python()  # threads, atexit handlers, flushes: inside the host's teardown grace
     return code
 
 

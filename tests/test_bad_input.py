@@ -51,7 +51,7 @@ BASE_LINES = [(1, "--gpus 1"), (2, "--gpus 2 --no-mlflow --no-widgets"), (1, "--
 BASE_CELL_LINES = ["x = 1", "import math", "y = [i * 2 for i in range(3)]", "def f(a):\n    return a + 1",
                    "f(2) if False else 0"]
 ACCEPTED = ("gpus, gpu_type, timeout, port, widgets, max_capture_bytes, mlflow, gpu_ids, wait, max_restarts, cluster, "
-            "remote, num_accelerators, accelerator_type")
+            "teardown_grace_s, remote, num_accelerators, accelerator_type")
 
 
 # --- nothing starts ------------------------------------------------------------------------

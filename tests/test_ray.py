@@ -146,6 +146,27 @@ def test_the_first_failing_rank_is_the_root_cause_and_the_rest_stop(cluster):
     assert wait_for(lambda: not job_processes(fails_on_rank_2.last_job.job_id), 30, "the other ranks to stop")
 
 
+def test_a_rank_that_wedges_after_returning_keeps_its_value_after_the_grace(cluster):
+    """As on one machine: the rank's agent ends it teardown_grace_s after its value is written, and the job succeeds."""
+    @distributed(gpus=2, cluster=cluster.address, timeout=300, mlflow=False, widgets=False, teardown_grace_s=1)
+    def returns_then_wedges():
+        import atexit
+        import os
+        import threading
+
+        lock = threading.Lock()
+        lock.acquire()
+        if os.environ["RANK"] == "1":
+            atexit.register(lock.acquire)  # its exit path waits for good
+        return int(os.environ["RANK"])
+
+    assert returns_then_wedges.distributed() == [0, 1]
+    assert returns_then_wedges.last_job.notes == [
+        "rank 1 needed the teardown grace: it returned its value but had not exited 1 s later (teardown_grace_s), "
+        "so sgpu_magic ended it (SIGTERM); its value is kept"]
+    assert wait_for(lambda: not job_processes(returns_then_wedges.last_job.job_id), 30, "the ranks to stop")
+
+
 def test_cancel_stops_every_rank_and_releases_the_placement_group(cluster):
     from ray.util.placement_group import placement_group_table
 

@@ -143,9 +143,10 @@ def test_job_names_its_run_and_ranks_get_the_run_identity(experiment):
 
 
 def test_ranks_never_end_the_run_even_with_start_run_end_run_or_a_with_block(experiment, tmp_path):
-    """Rank 0 resumes the run with ``with mlflow.start_run():`` and calls ``mlflow.end_run()``; rank 1
-    adopts it first through a bare ``log_metric``, waits until rank 0 is past that, and reads the status:
-    still RUNNING. No exit handler (MLflow's atexit ``end_run`` among them) runs in a rank."""
+    """Rank 0 resumes the run with ``with mlflow.start_run():`` and calls ``mlflow.end_run()``, then returns
+    and exits as a Python program does (its atexit handlers run, MLflow's ``end_run`` among them); rank 1
+    adopts the run first through a bare ``log_metric``, waits until rank 0's last exit handler has run,
+    and reads the status: still RUNNING."""
     client, name = experiment
 
     @distributed(gpus=2)
@@ -154,12 +155,13 @@ def test_ranks_never_end_the_run_even_with_start_run_end_run_or_a_with_block(exp
         import os
         import time
 
+        rank = int(os.environ["RANK"])
+        # registered before mlflow is imported: it runs after MLflow's own atexit end_run (handlers run last-in first)
+        atexit.register(lambda: open(os.path.join(folder, f"atexit-ran-{rank}"), "w").close())
         import mlflow
 
-        rank = int(os.environ["RANK"])
         run_id = os.environ["MLFLOW_RUN_ID"]
-        atexit.register(lambda: open(os.path.join(folder, f"atexit-ran-{rank}"), "w").close())
-        adopted, marker = os.path.join(folder, "rank1-adopted-the-run"), os.path.join(folder, "rank0-ended-its-runs")
+        adopted, marker = os.path.join(folder, "rank1-adopted-the-run"), os.path.join(folder, "atexit-ran-0")
 
         def wait_for(path):
             deadline = time.monotonic() + 60
@@ -173,7 +175,7 @@ def test_ranks_never_end_the_run_even_with_start_run_end_run_or_a_with_block(exp
                 assert run.info.run_id == run_id, "start_run did not resume the job's run"
             mlflow.start_run(run_id=run_id)
             mlflow.end_run()
-            open(marker, "w").close()
+            mlflow.start_run(run_id=run_id)  # left active: MLflow's atexit handler ends it
             return run_id
         mlflow.log_metric("bare", 2.0)
         open(adopted, "w").close()
@@ -182,8 +184,7 @@ def test_ranks_never_end_the_run_even_with_start_run_end_run_or_a_with_block(exp
 
     run_id, status_seen_by_rank1 = logs_like_users_do.distributed(str(tmp_path))
     assert status_seen_by_rank1 == "RUNNING"
-    # no atexit-ran-N: the ranks ended with os._exit
-    assert sorted(os.listdir(tmp_path)) == ["rank0-ended-its-runs", "rank1-adopted-the-run"]
+    assert sorted(os.listdir(tmp_path)) == ["atexit-ran-0", "atexit-ran-1", "rank1-adopted-the-run"]
     (run,) = runs_of(client, name)
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert run.data.metrics["inside_with"] == 1.0 and run.data.metrics["bare"] == 2.0
