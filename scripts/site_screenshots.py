@@ -21,12 +21,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("SGPU_MAGIC_CHROMIUM", "/usr/bin/chromium")
 PAGES = {"site-home.png": "", "site-guide.png": "guide/decorator/"}
+# as tests/browser/conftest.py: a sandboxed root run on a machine with no outside network
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage"]
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 (http.server's own signature)
+        pass
 
 
 def build(site: Path) -> None:
     """``mkdocs build --strict`` into ``site``; exits with mkdocs' output when it fails."""
     run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     if run.returncode:
         sys.exit(f"mkdocs build --strict failed:\n{run.stdout}{run.stderr}")
 
@@ -34,14 +43,14 @@ def build(site: Path) -> None:
 def shoot(site: Path, shots: dict[str, str], out: Path, width: int, height: int) -> None:
     from playwright.sync_api import sync_playwright
 
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler = functools.partial(_QuietHandler, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}/"
     out.mkdir(parents=True, exist_ok=True)
     try:
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": width, "height": height})
             for name, path in shots.items():
                 page.goto(base + path, wait_until="networkidle")
