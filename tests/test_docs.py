@@ -94,3 +94,24 @@ def test_readme_is_a_landing_page_whose_links_resolve():
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme):
         if "://" not in target:
             assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+def test_the_site_settings_make_a_broken_link_or_anchor_fail_the_build(tmp_path):
+    """mkdocs.yml's own ``strict`` and ``validation`` settings, on a two-page site with a link to a missing page and
+    one to a missing heading: the build fails naming both (what CI's step relies on)."""
+    import yaml
+
+    settings = yaml.safe_load((ROOT / "mkdocs.yml").read_text().split("\nhooks:", 1)[0].split("\ntheme:", 1)[0])
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text("# Home\n\n[gone](missing.md) and [no such heading](other.md#nowhere)\n")
+    (docs / "other.md").write_text("# Other\n")
+    config = {"site_name": "t", "docs_dir": "docs", "strict": settings["strict"], "validation": settings["validation"]}
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config))
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--site-dir", str(tmp_path / "site")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert re.search(r"contains a link 'missing\.md', but the target .*is not found", run.stderr)
+    assert re.search(r"contains a link 'other\.md#nowhere', but the doc 'other\.md' does not contain an anchor "
+                     r"'#nowhere'", run.stderr)
+    assert "Aborted with 2 warnings in strict mode" in run.stdout + run.stderr
