@@ -5,7 +5,8 @@
 # extra of the package) is installed too: notebooks/03_deepspeed.ipynb runs in the test suite. So are JupyterLab
 # and Playwright (the "browser" extra) and, when run as root with apt-get, Debian's chromium, for the panel's
 # end-to-end tests in tests/browser (skipped, saying why, where chromium cannot be installed; no browser is
-# downloaded by Playwright). SGPU_SKIP_CHROMIUM=1 skips the apt-get step.
+# downloaded by Playwright). SGPU_SKIP_CHROMIUM=1 skips the apt-get step. The "docs" extra (MkDocs, Material,
+# mkdocstrings, mkdocs-jupyter) builds the documentation site: .venv/bin/mkdocs build --strict.
 #
 # Each step prints one line with its time; what pip and apt-get say goes to .venv/setup-logs/<step>.log and is
 # shown only when the step fails (without pip's "Location ... is ignored" lines), and then setup stops.
@@ -13,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 torch_spec=${SGPU_TORCH_SPEC:-torch==2.13.0}
-extras="test,deepspeed,browser,ray"
+extras="test,deepspeed,browser,ray,docs"
 logs=.venv/setup-logs
 pip=(.venv/bin/python -m pip install --disable-pip-version-check)
 setup_started=$SECONDS

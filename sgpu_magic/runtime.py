@@ -37,8 +37,8 @@ def get_global_rank(group=None) -> int:
     """This process's global rank, in ``[0, world_size - 1]``: ``RANK``, 0 outside a job.
 
     Args:
-        group: a ``torch.distributed`` process group; when given, this process's rank in it
-            (``torch.distributed.get_rank(group)``). Default ``None``: the ``RANK`` variable, as the
+        group (torch.distributed.ProcessGroup | None): a ``torch.distributed`` process group; when given, this
+            process's rank in it (``torch.distributed.get_rank(group)``). Default ``None``: the ``RANK`` variable, as the
             serverless GPU API's ``get_global_rank(group=None)`` documents.
     """
     if group is not None:

@@ -164,14 +164,15 @@ def run_script(path_or_module: str, args: Sequence[str] = (), *, module: bool = 
                background: bool = False) -> Any:
     """Run a script (or with ``module=True`` a module) on every rank, as ``torchrun`` does.
 
+    The job options ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``mlflow``, ``gpu_ids``, ``wait``,
+    ``max_restarts``, ``cluster``, ``teardown_grace_s``, ``remote``, ``num_accelerators`` and ``accelerator_type``
+    are as for :func:`~sgpu_magic.distributed` (same defaults, same ``%config DistributedMagics`` traits).
+
     Args:
         path_or_module: the script's path (relative to the kernel's current directory), or a dotted module
             name with ``module=True`` (``torchrun --module``, ``python -m``).
         args: the script's command-line arguments, strings, passed on untouched: ``sys.argv[1:]`` in every rank.
         module: run ``path_or_module`` as a module (default False).
-        gpus, gpu_type, timeout, port, widgets, mlflow, gpu_ids, wait, max_restarts, cluster, teardown_grace_s,
-            remote, num_accelerators, accelerator_type: as for :func:`~sgpu_magic.distributed` (same defaults, same
-            ``%config DistributedMagics`` traits).
         background: return the :class:`~sgpu_magic.Job` at once (as ``fn.submit(...)`` and
             ``%distributed_run --background``); ``job.result()`` then waits for the per-rank list.
 
