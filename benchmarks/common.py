@@ -23,9 +23,9 @@ import inspect, json, os, sys, time
 import torch
 import torch.distributed as dist
 from sgpu_magic import distributed
-from sgpu_magic.magics import DistributedMagics as _DM
-from sgpu_magic.tracking import MlflowTracking as _MT
-from sgpu_magic.job import JobSink as _JS
+from sgpu_magic.front.magics import DistributedMagics as _DM
+from sgpu_magic.tracking.run import MlflowTracking as _MT
+from sgpu_magic.job.handle import JobSink as _JS
 
 def _emit(**data):
     sys.stdout.write("__BENCH__" + json.dumps(data) + "\\n")
@@ -43,7 +43,7 @@ def _host_cpu():
     """CPU seconds used so far by this kernel's launch host process itself (not its children)."""
     try:
         import psutil
-        from sgpu_magic.launcher import get_host
+        from sgpu_magic.launch.client import get_host
 
         t = psutil.Process(get_host().pid).cpu_times()
         return t.user + t.system

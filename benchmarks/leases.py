@@ -33,9 +33,9 @@ def main() -> None:
     os.environ["SGPU_MAGIC_LEASE_DIR"] = os.path.join(home, "leases")
 
     from sgpu_magic import distributed
-    from sgpu_magic.launcher import get_host
-    from sgpu_magic.leases import LeaseRegistry
-    from sgpu_magic.resources import fake_gpus
+    from sgpu_magic.launch.client import get_host
+    from sgpu_magic.launch.leases import LeaseRegistry
+    from sgpu_magic.launch.resources import fake_gpus
     from sgpu_magic.rundir import read_json
 
     @distributed(gpus=2, widgets=False, mlflow=False)

@@ -13,9 +13,9 @@ import io
 import time
 
 from sgpu_magic import distributed
-from sgpu_magic.decorator import start
-from sgpu_magic.launcher import get_host
-from sgpu_magic.panel import Panel, TextView
+from sgpu_magic.front.decorator import start
+from sgpu_magic.launch.client import get_host
+from sgpu_magic.ui.panel import Panel, TextView
 
 
 @distributed(gpus=2)

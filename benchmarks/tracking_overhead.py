@@ -26,13 +26,13 @@ def main() -> None:
     import io
 
     from sgpu_magic import distributed
-    from sgpu_magic.panel import TextView
+    from sgpu_magic.ui.panel import TextView
 
     def trivial():
         return 1
 
     def timed(fn) -> float:
-        import sgpu_magic.decorator as deco
+        import sgpu_magic.front.decorator as deco
 
         t0 = time.perf_counter()
         job = deco.start(fn.spec, lambda warn: fn._payload((), {}, warn), view=TextView(out=io.StringIO(), err=io.StringIO()))

@@ -1,6 +1,6 @@
 """``python -m sgpu_magic doctor [--json] [--port P] [--cluster ADDRESS]``: check this machine for sgpu_magic jobs.
 
-Prints the doctor's table (see :mod:`sgpu_magic.doctor`) and exits 1 when a row is an error, 0 otherwise
+Prints the doctor's table (see :mod:`sgpu_magic.front.doctor`) and exits 1 when a row is an error, 0 otherwise
 (2 for bad options, as argparse does). ``--json`` prints it for machines instead.
 """
 
@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status."""
     args = _parser().parse_args(argv)
-    from .doctor import NETWORK_TIMEOUT_S, DoctorConfig, diagnose
+    from sgpu_magic.front.doctor import NETWORK_TIMEOUT_S, DoctorConfig, diagnose
 
     timeout_s = NETWORK_TIMEOUT_S if args.timeout_s is None else args.timeout_s
     report = diagnose(DoctorConfig(port=args.port, cluster=args.cluster, timeout_s=timeout_s))

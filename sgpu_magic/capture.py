@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from .errors import CaptureError, UnpicklableGlobalError
+from sgpu_magic.errors import CaptureError, Unpicklable, unpicklable_message  # noqa: F401 - Unpicklable: capture.Unpicklable
 
 DEFAULT_MAX_BYTES = 100 * 2**20
 _GLOBAL_OPS = {"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME", "DELETE_NAME"}
@@ -79,36 +79,6 @@ def estimate_nbytes(value: object) -> int | None:
     if type(value).__module__.startswith("torch") and hasattr(value, "element_size"):
         return int(value.element_size() * value.nelement())
     return None
-
-
-class Unpicklable:
-    """Stands in a rank for a notebook global that could not be sent; any use raises."""
-
-    def __init__(self, name: str, type_name: str, reason: str) -> None:
-        object.__setattr__(self, "_sgpu_info", (name, type_name, reason))
-
-    def _fail(self, *args: Any, **kwargs: Any) -> Any:
-        name, tname, reason = object.__getattribute__(self, "_sgpu_info")
-        raise UnpicklableGlobalError(unpicklable_message(name, tname, reason))
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__") and attr.endswith("__"):
-            raise AttributeError(attr)
-        self._fail()
-
-    def __reduce__(self) -> tuple:
-        self._fail()  # e.g. returned from a rank: it cannot go back to the kernel either
-
-    def __repr__(self) -> str:
-        return f"<sgpu_magic: global {object.__getattribute__(self, '_sgpu_info')[0]!r} was not sent to the ranks>"
-
-    __call__ = __enter__ = __exit__ = __iter__ = __len__ = __getitem__ = __setitem__ = _fail
-    __bool__ = __contains__ = __add__ = __float__ = __int__ = __setattr__ = _fail
-
-
-def unpicklable_message(name: str, tname: str, reason: str) -> str:
-    return (f"global '{name}' ({tname}) cannot be pickled ({reason}), so it is not sent to the ranks. "
-            f"Create it inside the cell or function that runs on the ranks instead.")
 
 
 def large_message(name: str, tname: str, nbytes: int, max_bytes: int) -> str:

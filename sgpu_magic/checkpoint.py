@@ -37,7 +37,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from .errors import CheckpointError
+from sgpu_magic.errors import CheckpointError
 
 __all__ = ["VolumeWriter", "VolumeReader", "is_complete", "CheckpointError"]
 

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from .errors import SpecError
+from sgpu_magic.errors import SpecError
 
 DEFAULT_TIMEOUT_S: float = 3 * 3600.0
 """Default job timeout, 3 hours, as in the serverless GPU API."""
@@ -43,10 +43,10 @@ class LaunchSpec:
         max_restarts: how many times a failed rank group is restarted, all ranks together, before the
             job fails (torchrun's ``--max-restarts``; ranks see ``TORCHELASTIC_RESTART_COUNT``). Default 0.
         cluster: a Ray cluster to run on (``"auto"``, ``"ray://host:port"`` or a GCS ``"host:port"``;
-            see :mod:`sgpu_magic.ray_cluster`); ``None`` = this machine. Default ``None``.
+            see :mod:`sgpu_magic.launch.ray.cluster`); ``None`` = this machine. Default ``None``.
         teardown_grace_s: seconds a rank may take to exit (destructors, ``atexit`` handlers) after its value
             or error is written; a rank still running then is ended (SIGTERM, then SIGKILL) and the job keeps
-            its outcome (see :mod:`sgpu_magic.teardown`). Default 10.
+            its outcome (see :mod:`sgpu_magic.launch.teardown`). Default 10.
     """
 
     gpus: int

@@ -19,7 +19,7 @@ def sgpu_home(tmp_path_factory):
     # kernels started by tests inherit this: plain [rank N] text, which the tests read (the panel has its own tests)
     os.environ.setdefault("SGPU_MAGIC_WIDGETS", "0")
     yield home
-    from sgpu_magic.launcher import shutdown_host
+    from sgpu_magic.launch.client import shutdown_host
 
     shutdown_host()
     if old is None:

@@ -141,7 +141,7 @@ def fake_gpus(monkeypatch, tmp_path):
     """An 8 x H100 fake inventory and a private lease directory."""
     monkeypatch.setenv("SGPU_MAGIC_FAKE_GPUS", "8 x H100")
     monkeypatch.setenv("SGPU_MAGIC_LEASE_DIR", str(tmp_path / "leases"))
-    from sgpu_magic.leases import LeaseRegistry
+    from sgpu_magic.launch.leases import LeaseRegistry
 
     return LeaseRegistry(tmp_path / "leases")
 
@@ -159,7 +159,7 @@ def test_leased_fake_gpus_reach_the_ranks_and_are_released(ip, run_cell, fake_gp
 def test_no_wait_fails_naming_the_holder_and_a_queued_job_starts_when_gpus_free(ip, run_cell, go, fake_gpus):
     import os
 
-    from sgpu_magic.job import jobs
+    from sgpu_magic.job.handle import jobs
 
     holder = fake_gpus.acquire("other-job", 7, fake_gpus_list())
     before = len(jobs())
@@ -199,6 +199,6 @@ def test_cancelling_a_pending_job_removes_it_from_the_queue(ip, run_cell, go, fa
 
 
 def fake_gpus_list():
-    from sgpu_magic.resources import fake_gpus
+    from sgpu_magic.launch.resources import fake_gpus
 
     return fake_gpus("8 x H100")

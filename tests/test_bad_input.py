@@ -35,7 +35,7 @@ from IPython.core.error import UsageError
 
 from sgpu_magic import distributed
 from sgpu_magic.errors import CellSyntaxError, SpecError
-from sgpu_magic.launcher import get_host
+from sgpu_magic.launch.client import get_host
 
 CELL = "<%%distributed cell>"
 PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None,
@@ -442,7 +442,7 @@ def _local_objects():
         (coro, r".*coro is an async function, whose result cannot be sent back"),
         (agen, r".*agen is an async function, whose result cannot be sent back from the ranks; make it a plain def "
                  r"that returns a value"),
-        (distributed(gpus=1)(plain), r"sgpu_magic\.decorator\.DistributedFunction .*plain is already decorated with "
+        (distributed(gpus=1)(plain), r"sgpu_magic\.DistributedFunction .*plain is already decorated with "
                                      r"@distributed; decorate the function once"),
     ]
 
@@ -654,7 +654,7 @@ def test_the_core_never_imports_ray():
     import subprocess
     import sys
 
-    code = ("import sys, sgpu_magic, sgpu_magic.decorator, sgpu_magic.magics, sgpu_magic.job, sgpu_magic.host\n"
+    code = ("import sys, sgpu_magic, sgpu_magic.front.decorator, sgpu_magic.front.magics, sgpu_magic.job.handle, sgpu_magic.launch.host.process\n"
             "from sgpu_magic import distributed\n"
             "distributed(gpus=2, cluster='auto')(len)\n"  # validating cluster= needs no Ray either
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")

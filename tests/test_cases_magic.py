@@ -20,7 +20,7 @@ from helpers import C01_CELL1, kids, run_dirs, wait_gone
 from IPython.core.error import UsageError
 
 from sgpu_magic.errors import RankFailedError
-from sgpu_magic.magics import DistributedMagics
+from sgpu_magic.front.magics import DistributedMagics
 
 
 

@@ -23,7 +23,7 @@ from IPython.core.error import UsageError
 from test_bad_input import settled  # noqa: F401 - the "nothing starts" fixture
 
 from sgpu_magic import distributed, run_script, runtime
-from sgpu_magic.decorator import REMOTE_CLUSTER_ENV, remote_cluster
+from sgpu_magic.front.decorator import REMOTE_CLUSTER_ENV, remote_cluster
 from sgpu_magic.errors import SpecError
 from sgpu_magic.spec import parse_accelerator_type
 

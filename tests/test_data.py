@@ -306,7 +306,7 @@ def test_data_loader_defaults():
 def test_files_queued_or_being_read_are_never_evicted(tmp_path):
     """A bound below what is pinned (fetched ahead, or yielded and still being read) is exceeded, not enforced
     on those files: evicting one made a reader's open() fail. Unpinned files still go, least recently served first."""
-    from sgpu_magic.volume_cache import VolumeCache
+    from sgpu_magic.data.cache import VolumeCache
 
     cache = VolumeCache(tmp_path / "cache", max_bytes=2500)
 

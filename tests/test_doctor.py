@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from sgpu_magic.doctor import Check, DoctorConfig, Report, Status, diagnose
-from sgpu_magic.doctor._machine import torch_gpu_problem
-from sgpu_magic.doctor._services import jupyter_row, widgets_row
+from sgpu_magic.front.doctor import Check, DoctorConfig, Report, Status, diagnose
+from sgpu_magic.front.doctor._machine import torch_gpu_problem
+from sgpu_magic.front.doctor._services import jupyter_row, widgets_row
 
 REPO = Path(__file__).resolve().parents[1]
 IPYWIDGETS_REQUIRES = ["comm>=0.1.3", "ipython>=6.1.0", "widgetsnbextension~=4.0.16", "jupyterlab_widgets~=3.0.17",
@@ -124,8 +124,8 @@ def test_torch_that_cannot_be_imported_and_a_cluster_without_ray_are_errors(clea
 
 HOLDER = """
 import os, sys
-from sgpu_magic.leases import LeaseRegistry
-from sgpu_magic.resources import list_gpus
+from sgpu_magic.launch.leases import LeaseRegistry
+from sgpu_magic.launch.resources import list_gpus
 lease, why = LeaseRegistry().try_acquire("job-doctor", 2, list_gpus()[2:])
 print("held" if lease else why, flush=True)
 sys.stdin.read()
@@ -170,7 +170,7 @@ def test_a_fake_gpu_inventory_that_does_not_parse_is_an_error(clean_env, monkeyp
 
 
 def test_no_gpu_here_means_cpu_ranks_and_unused_leases(clean_env):
-    from sgpu_magic.resources import list_gpus
+    from sgpu_magic.launch.resources import list_gpus
 
     if list_gpus():
         pytest.skip("this machine has GPUs (tests/test_gpu.py covers them)")
@@ -332,7 +332,7 @@ def test_mlflow_server_password_is_not_shown(clean_env, monkeypatch):
 
 @pytest.mark.slow
 def test_mlflow_server_that_answers(clean_env, monkeypatch):
-    from sgpu_magic.tracking import MlflowUI
+    from sgpu_magic.tracking.run import MlflowUI
 
     ui = MlflowUI(f"sqlite:///{clean_env}/served.db")
     try:
@@ -366,7 +366,7 @@ def test_widgets_whose_frontend_extension_does_not_match_will_not_render():
 
 
 def test_the_installed_widget_stack_matches():
-    from sgpu_magic.doctor._services import frontend_rows
+    from sgpu_magic.front.doctor._services import frontend_rows
 
     assert frontend_rows(DoctorConfig(), None)[0].status is Status.OK
 
@@ -479,7 +479,7 @@ def test_text_and_html_of_a_report():
 
 
 def test_distributed_doctor_in_an_ipython_shell_shows_its_launch_host(ip, clean_env):
-    from sgpu_magic.launcher import get_host
+    from sgpu_magic.launch.client import get_host
 
     from helpers import wait_for
 
@@ -522,7 +522,7 @@ def test_distributed_doctor_reads_the_kernels_config_and_its_options(ip, clean_e
 def test_distributed_doctor_says_when_the_launch_host_has_exited(ip, clean_env):
     import signal
 
-    from sgpu_magic.launcher import get_host
+    from sgpu_magic.launch.client import get_host
 
     from helpers import wait_for
 

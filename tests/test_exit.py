@@ -17,8 +17,8 @@ from helpers import wait_for, wait_gone
 
 from sgpu_magic import distributed
 from sgpu_magic.errors import JobTimeoutError, RankFailedError, SpecError
-from sgpu_magic.launcher import get_host
-from sgpu_magic.warm_pool import warm_wait_s
+from sgpu_magic.launch.client import get_host
+from sgpu_magic.launch.host.warm_pool import warm_wait_s
 
 
 def status(job) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from sgpu_magic.resources import list_gpus
+from sgpu_magic.launch.resources import list_gpus
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,7 @@ def test_nccl_rank_returns_cpu_tensor_and_kernel_stays_cuda_free():
 
 def test_gpu_type_is_detected_and_checked():
     from sgpu_magic.errors import ResourceError
-    from sgpu_magic.resources import list_gpus, plan_devices
+    from sgpu_magic.launch.resources import list_gpus, plan_devices
     from sgpu_magic.spec import make_spec
 
     gpus = list_gpus()

@@ -277,7 +277,7 @@ def test_c12_restart_or_kill_leaves_no_ranks_or_host(how):
     km, kc = start_kernel()
     try:
         piddir = make_piddir(kc)
-        host_pid = kernel_eval(kc, "__import__('sgpu_magic.launcher').launcher.get_host().pid")
+        host_pid = kernel_eval(kc, "__import__('sgpu_magic.launch.client').launch.client.get_host().pid")
         kc.execute(C12_CELL)
         ranks = wait_for(new_pids(piddir, 2), START_DEADLINE_S, "both ranks to record their pid")
         assert existing(ranks | {host_pid}) == sorted(ranks | {host_pid})

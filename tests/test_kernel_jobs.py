@@ -74,7 +74,7 @@ def test_two_kernels_queue_for_a_fake_8_gpu_inventory(tmp_path, fake_env):
 
 def test_kernel_shutdown_gives_back_the_gpus_at_once(tmp_path, fake_env):
     """The launch host releases a job's lease when it stops the ranks on its way down."""
-    from sgpu_magic.leases import LeaseRegistry
+    from sgpu_magic.launch.leases import LeaseRegistry
 
     registry = LeaseRegistry(fake_env["SGPU_MAGIC_LEASE_DIR"])
     km, kc = start_kernel(env=fake_env)

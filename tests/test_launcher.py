@@ -9,7 +9,7 @@ import pytest
 
 from sgpu_magic import distributed
 from sgpu_magic.errors import LauncherError
-from sgpu_magic.launcher import get_host
+from sgpu_magic.launch.client import get_host
 
 
 def _wait_gone(pids, timeout_s=10.0):
@@ -56,7 +56,7 @@ def sleeper(piddir):
 
 def _start_sleepers(piddir):
     """Start the 2-rank ``sleeper`` job in the background; return it and its rank pids once both run."""
-    from sgpu_magic.decorator import start
+    from sgpu_magic.front.decorator import start
 
     job = start(sleeper.spec, lambda warn: sleeper._payload((str(piddir),), {}, warn))
     deadline = time.monotonic() + 60
@@ -122,7 +122,7 @@ def test_a_cell_whose_ddp_model_outlives_its_process_group_does_not_hang(ip):
 
 
 def test_teardown_leaves_user_objects_alone_once_the_group_is_gone():
-    from sgpu_magic.worker import _teardown
+    from sgpu_magic.rank.worker import _teardown
 
     dropped = []
 
@@ -142,7 +142,7 @@ def test_teardown_leaves_user_objects_alone_once_the_group_is_gone():
     ("nccl", 4, {"OMP_NUM_THREADS": "6"}, "6"),  # the kernel's own value always wins
 ])
 def test_omp_num_threads_follows_torchrun(backend, world, kernel_env, expected):
-    from sgpu_magic.host import _rank_env
+    from sgpu_magic.launch.host.process import _rank_env
 
     launch = {"world_size": world, "backend": backend, "job_id": "j", "max_restarts": 0}
     assert _rank_env(launch, 0, 29500, kernel_env).get("OMP_NUM_THREADS") == expected

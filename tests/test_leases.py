@@ -10,15 +10,15 @@ import threading
 import pytest
 
 from sgpu_magic.errors import JobCancelledError, ResourceError
-from sgpu_magic.leases import LeaseRegistry
-from sgpu_magic.resources import fake_gpus
+from sgpu_magic.launch.leases import LeaseRegistry
+from sgpu_magic.launch.resources import fake_gpus
 
 GPUS = fake_gpus("8 x H100")
 
 WORKER = textwrap.dedent("""
     import os, random, sys
-    from sgpu_magic.leases import LeaseRegistry
-    from sgpu_magic.resources import fake_gpus
+    from sgpu_magic.launch.leases import LeaseRegistry
+    from sgpu_magic.launch.resources import fake_gpus
 
     lease_dir, held_dir, seed, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     rng = random.Random(seed)
@@ -93,7 +93,7 @@ def test_explicit_gpu_ids_wait_for_exactly_those(tmp_path):
 
 
 def test_a_dead_holders_lease_is_reclaimed_by_the_next_job(tmp_path):
-    code = ("import sys\nfrom sgpu_magic.leases import LeaseRegistry\nfrom sgpu_magic.resources import fake_gpus\n"
+    code = ("import sys\nfrom sgpu_magic.launch.leases import LeaseRegistry\nfrom sgpu_magic.launch.resources import fake_gpus\n"
             "LeaseRegistry(sys.argv[1]).acquire('doomed', 8, fake_gpus('8 x H100'))\nprint('held', flush=True)\n"
             "sys.stdin.read()\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""Jobs on a Ray cluster (sgpu_magic.ray_cluster): a real two-node Ray cluster on this machine.
+"""Jobs on a Ray cluster (sgpu_magic.launch.ray.cluster): a real two-node Ray cluster on this machine.
 
 ``ray.cluster_utils.Cluster`` starts a head node and a worker node (each its own raylet, with 2
 CPUs), as Ray's own tests do; jobs run with ``cluster=<its address>``. Skipped without Ray
@@ -243,7 +243,7 @@ def test_kernel_sigkill_leaves_no_actor_or_rank(cluster, tmp_path):
 
 def test_gpu_ranks_see_their_nodes_gpus_in_local_rank_order(tmp_path):
     """torchrun's contract on GPU nodes: each local rank sees the node's job GPUs and takes cuda:LOCAL_RANK."""
-    from sgpu_magic.ray_cluster import _Supervisor
+    from sgpu_magic.launch.ray.cluster import _Supervisor
     from sgpu_magic.rundir import RunDir, atomic_write_json
 
     rd = RunDir.create(tmp_path)
@@ -258,7 +258,7 @@ def test_gpu_ranks_see_their_nodes_gpus_in_local_rank_order(tmp_path):
 
 
 def test_a_kernel_connected_to_one_cluster_refuses_another(cluster):
-    from sgpu_magic import ray_cluster
+    from sgpu_magic.launch.ray import cluster as ray_cluster
 
     ray_cluster.connect(cluster.address)
     with pytest.raises(ResourceError, match=r"this kernel is connected to the Ray cluster '.*', not '127.0.0.1:9'; a "

@@ -5,7 +5,7 @@ import socket
 import pytest
 
 from sgpu_magic.errors import ResourceError
-from sgpu_magic.resources import Gpu, check_port_free, list_gpus, plan_devices
+from sgpu_magic.launch.resources import Gpu, check_port_free, list_gpus, plan_devices
 from sgpu_magic.spec import make_spec
 
 H100 = [Gpu(i, "NVIDIA H100 80GB HBM3", f"GPU-{i:04d}") for i in range(8)]

@@ -13,9 +13,9 @@ import pytest
 from IPython.core.error import UsageError
 
 from sgpu_magic import JobState, distributed
-from sgpu_magic.decorator import start
+from sgpu_magic.front.decorator import start
 from sgpu_magic.errors import RankFailedError, SpecError
-from sgpu_magic.panel import Panel
+from sgpu_magic.ui.panel import Panel
 
 
 @distributed(gpus=2, max_restarts=2, mlflow=False, timeout=180)

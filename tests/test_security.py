@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from sgpu_magic import distributed
-from sgpu_magic.redact import redact, secret_values
+from sgpu_magic._util.redact import redact, secret_values
 from sgpu_magic.rundir import RunDir, default_root, read_private
 
 LOOPBACK = {"127.0.0.1", "::1"}
@@ -61,7 +61,7 @@ def test_a_job_listens_on_loopback_only():
 
 def test_the_launch_host_takes_commands_only_from_its_pipe():
     """No socket and no named file: the host's only command channel is the unnamed pipe on its stdin."""
-    from sgpu_magic.launcher import get_host
+    from sgpu_magic.launch.client import get_host
 
     host = psutil.Process(get_host().pid)
     assert not [c for c in host.net_connections("all") if c.status == psutil.CONN_LISTEN]
@@ -120,8 +120,8 @@ def test_everything_a_job_writes_is_private(sgpu_home):
 
 
 def test_a_lease_directory_is_created_private(tmp_path):
-    from sgpu_magic.leases import LeaseRegistry
-    from sgpu_magic.resources import fake_gpus
+    from sgpu_magic.launch.leases import LeaseRegistry
+    from sgpu_magic.launch.resources import fake_gpus
 
     lease, why = LeaseRegistry(tmp_path / "leases").try_acquire("job-1", 1, fake_gpus("2 x H100"))
     assert lease is not None, why

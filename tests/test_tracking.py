@@ -26,10 +26,10 @@ from helpers import wait_for
 from kernel_utils import collect, execute, start_kernel, stop_kernel
 
 from sgpu_magic import JobState, distributed
-from sgpu_magic.decorator import start
+from sgpu_magic.front.decorator import start
 from sgpu_magic.errors import JobTimeoutError, LauncherError, RankFailedError
-from sgpu_magic.launcher import get_host
-from sgpu_magic.tracking import MlflowUIError, absolute_tracking_uri, run_link, start_ui, stop_ui
+from sgpu_magic.launch.client import get_host
+from sgpu_magic.tracking.run import MlflowUIError, absolute_tracking_uri, run_link, start_ui, stop_ui
 
 START_DEADLINE_S = 120.0
 
@@ -321,7 +321,7 @@ def test_a_cell_ending_with_log_metric_gives_none_as_with_sync_logging(run_cell,
 def test_the_kernels_own_choice_of_sync_logging_reaches_the_ranks(experiment, monkeypatch):
     """``MLFLOW_ENABLE_ASYNC_LOGGING=false`` in the kernel (what ``mlflow.config.enable_async_logging(False)`` sets)
     keeps the ranks' ``log_metric`` synchronous."""
-    from sgpu_magic.tracking import ASYNC_LOGGING_ENV, rank_logging_env
+    from sgpu_magic.tracking.run import ASYNC_LOGGING_ENV, rank_logging_env
 
     assert rank_logging_env({}) == ASYNC_LOGGING_ENV
     assert rank_logging_env({"MLFLOW_ENABLE_ASYNC_LOGGING": "false"}) == {"MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS": "1"}
@@ -555,7 +555,7 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
         url = re.fullmatch(r"MLflow UI for (\S+): (http://127\.0\.0\.1:\d+)", out.stdout.strip())
         assert url and url.group(1) == os.environ["MLFLOW_TRACKING_URI"], out.stdout
         base = url.group(2)
-        watchdog = ast.literal_eval(execute(kc, "print(__import__('sgpu_magic.tracking').tracking._ui.pid)").stdout)
+        watchdog = ast.literal_eval(execute(kc, "print(__import__('sgpu_magic.tracking.run').tracking.run._ui.pid)").stdout)
 
         out = execute(kc, UI_JOB)
         assert out.error is None, out.error

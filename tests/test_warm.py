@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sgpu_magic import distributed
-from sgpu_magic.launcher import get_host
+from sgpu_magic.launch.client import get_host
 
 
 @distributed(gpus=2)
@@ -132,7 +132,7 @@ def test_a_warm_rank_imports_no_torch_module_of_its_own():
 
 def test_cold_start_method_can_be_forced(monkeypatch):
     """SGPU_MAGIC_START_METHOD=subprocess makes a new host start every rank as a fresh interpreter."""
-    from sgpu_magic.launcher import shutdown_host
+    from sgpu_magic.launch.client import shutdown_host
 
     shutdown_host()
     monkeypatch.setenv("SGPU_MAGIC_START_METHOD", "subprocess")

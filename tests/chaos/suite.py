@@ -206,7 +206,7 @@ class Runner:
         kernel = psutil.Process(self.km.provisioner.process.pid) if self.km and self.km.has_kernel else None
         for p in psutil.process_iter(["cmdline"]):
             cmd = " ".join(p.info["cmdline"] or [])
-            if "sgpu_magic.host import main" in cmd and kernel is not None and cmd.endswith(f" {kernel.pid}"):
+            if "sgpu_magic.launch.host.process import main" in cmd and kernel is not None and cmd.endswith(f" {kernel.pid}"):
                 return p.pid
         return None
 
@@ -356,7 +356,7 @@ class Runner:
             time.sleep(0.1)
 
     def _lease_held(self, job_id: str) -> bool:
-        from sgpu_magic.leases import LeaseRegistry
+        from sgpu_magic.launch.leases import LeaseRegistry
 
         return any(h["job_id"] == job_id for h in LeaseRegistry(self.workdir / "leases").snapshot()["holders"])
 

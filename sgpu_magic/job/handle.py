@@ -1,0 +1,883 @@
+"""The kernel-side :class:`Job` handle: state, log following, results, cancel.
+
+A job is followed through its RunDir: the host's ``status.json``, each rank's log file
+(read by byte offset) and the ranks' result and error files.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextvars
+import enum
+import os
+import pickle
+import select
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from sgpu_magic.errors import (NO_GPU_HINT, JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, RankFailure,
+                     ResourceError, SgpuError)
+from sgpu_magic.launch.client import LaunchHost
+from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
+from sgpu_magic.launch.resources import DevicePlan, Gpu
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private
+from sgpu_magic.spec import LaunchSpec
+
+POLL_INTERVAL_S = 0.01
+"""How often a followed job's status file is checked (an os.stat) when its status FIFO could not be made;
+with the FIFO the follower sleeps until the launch host signals a status write (or ``PUMP_INTERVAL_S``)."""
+PUMP_INTERVAL_S = 0.05
+"""How often the rank logs are read (and the launch host's liveness checked) while nothing else changes."""
+ON_SCREEN_READ_S = 0.2
+"""How often a log on screen is read when no sink needs every line (the panel shows it at most 5 times a second)."""
+OFF_SCREEN_READ_S = 5.0
+"""How often the logs of ranks not on screen are read, when no sink needs every line (the panel
+refreshes tabs off screen every 5 s, and a tab at once when it is selected)."""
+TAIL_MIN_BYTES = 64 * 1024
+"""Below this much new output a log is read whole; above it, from where its last lines start (the
+first window read back from the end; later windows fit the lines seen so far)."""
+HOST_CHECK_S = 0.5
+"""How often a followed job checks that its launch host process still runs."""
+CANCEL_WAIT_S = 15.0
+
+
+class JobState(enum.Enum):
+    """Life cycle of a job. Final states: SUCCEEDED, FAILED, CANCELLED, TIMED_OUT."""
+
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def final(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT)
+
+    @property
+    def label(self) -> str:
+        """The state in words, as the panel, the summary line and the job table show it: ``timed out``."""
+        return self.value.replace("_", " ")
+
+
+def _to_state(status: dict) -> JobState:
+    """The host writes JobState values, plus ``interrupted`` (a cancel caused by a kernel interrupt)."""
+    raw = status.get("state", "pending")
+    return JobState.CANCELLED if raw == "interrupted" else JobState(raw)
+
+
+class LogFollower:
+    """Follows one rank's log file by byte offset and returns the new text (UTF-8 decoded incrementally).
+
+    The file is kept open from its first read until :meth:`close` (logs are only appended to), so a
+    read with nothing new costs one ``fstat``.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.skipped_total = 0
+        """Bytes passed over so far (they are only in the log file)."""
+        self._line_bytes = 0.0  # mean length of the lines read from the tail last time
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._file = None
+
+    def _open(self):
+        if self._file is None:
+            try:
+                self._file = open(self.path, "rb")  # noqa: SIM115 - kept open until close()
+            except FileNotFoundError:
+                return None
+        return self._file
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def read(self, final: bool = False) -> str:
+        """Text written since the last call; with ``final`` also a trailing incomplete character."""
+        f = self._open()
+        if f is None or os.fstat(f.fileno()).st_size <= self.offset:
+            chunk = b""
+        else:
+            f.seek(self.offset)
+            chunk = f.read()
+        self.offset += len(chunk)
+        return self._decoder.decode(chunk, final=final)
+
+    def read_tail(self, min_lines: int, final: bool = False) -> tuple[int, str]:
+        """Like :meth:`read`, but when much was written, skip to the last ``min_lines`` complete lines.
+
+        Returns ``(skipped_bytes, text)``: the bytes passed over (they end at a line end) and the
+        text after them. A view that shows only the last lines reads a few hundred KB however
+        fast the rank writes.
+        """
+        f = self._open()
+        if f is None:
+            return 0, ""
+        size = os.fstat(f.fileno()).st_size
+        if size - self.offset <= TAIL_MIN_BYTES:
+            return 0, self.read(final)
+        # a window that holds min_lines lines of the length seen so far (a fifth more), at least 4 KiB
+        want = max(4096, int(min_lines * self._line_bytes * 1.2)) if self._line_bytes else TAIL_MIN_BYTES
+        while True:
+            start = max(self.offset, size - want)
+            f.seek(start)
+            chunk = f.read(size - start)
+            cut = chunk.find(b"\n") if start > self.offset else -1
+            lines = chunk.count(b"\n", cut + 1) if cut >= 0 else 0
+            if lines:
+                self._line_bytes = (len(chunk) - cut - 1) / lines
+            if cut >= 0 and lines >= min_lines:
+                skipped = start + cut + 1 - self.offset
+                self.skipped_total += skipped
+                self.offset = start + len(chunk)
+                self._decoder.reset()  # the skipped bytes end at a newline: no character is cut
+                return skipped, self._decoder.decode(chunk[cut + 1:], final=final)
+            if start == self.offset:
+                self.offset += len(chunk)
+                return 0, self._decoder.decode(chunk, final=final)
+            want *= 4
+
+    def reread_tail(self, min_lines: int) -> tuple[int, str]:
+        """The last ``min_lines`` complete lines of the whole log (and any unfinished last line), read
+        again from the file, after :meth:`read_tail` passed over the middle with fewer lines.
+
+        Returns ``(skipped_bytes, text)`` like :meth:`read_tail`; ``skipped_bytes`` counts only bytes
+        not reported as skipped before, so the sum over calls stays the bytes before the text.
+        """
+        before = self.skipped_total
+        self.offset, self.skipped_total = 0, 0
+        self._decoder.reset()
+        skipped, text = self.read_tail(min_lines, final=True)
+        return max(0, skipped - before), text
+
+
+class JobSink:
+    """Receives one job's events; subclass and override what you need.
+
+    The panel, the text view and MLflow tracking are sinks. ``created`` runs in the thread
+    that started the job; the other events come from the thread that follows it (the calling
+    thread for a blocking call, a background thread for a submitted job). ``prepare`` runs
+    once the job holds its GPUs, before the ranks start.
+    """
+
+    needs_every_line = True
+    """False for a sink that shows only the last ``tail_lines`` lines of each rank: when every sink
+    says so, the job skips over the middle of fast logs (see :meth:`skipped`)."""
+    tail_lines = 0
+    """Lines of each rank the sink keeps at the end (read from the log's tail when it skips)."""
+    live_tail_lines = 0
+    """Lines of each rank the sink shows while the job runs (0: ``tail_lines``); the logs are read from
+    their tail with this many lines, and once more with ``tail_lines`` when the job ends."""
+
+    def ranks_on_screen(self) -> set[int] | None:
+        """Ranks whose output is shown right now (read every ``ON_SCREEN_READ_S``); the others are read
+        every ``OFF_SCREEN_READ_S`` when no sink needs every line. ``None``: all of them."""
+        return None
+
+    def created(self, job: "Job") -> None:
+        """The job exists (state pending); nothing has started yet. Runs in the starting thread."""
+
+    def pending(self, job: "Job", why: str) -> None:
+        """The job waits for GPUs; ``why`` says how many are free and who holds the rest."""
+
+    def prepare(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> dict:
+        """Before launch: return ``{"env": {...}}`` for the ranks and other launch.json entries."""
+        return {}
+
+    def started(self, job: "Job") -> None:
+        """The job was handed to the launch host."""
+
+    def output(self, rank: int, text: str) -> None:
+        """New text from rank ``rank``'s log (stdout and stderr in order; may end mid-line)."""
+
+    def skipped(self, rank: int, nbytes: int) -> None:
+        """``nbytes`` of rank ``rank``'s log (ending at a line end) were passed over; they are in its file.
+        The lines the sink holds are dropped (``nbytes`` may be 0 when the job's end reads a longer tail again)."""
+
+    def state_changed(self, job: "Job", state: "JobState") -> None:
+        """The job moved to ``state``."""
+
+    def tick(self, job: "Job") -> None:
+        """Called on every poll of the job (about 20 times a second): flush what is buffered."""
+
+    def restarted(self, job: "Job", attempt: int) -> None:
+        """A rank failed and every rank was started again (``max_restarts``); ``attempt`` counts from 1."""
+
+    def finished(self, job: "Job") -> None:
+        """The job reached a final state; every line of its logs was delivered before this."""
+
+    def launch_failed(self, job_id: str, error: BaseException) -> None:
+        """The launch failed after ``prepare`` (no ``started`` or ``finished`` follows): release what
+        ``prepare`` set up."""
+
+    def run_url(self) -> str | None:
+        """A link to the page of what the sink records for the job, if a server shows it now (``Job.run_url``)."""
+        return None
+
+
+_JOBS: list["Job"] = []
+_JOBS_LOCK = threading.Lock()
+
+
+def jobs() -> list["Job"]:
+    """Every job started in this process (kernel), oldest first."""
+    with _JOBS_LOCK:
+        return list(_JOBS)
+
+
+class Job:
+    """A pending, running or finished distributed job (future-like).
+
+    Returned at once by ``fn.submit(...)`` and ``%%distributed --background``; a blocking
+    ``fn.distributed(...)`` keeps it as ``fn.last_job``.
+
+    Attributes:
+        job_id: unique id, also the run directory's name.
+        spec: the :class:`~sgpu_magic.spec.LaunchSpec` it was started with.
+        plan: where its ranks run (:class:`~sgpu_magic.launch.resources.DevicePlan`; its ``gpus`` once leased).
+        run_dir: path of its run directory (logs stay there after the job).
+        background: whether a background thread follows the job (``submit``), else the caller does.
+        mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked.
+        run_url: a link to that run's page on its tracking server, or on the ``%mlflow_ui`` server
+            once one runs for its store (also for a job started before it), else ``None``.
+        waited_s: seconds the job waited in the queue for its GPUs.
+    """
+
+    def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, get_host: Callable[[], LaunchHost],
+                 sinks: list[JobSink] = (), registry: LeaseRegistry | None = None) -> None:
+        self._rd = run_dir
+        self._status_path = run_dir.status_file
+        self._status_path_str = str(self._status_path)  # stat-ed every poll: no pathlib on that path
+        self.spec = spec
+        self.plan = plan
+        self._get_host = get_host
+        self._host: LaunchHost | None = None
+        self._registry = registry
+        self._lease: Lease | None = None
+        self._skipped: dict[str, str] = {}  # free GPUs the last lease try passed over: uuid -> why
+        self._sinks = list(sinks)
+        self._last_state: JobState | None = None
+        self._attempt = 1
+        self._followers = [LogFollower(run_dir.log_file(r)) for r in range(plan.world_size)]
+        self._results: list[Any] | None = None
+        self._error: BaseException | None = None
+        self._final_status: dict | None = None
+        self._cancel = threading.Event()
+        self._cancel_reason = "cancelled"
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stamp: tuple | None = None
+        self._status_cache: tuple[tuple, float, dict] | None = None
+        self._last_pump = 0.0
+        self._host_checked = 0.0
+        self._signal_fd: int | None = None
+        # every line to each sink, or (when no sink needs them all) only the last tail_lines lines
+        self._tail_lines = None if any(s.needs_every_line for s in self._sinks) else max(
+            [s.tail_lines for s in self._sinks] + [1])
+        self._live_tail_lines = None if self._tail_lines is None else max(
+            [s.live_tail_lines or s.tail_lines for s in self._sinks] + [1])
+        self._read_at = [0.0] * plan.world_size
+        self.background = False
+        self.submitted_s = time.time()
+        self.waited_s = 0.0
+        self.pending_reason = ""
+        self.mlflow_run_id: str | None = None
+        self._notes: list[str] | None = None
+        with _JOBS_LOCK:
+            _JOBS.append(self)
+
+    job_id = property(lambda self: self._rd.job_id)
+    run_dir = property(lambda self: self._rd.path)
+
+    @property
+    def run_url(self) -> str | None:
+        """The run page of the job's MLflow run where a server shows it now (see the class docstring)."""
+        return next((url for sink in self._sinks if (url := sink.run_url()) is not None), None)
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def gpus(self) -> list[int]:
+        """Physical indices of the GPUs leased to the job (``[]`` on CPU or before they are leased)."""
+        return self.plan.gpu_indices
+
+    @property
+    def rank_exitcodes(self) -> dict[int, int | None]:
+        """Exit code of each rank once the job ended (negative: killed by that signal); ``{}`` before."""
+        return {int(k): v for k, v in (self._status().get("exitcodes") or {}).items()}
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from the ranks' start to the job's end (or to now while it runs); ``None`` before start."""
+        status = self._status()
+        if "started_s" not in status:
+            return None
+        return status.get("ended_s", time.time()) - status["started_s"]
+
+    @property
+    def log_paths(self) -> list[Path]:
+        """One log file per rank, in rank order."""
+        return [self._rd.log_file(r) for r in range(self.world_size)]
+
+    def logs(self, rank: int) -> str:
+        """Everything rank ``rank`` wrote to stdout and stderr so far."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} is not in this job (world_size={self.world_size})")
+        path = self._rd.log_file(rank)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    @property
+    def attempt(self) -> int:
+        """Which attempt runs (or ran last): 1, then 2 after the first restart (see ``max_restarts``)."""
+        return int(self._status().get("attempt", 1))
+
+    @property
+    def attempts(self) -> list[dict]:
+        """The failed attempts before the current one: ``[{"attempt": 1, "failures": [{"rank", "exitcode",
+        "time_s"}], "ended_s", "exitcodes"}]``; their error files are in ``<run_dir>/errors/attempt_<k>/``."""
+        return [{**a, "exitcodes": {int(r): code for r, code in a.get("exitcodes", {}).items()}}
+                for a in self._status().get("attempts", [])]
+
+    @property
+    def notes(self) -> list[str]:
+        """Once the job has ended, how ranks ended that their exit codes do not say (the panel header and the
+        summary line show them): a rank that called ``sys.exit(0)``, a rank the launch host ended because it
+        had not exited ``teardown_grace_s`` after its value or error was written. ``[]`` while it runs."""
+        if not self.done():
+            return []
+        if self._notes is None:
+            self._notes = ending_notes(self._rd, self._status(), self.world_size)
+        return self._notes
+
+    def _status(self, stamp: tuple | None = None) -> dict:
+        """The job's status file as last written (re-read only when the file was replaced since);
+        ``stamp``: its :meth:`_status_stamp` if the caller has just taken it."""
+        if self._final_status is not None:
+            return self._final_status
+        stamp, now = stamp or self._status_stamp(), time.monotonic()
+        cached = self._status_cache
+        # a replaced file has a new stamp; the age bound covers a reused inode with the same times
+        if stamp is not None and cached is not None and cached[0] == stamp and now - cached[1] < PUMP_INTERVAL_S:
+            return cached[2]
+        status = read_json(self._status_path)
+        if status is None:  # not written yet, or caught half-rewritten in place (full disk): keep the last one
+            return cached[2] if cached is not None else {"state": "pending"}
+        self._status_cache = (stamp, now, status)
+        return status
+
+    @property
+    def state(self) -> JobState:
+        """The current :class:`JobState`."""
+        return _to_state(self._status())
+
+    def done(self) -> bool:
+        return self.state.final
+
+    def _emit(self, event: str, *args: Any) -> None:
+        for sink in self._sinks:
+            getattr(sink, event)(*args)
+
+    # -- start: lease GPUs, prepare the sinks, hand the run dir to the launch host
+
+    def _try_lease(self) -> bool:
+        """One attempt at the GPUs (no queueing unless the job may wait). True when the job may launch."""
+        if not self.plan.needs_lease or self._lease is not None:
+            return True
+        lease, why = self._registry.try_acquire(self.job_id, self.world_size, list(self.plan.candidates),
+                                                explicit=self.plan.explicit, skip=self._skip, enqueue=self.spec.wait)
+        if lease is None:
+            if not self.spec.wait:
+                self._error = ResourceError(f"job {self.job_id} cannot start now: {why}. Leave out --no-wait / "
+                                            f"wait=False to queue for the GPUs")
+                self._write_final("failed", launch_error=why)
+                with _JOBS_LOCK:  # refused before anything started: not one of the kernel's jobs
+                    _JOBS.remove(self)
+                raise self._error
+            self._set_pending(why)
+            return False
+        self._got_lease(lease)
+        return True
+
+    def _skip(self, free: list[Gpu]) -> dict[str, str]:
+        busy = {} if self.plan.explicit else foreign_processes(free)
+        self._skipped = busy
+        return busy
+
+    def _set_pending(self, why: str) -> None:
+        self.pending_reason = why
+        self._emit("pending", self, why)
+
+    def _wait_for_lease(self) -> None:
+        self._got_lease(self._registry.acquire(
+            self.job_id, self.world_size, list(self.plan.candidates), explicit=self.plan.explicit, skip=self._skip,
+            on_wait=lambda why: why != self.pending_reason and self._set_pending(why), cancelled=self._cancel))
+
+    def _got_lease(self, lease: Lease) -> None:
+        self._lease = lease
+        self.waited_s = time.time() - self.submitted_s if self.pending_reason else 0.0
+        self.pending_reason = ""
+        self.plan = self.plan.with_gpus(lease.gpus)
+        by_uuid = {g.uuid: g for g in self.plan.candidates}
+        for uuid, reason in self._skipped.items():
+            if hasattr(self._sinks[-1], "warn"):
+                self._sinks[-1].warn(f"GPU {by_uuid[uuid].index} skipped: it runs processes outside sgpu_magic "
+                                     f"({reason}); pass gpu_ids=[...] / --gpu-ids to use it anyway")
+
+    def _launch(self) -> None:
+        """Write launch.json (with what the sinks prepare) and hand the run dir to the launch host."""
+        rd, plan, spec = self._rd, self.plan, self.spec
+        launch = {"job_id": rd.job_id, "name": spec.name, "world_size": plan.world_size, "backend": plan.backend,
+                  "cuda_visible_devices": plan.cuda_visible_devices, "timeout_s": spec.timeout_s, "port": spec.port,
+                  "max_restarts": spec.max_restarts, "cwd": self._cwd, "sys_path": self._sys_path, "env": {},
+                  "teardown_grace_s": spec.teardown_grace_s}
+        if plan.gpus:
+            launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
+        if self._lease is not None:  # the launch host gives the GPUs back as soon as the ranks are gone
+            launch["lease_dir"] = str(self._registry.dir)
+        prepared: list[JobSink] = []
+        try:
+            for sink in self._sinks:
+                extra = sink.prepare(rd.job_id, spec, plan)
+                prepared.append(sink)
+                launch["env"].update(extra.pop("env", {}))
+                launch.update(extra)
+            atomic_write_json(rd.launch_file, launch)
+            for rank in range(plan.world_size):
+                rd.log_file(rank).touch(mode=0o600)
+            self._open_status_signal()
+            host = self._get_host()
+            try:
+                host.launch(rd)
+            except LauncherError:
+                host = self._get_host()
+                host.launch(rd)
+            self._host = host
+            if self._lease is not None:
+                self._lease.add_process(host.pid)
+        except BaseException as exc:
+            for sink in prepared:
+                sink.launch_failed(rd.job_id, exc)
+            self._release()
+            raise
+        self._emit("started", self)
+        if self._cancel.is_set():
+            self.request_cancel(self._cancel_reason)
+
+    def _open_status_signal(self) -> None:
+        """Make the job's status FIFO and hold it open for reading and writing (so it never reads as
+        closed); without it the follower polls every ``POLL_INTERVAL_S``."""
+        path = self._rd.status_signal
+        try:
+            os.mkfifo(path, 0o600)
+            self._signal_fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        except (OSError, AttributeError):  # a file system without FIFOs
+            self._signal_fd = None
+
+    def _close_status_signal(self) -> None:
+        """Close the FIFO and remove it: a FIFO left in the run directory would block whoever copies it."""
+        fd, self._signal_fd = self._signal_fd, None
+        if fd is not None:
+            os.close(fd)
+            self._rd.status_signal.unlink(missing_ok=True)
+
+    def _wait_for_status(self) -> None:
+        """Sleep until the launch host writes the job's status, or ``PUMP_INTERVAL_S`` (time to read the
+        logs again) passes."""
+        fd = self._signal_fd
+        if fd is None:
+            time.sleep(POLL_INTERVAL_S)
+            return
+        try:
+            ready, _, _ = select.select([fd], [], [], PUMP_INTERVAL_S)
+            if ready:
+                os.read(fd, 4096)
+        except (OSError, ValueError):  # closed by the thread that saw the job end
+            time.sleep(POLL_INTERVAL_S)
+
+    def _release(self) -> None:
+        self._close_status_signal()
+        if self._lease is not None:
+            self._lease.release()
+
+    def _write_final(self, state: str, **extra: Any) -> None:
+        """End a job that never reached the launch host (cancelled while pending, or refused)."""
+        self._release()
+        self._final_status = {"state": state, "ended_s": time.time(), **extra}
+        atomic_write_json(self._status_path, self._final_status)
+        self._last_state = _to_state(self._final_status)
+        self._emit("state_changed", self, self._last_state)
+        if self._last_state is JobState.CANCELLED:
+            self._emit("finished", self)
+        self._done.set()
+
+    # -- follow
+
+    def _pump(self, final: bool = False) -> None:
+        """Hand what the ranks wrote since the last call to the sinks; ``final``: all of it, then close the logs."""
+        try:
+            self._read_logs(final)
+        finally:
+            if final:
+                for follower in self._followers:
+                    follower.close()
+
+    def _read_logs(self, final: bool) -> None:
+        tail = self._tail_lines
+        if tail is None:
+            for rank, follower in enumerate(self._followers):
+                text = follower.read(final)
+                if text:
+                    self._emit("output", rank, text)
+            return
+        now = time.monotonic()
+        on_screen = None
+        if not final:
+            shown = [sink.ranks_on_screen() for sink in self._sinks]
+            on_screen = None if any(s is None for s in shown) else set().union(*shown)
+        for rank, follower in enumerate(self._followers):
+            every_s = ON_SCREEN_READ_S if on_screen is None or rank in on_screen else OFF_SCREEN_READ_S
+            if not final and now - self._read_at[rank] < every_s:
+                continue
+            self._read_at[rank] = now
+            if final and follower.skipped_total and self._live_tail_lines < tail:
+                # while running only the last live lines were read: the sinks keep the last tail lines,
+                # read again (the skip clears what they hold)
+                skipped, text = follower.reread_tail(tail)
+                self._emit("skipped", rank, skipped)
+            else:
+                skipped, text = follower.read_tail(tail if final else self._live_tail_lines, final)
+                if skipped:
+                    self._emit("skipped", rank, skipped)
+            if text:
+                self._emit("output", rank, text)
+
+    def _status_stamp(self) -> tuple | None:
+        try:
+            st = os.stat(self._status_path_str)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size  # each write is a rename: a new inode
+
+    def _poll_once(self) -> bool:
+        if self._final_status is not None:
+            return True
+        stamp, now = self._status_stamp(), time.monotonic()
+        if stamp == self._stamp and now - self._last_pump < PUMP_INTERVAL_S:
+            return False
+        self._stamp, self._last_pump = stamp, now
+        self._pump()
+        status = self._status(stamp)
+        state = _to_state(status)
+        waiting = status.get("waiting")  # a Ray job waiting for the cluster's resources (sgpu_magic.launch.ray.cluster)
+        if waiting and waiting != self.pending_reason and not state.final:
+            self._set_pending(waiting)
+        if status.get("attempt", 1) != self._attempt:
+            self._attempt = status["attempt"]
+            self._emit("restarted", self, self._attempt)
+        if state.final:
+            self._pump(final=True)
+            self._final_status = status
+        if state is not self._last_state:
+            self._last_state = state
+            self._emit("state_changed", self, state)
+        if state.final:
+            self._release()
+            self._emit("finished", self)
+            self._done.set()
+            return True
+        self._emit("tick", self)
+        if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
+            message = (f"the launch host died while job {self.job_id} ran; see {self._host.log_path} "
+                       f"and the rank logs in {self._rd.path / 'logs'}")
+            self._pump(final=True)
+            self._final_status = {**status, "state": "failed", "host_lost": message, "ended_s": time.time()}
+            self._last_state = JobState.FAILED
+            self._release()
+            self._emit("state_changed", self, JobState.FAILED)
+            self._emit("finished", self)
+            self._done.set()
+            raise LauncherError(message)
+        return False
+
+    def _host_alive(self, now: float) -> bool:
+        self._host_checked = now
+        return self._host.alive()
+
+    def _run_to_end(self) -> None:
+        """Lease the GPUs (waiting in the queue) and launch, unless done already; then follow to the end."""
+        if self._host is None:
+            if self._lease is None and self.plan.needs_lease:
+                self._wait_for_lease()
+            if self._cancel.is_set():  # cancelled before its launch: start nothing
+                raise JobCancelledError(f"job {self.job_id} was cancelled before it started (no rank ran)")
+            self._launch()
+        while not self._poll_once():
+            self._wait_for_status()
+
+    def _follow_blocking(self) -> None:
+        """:meth:`_run_to_end` in the calling thread; an interrupt cancels the job and raises
+        :class:`~sgpu_magic.errors.JobCancelledError`."""
+        try:
+            self._run_to_end()
+        except JobCancelledError:
+            if not self.done():
+                self._write_final("cancelled")
+            raise
+        except KeyboardInterrupt:
+            if self._host is None:
+                self._write_final("interrupted")
+            else:
+                self.request_cancel("interrupted")
+                self._drain(CANCEL_WAIT_S)
+            raise JobCancelledError(f"job {self.job_id} was interrupted; every rank was stopped. "
+                                    f"Logs: {self._rd.path / 'logs'}") from None
+
+    def _follow_background(self) -> None:
+        """Body of the background thread of a submitted job."""
+        try:
+            self._run_to_end()
+        except JobCancelledError:
+            if not self.done():
+                self._write_final("cancelled")
+        except BaseException as exc:  # noqa: BLE001 - recorded on the job, shown by its view
+            self._error = exc if isinstance(exc, SgpuError) else LauncherError(
+                f"job {self.job_id} could not run: {type(exc).__name__}: {exc}")
+            if self._final_status is None:
+                self._write_final("failed", launch_error=str(self._error))
+        finally:
+            self._done.set()
+
+    def _start_background(self) -> None:
+        """Follow the job from a daemon thread that runs in a copy of the caller's context, so output
+        that the text view writes after the cell ended still goes to the cell that started the job."""
+        self.background = True
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._follow_background,),
+                                        name=f"sgpu_magic job {self.job_id}", daemon=True)
+        self._thread.start()
+
+    def _drain(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        if self._thread is not None:
+            self._done.wait(timeout_s)
+            return
+        while self._host is not None and not self._poll_once() and time.monotonic() < deadline:
+            self._wait_for_status()
+
+    def wait(self, timeout_s: float | None = None) -> JobState:
+        """Block until the job ends or ``timeout_s`` seconds pass; return its state.
+
+        For a submitted (background) job an interrupt only stops the waiting (the job goes on;
+        use :meth:`cancel`). For the job of a blocking call, interrupting cancels it and raises
+        :class:`~sgpu_magic.errors.JobCancelledError` (a KeyboardInterrupt).
+        """
+        if threading.current_thread() is self._thread or (self._thread is None and self.done()):
+            return self.state  # a sink asking from the following thread, or a blocking job that ended
+        if self._thread is not None:
+            self._done.wait(timeout_s)
+            return self.state
+        if self._host is None:  # a blocking job not launched yet: wait for its GPUs, launch, follow
+            self._follow_blocking()
+            return self.state
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while not self._poll_once():
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                self._wait_for_status()
+        except KeyboardInterrupt:
+            self.cancel(_reason="interrupted")
+            raise JobCancelledError(f"job {self.job_id} was interrupted; every rank was stopped. "
+                                    f"Logs: {self._rd.path / 'logs'}") from None
+        return self.state
+
+    def request_cancel(self, _reason: str = "cancelled") -> None:
+        """Ask for every rank to stop (or a pending job to leave the queue), without waiting.
+
+        Safe from any thread (the panel's Stop button)."""
+        self._cancel_reason = _reason
+        self._cancel.set()
+        if self._final_status is None and self._host is not None:
+            try:
+                self._host.cancel(self._rd, _reason)
+            except LauncherError:
+                pass
+
+    def cancel(self, _reason: str = "cancelled") -> None:
+        """Stop every rank (SIGTERM, then SIGKILL) and wait until they are gone; state becomes CANCELLED.
+
+        A job still waiting for GPUs leaves the queue. Nothing happens to a job that has ended."""
+        if self.done():
+            return
+        self.request_cancel(_reason)
+        if self._host is None and self._thread is None:
+            self._write_final(_reason)
+            return
+        self._drain(CANCEL_WAIT_S)
+
+    def exception(self, timeout_s: float | None = None) -> BaseException | None:
+        """Wait for the job (at most ``timeout_s``); return its error (``None`` on success).
+
+        Raises:
+            TimeoutError: ``timeout_s`` passed before the job ended.
+        """
+        self.wait(timeout_s)
+        if not self.done():
+            raise TimeoutError(f"job {self.job_id} is still {self.state.label} after {timeout_s:g} s")
+        if self._error is None and self.state is not JobState.SUCCEEDED:
+            self._error = self._build_error()
+        return self._error
+
+    def result(self, timeout_s: float | None = None) -> list[Any]:
+        """Wait for the job (at most ``timeout_s``); return one value per rank, in rank order (tensors on CPU).
+
+        Raises:
+            RankFailedError: a rank failed; shows the root-cause rank's traceback and log path.
+            JobTimeoutError: the job ran past its timeout.
+            JobCancelledError: (a KeyboardInterrupt) the job was interrupted or cancelled.
+            ResourceError: the job could not get its GPUs (``wait=False``).
+            TimeoutError: ``timeout_s`` passed before the job ended.
+        """
+        error = self.exception(timeout_s)
+        if error is not None:
+            raise error
+        if self._results is None:
+            self._results = [self._load_result(r) for r in range(self.world_size)]
+        return self._results
+
+    @property
+    def results(self) -> list[Any] | None:
+        """Per-rank values once the job succeeded, else ``None``."""
+        if self.state is JobState.SUCCEEDED:
+            return self.result()
+        return None
+
+    def _load_result(self, rank: int) -> Any:
+        path = self._rd.result_file(rank)
+        try:
+            data = read_private(path, self._rd.path)
+        except FileNotFoundError:
+            raise SgpuError(f"rank {rank} exited 0 but left no result; see {self._rd.log_file(rank)}") from None
+        try:
+            return pickle.loads(data)
+        except Exception as exc:
+            raise SgpuError(f"the result of rank {rank} cannot be unpickled in the kernel "
+                            f"({type(exc).__name__}: {exc}); return plain Python, numpy or torch values") from exc
+
+    def _build_error(self) -> BaseException:
+        status = self._status()
+        state = self.state
+        if state is JobState.TIMED_OUT:
+            return JobTimeoutError(f"job {self.job_id} ran longer than its timeout of {self.spec.timeout_s:g} s; "
+                                   f"every rank was stopped. Logs: {self._rd.path / 'logs'}")
+        if state is JobState.CANCELLED:
+            how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
+            if "started_s" not in status:
+                return JobCancelledError(f"job {self.job_id} was {how} before it started (no rank ran)")
+            return JobCancelledError(f"job {self.job_id} was {how}; every rank was stopped. "
+                                     f"Logs: {self._rd.path / 'logs'}")
+        if status.get("host_lost"):
+            return LauncherError(status["host_lost"])
+        if status.get("launch_error"):
+            return LauncherError(f"job {self.job_id} could not start: {status['launch_error']}")
+        error = failure_from_status(self._rd, status, self.world_size)
+        if error.root_cause.cuda and self.plan.backend == "gloo" and self.plan.cluster is None:
+            error.hint = NO_GPU_HINT
+        if status.get("attempts"):
+            error.attempt_note = (f"attempt {status.get('attempt', 1)} of {self.spec.max_restarts + 1} failed, after "
+                                  f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures")
+        return error
+
+    def __repr__(self) -> str:
+        gpus = f" gpus={self.gpus}" if self.gpus else ""
+        return (f"<Job {self.job_id} {self.state.label} world_size={self.world_size}{gpus} "
+                f"run_dir={str(self.run_dir)!r}>")
+
+
+def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:
+    """:attr:`Job.notes` from the host's status (``teardown_ended``) and the ranks' exit files."""
+    notes = []
+    for entry in status.get("teardown_ended", []):
+        what = "returned its value" if entry.get("outcome") == "value" else "raised"
+        kept = "; its value is kept" if entry.get("outcome") == "value" else ""
+        notes.append(f"rank {entry['rank']} needed the teardown grace: it {what} but had not exited "
+                     f"{entry.get('grace_s', 0):g} s later (teardown_grace_s), so sgpu_magic ended it "
+                     f"({entry.get('signal', 'SIGTERM')}){kept}")
+    for rank in range(world_size):
+        ended = read_json(rd.exit_file(rank))
+        if ended and ended.get("kind") != "script":  # a script's sys.exit(0) is its normal end
+            notes.append(f"rank {rank} called sys.exit(0) at {ended.get('where', '?')}; it returned nothing")
+    return notes
+
+
+def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailedError:
+    """Build the :class:`RankFailedError` for a failed job: the earliest failure is the root cause.
+
+    Ranks the host saw exit with an error before it stopped the rest come first: a rank killed outright
+    (SIGKILL, SIGSEGV) leaves no error file, and the exceptions it then causes in the other ranks
+    (connection reset) carry earlier timestamps than the host's observation of its death.
+    """
+    exitcodes = {int(k): v for k, v in (status.get("exitcodes") or {}).items()}
+    observed = {f["rank"]: f for f in status.get("failures", [])}
+    failures = []
+    for rank in range(world_size):
+        err = read_json(rd.error_file(rank))
+        if rank not in observed and err is None:
+            continue
+        seen = observed.get(rank, {})
+        failures.append(RankFailure(
+            rank=rank, exitcode=seen.get("exitcode", exitcodes.get(rank)),
+            exc_type=err and err["exc_type"], message=(err or {}).get("message", ""),
+            traceback=(err or {}).get("traceback", ""), log_path=str(rd.log_file(rank)),
+            time_s=err["time_s"] if err else seen.get("time_s", float("inf")), cuda=bool((err or {}).get("cuda"))))
+    if not failures:
+        failures.append(RankFailure(rank=0, exitcode=exitcodes.get(0), log_path=str(rd.log_file(0))))
+    failures.sort(key=lambda f: (f.rank not in observed, f.time_s, f.rank))
+    failed = {f.rank for f in failures}
+    stopped = [r for r in range(world_size) if r not in failed and not rd.result_file(r).exists()]
+    return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))
+
+
+def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable[[], LaunchHost],
+           sinks: list[JobSink] = (), root: Path | None = None, background: bool = False,
+           registry: LeaseRegistry | None = None) -> Job:
+    """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
+
+    The first try for the GPUs happens in the calling thread, so ``wait=False`` refusals raise
+    here. A background job is then launched and followed by a daemon thread (its launch errors
+    are the job's error); for a blocking one the launch happens here and the caller runs
+    :meth:`Job._follow_blocking` (which waits in the GPU queue if needed; an interrupt cancels
+    the job).
+
+    ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
+    one is asked once more, so a dead host never fails a launch.
+    """
+    rd = RunDir.create(root)
+    atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    if plan.needs_lease and registry is None:
+        registry = LeaseRegistry()
+    job = Job(rd, spec, plan, get_host, sinks, registry)
+    job._cwd, job._sys_path = os.getcwd(), list(sys.path)
+    job._emit("created", job)
+    try:
+        # the first try for the GPUs is here, so that wait=False refuses at once; a background job is
+        # launched by its own thread (creating its MLflow run can take seconds), a blocking one here
+        if job._try_lease() and not background:
+            job._launch()
+    except KeyboardInterrupt:
+        if not job.done():
+            job._write_final("interrupted")
+        raise
+    if background:
+        job._start_background()
+    return job

@@ -1,0 +1,61 @@
+"""The shared start pipeline of every front door: check the machine, capture, warn, lease GPUs, start the ranks.
+
+Everything that can be refused is refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from sgpu_magic.job.handle import Job, JobSink, submit
+from sgpu_magic.launch.client import get_host
+from sgpu_magic.launch.leases import LeaseRegistry
+from sgpu_magic.launch.resources import DevicePlan, check_port_free, plan_devices
+from sgpu_magic.spec import LaunchSpec
+
+
+def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dict], sinks: list[JobSink],
+          background: bool = False, lease_dir: str | None = None) -> Job:
+    """Plan the devices (locally, or on the Ray cluster ``spec.cluster``), build the payload (its warnings go to
+    the last sink, the view, as capture finds them), say the plan's note, then lease GPUs (in ``lease_dir``,
+    default :func:`sgpu_magic.launch.leases.default_lease_dir`) and hand the job to its launcher.
+
+    Raises :class:`~sgpu_magic.errors.SpecError` / :class:`~sgpu_magic.errors.ResourceError` before any process
+    starts. A background job is followed by its own thread; for a blocking one the caller runs ``job.follow()``.
+    """
+    view = sinks[-1]
+    if spec.cluster is not None:  # Ray places the ranks: no local GPUs, no leases, no local port
+        from sgpu_magic.launch.ray.cluster import RayLauncher, is_connected, plan_on_cluster
+
+        if not is_connected():
+            view.note(f"sgpu_magic: connecting to the Ray cluster {spec.cluster} ...")
+        plan = plan_on_cluster(spec)
+        launcher = RayLauncher(spec.cluster, spec.gpu_type)
+        host_factory: Callable = lambda: launcher  # noqa: E731
+    else:
+        plan = plan_devices(spec)
+        if spec.port is not None:
+            check_port_free(spec.port)
+        host_factory = get_host
+    payload = build_payload(view.warn)  # warnings are shown as capture finds them
+    payload.setdefault("argv", [spec.name])  # the ranks' sys.argv: a script run without arguments
+    _say_note(view, plan, spec)
+    registry = LeaseRegistry(lease_dir) if plan.needs_lease else None
+    return submit(spec, plan, payload, host_factory, sinks, background=background, registry=registry)
+
+
+_NO_GPU_SAID = threading.Event()
+"""Set once this kernel has said that the machine has no GPU; later jobs say it in their panel header."""
+
+
+def _say_note(view: JobSink, plan: DevicePlan, spec: LaunchSpec) -> None:
+    """The plan's note for the user; ``no GPU found; running N CPU rank(s) with gloo`` once per kernel
+    (again for a job whose ``gpu_type`` it ignores)."""
+    if not plan.note:
+        return
+    if plan.no_gpu and not spec.gpu_type:
+        if _NO_GPU_SAID.is_set():
+            return
+        _NO_GPU_SAID.set()
+    view.note(plan.note)
