@@ -25,7 +25,7 @@ import torch.distributed as dist
 from sgpu_magic import distributed
 from sgpu_magic.front.magics import DistributedMagics as _DM
 from sgpu_magic.tracking.run import MlflowTracking as _MT
-from sgpu_magic.job.handle import JobSink as _JS
+from sgpu_magic.job.follow import JobSink as _JS
 
 def _emit(**data):
     sys.stdout.write("__BENCH__" + json.dumps(data) + "\\n")

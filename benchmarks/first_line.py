@@ -14,7 +14,7 @@ import time
 from sgpu_magic import distributed
 from sgpu_magic.front.decorator import start
 from sgpu_magic.launch.client import get_host
-from sgpu_magic.ui.panel import TextView
+from sgpu_magic.ui.text import TextView
 
 
 class _Stamp(TextView):

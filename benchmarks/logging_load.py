@@ -15,7 +15,8 @@ import time
 from sgpu_magic import distributed
 from sgpu_magic.front.decorator import start
 from sgpu_magic.launch.client import get_host
-from sgpu_magic.ui.panel import Panel, TextView
+from sgpu_magic.ui.panel import Panel
+from sgpu_magic.ui.text import TextView
 
 
 @distributed(gpus=2)

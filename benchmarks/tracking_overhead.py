@@ -26,7 +26,7 @@ def main() -> None:
     import io
 
     from sgpu_magic import distributed
-    from sgpu_magic.ui.panel import TextView
+    from sgpu_magic.ui.text import TextView
 
     def trivial():
         return 1

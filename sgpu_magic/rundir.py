@@ -23,10 +23,11 @@ import errno
 import json
 import os
 import secrets
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from sgpu_magic._util.fs import atomic_write
 
 
 def default_root() -> Path:
@@ -112,23 +113,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     On a full disk (ENOSPC) the run dir's reserve is released and the write tried once more.
     """
     try:
-        _atomic_write_bytes(path, data)
+        atomic_write(path, data)
     except OSError as exc:
         if exc.errno != errno.ENOSPC or not release_reserve(path):
             raise
-        _atomic_write_bytes(path, data)
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        atomic_write(path, data)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

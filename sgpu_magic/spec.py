@@ -161,7 +161,7 @@ def _check_max_restarts(max_restarts: object) -> int:
     return int(max_restarts)
 
 
-def _check_switch(name: str, value: object, meaning: str, allow_none: bool = False) -> bool | None:
+def check_switch(name: str, value: object, meaning: str, allow_none: bool = False) -> bool | None:
     """``True`` / ``False`` (also ``1`` / ``0``), or ``None`` where allowed; a string such as "false" is refused."""
     if value is None and allow_none:
         return None
@@ -217,10 +217,10 @@ def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_T
     count = check_gpus(gpus)
     return LaunchSpec(gpus=count, gpu_type=_check_gpu_type(gpu_type),
                       timeout_s=_check_timeout(timeout), port=_check_port(port), name=name,
-                      widgets=_check_switch("widgets", widgets, "the widget panel, plain text, or decide", True),
-                      mlflow=_check_switch("mlflow", mlflow, "track the job as an MLflow run"),
+                      widgets=check_switch("widgets", widgets, "the widget panel, plain text, or decide", True),
+                      mlflow=check_switch("mlflow", mlflow, "track the job as an MLflow run"),
                       gpu_ids=_check_gpu_ids(gpu_ids, count),
-                      wait=_check_switch("wait", wait, "queue for GPUs other jobs hold, or fail at once"),
+                      wait=check_switch("wait", wait, "queue for GPUs other jobs hold, or fail at once"),
                       max_restarts=_check_max_restarts(max_restarts),
                       cluster=_check_cluster(cluster, gpu_ids, max_restarts),
                       teardown_grace_s=check_teardown_grace(teardown_grace_s))

@@ -332,7 +332,7 @@ def test_mlflow_server_password_is_not_shown(clean_env, monkeypatch):
 
 @pytest.mark.slow
 def test_mlflow_server_that_answers(clean_env, monkeypatch):
-    from sgpu_magic.tracking.run import MlflowUI
+    from sgpu_magic.tracking.server import MlflowUI
 
     ui = MlflowUI(f"sqlite:///{clean_env}/served.db")
     try:

@@ -54,7 +54,7 @@ def test_errors_before_launch_render_as_one_line():
 def test_a_rank_killed_outright_is_the_root_cause_not_the_reset_it_caused(tmp_path):
     """Found by the checkpoint tests: rank 0 SIGKILLed itself; rank 1 then raised on the reset connection and
     wrote its error file before the host noticed rank 0's death, so rank 1 looked earlier."""
-    from sgpu_magic.job.handle import failure_from_status
+    from sgpu_magic.job.outcome import failure_from_status
     from sgpu_magic.rundir import RunDir, atomic_write_json
 
     rd = RunDir.create(tmp_path, job_id="j")

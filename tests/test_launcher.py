@@ -142,7 +142,7 @@ def test_teardown_leaves_user_objects_alone_once_the_group_is_gone():
     ("nccl", 4, {"OMP_NUM_THREADS": "6"}, "6"),  # the kernel's own value always wins
 ])
 def test_omp_num_threads_follows_torchrun(backend, world, kernel_env, expected):
-    from sgpu_magic.launch.host.process import _rank_env
+    from sgpu_magic.launch.env import rank_env
 
     launch = {"world_size": world, "backend": backend, "job_id": "j", "max_restarts": 0}
-    assert _rank_env(launch, 0, 29500, kernel_env).get("OMP_NUM_THREADS") == expected
+    assert rank_env(launch, 0, 29500, kernel_env).get("OMP_NUM_THREADS") == expected

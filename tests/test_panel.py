@@ -11,8 +11,9 @@ import pytest
 from sgpu_magic import JobState, distributed
 from sgpu_magic.front.decorator import start
 from sgpu_magic.errors import JobCancelledError, RankFailedError
-from sgpu_magic.ui.panel import (HIDDEN_TAB_FLUSHES_PER_S, MAX_FLUSHES_PER_S, Panel, TerminalBuffer, TextView, make_view,
-                              rank_state)
+from sgpu_magic.ui.panel import HIDDEN_TAB_FLUSHES_PER_S, MAX_FLUSHES_PER_S, Panel, make_view, rank_state
+from sgpu_magic.ui.terminal import TerminalBuffer
+from sgpu_magic.ui.text import TextView
 
 
 def run_with_panel(fn, *args, max_lines=2000):
@@ -215,7 +216,7 @@ def test_max_log_lines_follows_the_config(ip):
 
 
 def test_log_follower_skips_to_the_last_lines_of_a_fast_log(tmp_path):
-    from sgpu_magic.job.handle import LogFollower
+    from sgpu_magic.job.follow import LogFollower
 
     log = tmp_path / "rank_0.log"
     log.write_bytes(b"start \xc3\xa9\n" + b"".join(b"line %07d\n" % i for i in range(100_000)))
@@ -233,7 +234,7 @@ def test_log_follower_skips_to_the_last_lines_of_a_fast_log(tmp_path):
 
 
 def test_log_follower_reads_a_short_tail_live_and_the_long_one_again_at_the_end(tmp_path):
-    from sgpu_magic.job.handle import LogFollower
+    from sgpu_magic.job.follow import LogFollower
 
     log = tmp_path / "rank_0.log"
     with open(log, "wb") as f:

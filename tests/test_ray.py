@@ -243,7 +243,7 @@ def test_kernel_sigkill_leaves_no_actor_or_rank(cluster, tmp_path):
 
 def test_gpu_ranks_see_their_nodes_gpus_in_local_rank_order(tmp_path):
     """torchrun's contract on GPU nodes: each local rank sees the node's job GPUs and takes cuda:LOCAL_RANK."""
-    from sgpu_magic.launch.ray.cluster import _Supervisor
+    from sgpu_magic.launch.ray.launcher import _Supervisor
     from sgpu_magic.rundir import RunDir, atomic_write_json
 
     rd = RunDir.create(tmp_path)

@@ -29,7 +29,9 @@ from sgpu_magic import JobState, distributed
 from sgpu_magic.front.decorator import start
 from sgpu_magic.errors import JobTimeoutError, LauncherError, RankFailedError
 from sgpu_magic.launch.client import get_host
-from sgpu_magic.tracking.run import MlflowUIError, absolute_tracking_uri, run_link, start_ui, stop_ui
+from sgpu_magic.tracking.server import MlflowUIError, start_ui, stop_ui
+from sgpu_magic.tracking.uri import absolute_tracking_uri
+from sgpu_magic.tracking.server import run_link
 
 START_DEADLINE_S = 120.0
 
@@ -555,7 +557,7 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
         url = re.fullmatch(r"MLflow UI for (\S+): (http://127\.0\.0\.1:\d+)", out.stdout.strip())
         assert url and url.group(1) == os.environ["MLFLOW_TRACKING_URI"], out.stdout
         base = url.group(2)
-        watchdog = ast.literal_eval(execute(kc, "print(__import__('sgpu_magic.tracking.run').tracking.run._ui.pid)").stdout)
+        watchdog = ast.literal_eval(execute(kc, "print(__import__('sgpu_magic.tracking.server').tracking.server._ui.pid)").stdout)
 
         out = execute(kc, UI_JOB)
         assert out.error is None, out.error

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from sgpu_magic._util.fs import replacing
 from sgpu_magic.rundir import atomic_write_json, read_json
 
 LOCKS_DIR = ".locks"
@@ -93,15 +94,10 @@ class VolumeCache:
         with FileLock(str(self.directory / LOCKS_DIR / f"{digest}.lock")):
             if self._valid(local, size):
                 return local, False
-            folder, name = os.path.split(local)
+            folder = os.path.dirname(local)
             os.makedirs(folder, exist_ok=True)
-            tmp = os.path.join(folder, f".{name}.{os.getpid()}.part")
-            try:
+            with replacing(local, suffix=".part") as tmp:
                 fetch(tmp)
-                os.replace(tmp, local)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
         if self.max_bytes is not None:
             self._pin(local)
             self._account(local)

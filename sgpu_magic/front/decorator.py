@@ -23,11 +23,14 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from sgpu_magic import capture
-from sgpu_magic.job.handle import Job, JobSink
+from sgpu_magic.job.handle import Job
+from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.start import start as start_job
-from sgpu_magic.ui.panel import DEFAULT_MAX_LINES, TextView, make_view
+from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES
+from sgpu_magic.ui.text import TextView
+from sgpu_magic.ui.panel import make_view
 from sgpu_magic.launch.resources import list_gpus
-from sgpu_magic.spec import (DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec, _check_switch, check_gpus,
+from sgpu_magic.spec import (DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec, check_switch, check_gpus,
                    check_max_capture_bytes, make_spec, parse_accelerator_type, shown)
 from sgpu_magic.errors import SpecError
 
@@ -38,9 +41,9 @@ def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:
     if spec.mlflow:
         from sgpu_magic.tracking.run import DEFAULT_EXPERIMENT, MlflowTracking
 
-        sinks.append(MlflowTracking(default_experiment=_resolve(_FromConfig("mlflow_experiment", DEFAULT_EXPERIMENT)),
-                                    ui=_resolve(_FromConfig("mlflow_ui", False))))
-    sinks.append(view or make_view(spec.widgets, _resolve(_FromConfig("max_log_lines", DEFAULT_MAX_LINES))))
+        sinks.append(MlflowTracking(default_experiment=resolve_config(FromConfig("mlflow_experiment", DEFAULT_EXPERIMENT)),
+                                    ui=resolve_config(FromConfig("mlflow_ui", False))))
+    sinks.append(view or make_view(spec.widgets, resolve_config(FromConfig("max_log_lines", DEFAULT_MAX_LINES))))
     return sinks
 
 
@@ -58,7 +61,7 @@ def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dic
         return payload
 
     return start_job(spec, build, _sinks(spec, view), background=background,
-                     lease_dir=_resolve(_FromConfig("lease_dir", "")) or None)
+                     lease_dir=resolve_config(FromConfig("lease_dir", "")) or None)
 
 
 def _cell_labels(filenames) -> dict[str, str]:
@@ -143,7 +146,7 @@ class DistributedFunction:
 
 DistributedFunction.__module__ = "sgpu_magic"  # its public home (type names in messages, pickles by reference)
 
-class _FromConfig:
+class FromConfig:
     """Default that follows ``%config DistributedMagics.<trait>`` when the extension is loaded."""
 
     def __init__(self, trait: str, fallback: Any) -> None:
@@ -162,8 +165,8 @@ class _FromConfig:
         return repr(self.fallback)
 
 
-def _resolve(value: Any) -> Any:
-    return value.resolve() if isinstance(value, _FromConfig) else value
+def resolve_config(value: Any) -> Any:
+    return value.resolve() if isinstance(value, FromConfig) else value
 
 
 REMOTE_CLUSTER_ENV = "SGPU_MAGIC_REMOTE_CLUSTER"
@@ -173,7 +176,7 @@ REMOTE_CLUSTER_ENV = "SGPU_MAGIC_REMOTE_CLUSTER"
 def remote_cluster() -> str | None:
     """The cluster ``remote=True`` runs on: ``%config DistributedMagics.remote_cluster``, else
     ``$SGPU_MAGIC_REMOTE_CLUSTER``, else ``None`` (none configured)."""
-    configured = _resolve(_FromConfig("remote_cluster", "")) or os.environ.get(REMOTE_CLUSTER_ENV, "")
+    configured = resolve_config(FromConfig("remote_cluster", "")) or os.environ.get(REMOTE_CLUSTER_ENV, "")
     return configured.strip() or None
 
 
@@ -184,7 +187,7 @@ def _cluster_for(remote: object, cluster: object) -> object:
         SpecError: ``remote`` is not True/False, ``remote=True`` with no remote cluster configured, or
             ``remote=True`` together with a different ``cluster=``.
     """
-    if not _check_switch("remote", remote, "run on the kernel's remote cluster, or on this machine"):
+    if not check_switch("remote", remote, "run on the kernel's remote cluster, or on this machine"):
         return cluster
     configured = remote_cluster()
     if configured is None:
@@ -254,12 +257,12 @@ def job_spec(name: str, gpus: object = None, gpu_type: object = None, timeout: o
 
 
 def distributed(gpus: int | None = None, gpu_type: str | None = None,
-                timeout: float | None = _FromConfig("timeout_s", DEFAULT_TIMEOUT_S), *, port: int | None = None,
-                widgets: bool | None = _FromConfig("widgets", None),
-                max_capture_bytes: int = _FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
-                mlflow: bool = _FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
+                timeout: float | None = FromConfig("timeout_s", DEFAULT_TIMEOUT_S), *, port: int | None = None,
+                widgets: bool | None = FromConfig("widgets", None),
+                max_capture_bytes: int = FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
+                mlflow: bool = FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
                 max_restarts: int = 0, cluster: str | None = None,
-                teardown_grace_s: float = _FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
+                teardown_grace_s: float = FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
                 remote: bool = False, num_accelerators: int | None = None, accelerator_type: str | None = None,
                 **unknown: Any) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
@@ -328,11 +331,11 @@ def distributed(gpus: int | None = None, gpu_type: str | None = None,
         raise TypeError(_unknown_arguments_message(unknown))
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
-    timeout, max_capture_bytes, widgets = _resolve(timeout), _resolve(max_capture_bytes), _resolve(widgets)
+    timeout, max_capture_bytes, widgets = resolve_config(timeout), resolve_config(max_capture_bytes), resolve_config(widgets)
     # fail at the decorator line
-    spec = job_spec("function", gpus, gpu_type, timeout, port=port, widgets=widgets, mlflow=_resolve(mlflow),
+    spec = job_spec("function", gpus, gpu_type, timeout, port=port, widgets=widgets, mlflow=resolve_config(mlflow),
                     gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts, cluster=cluster,
-                    teardown_grace_s=_resolve(teardown_grace_s), remote=remote,
+                    teardown_grace_s=resolve_config(teardown_grace_s), remote=remote,
                     num_accelerators=num_accelerators, accelerator_type=accelerator_type)
     max_capture_bytes = check_max_capture_bytes(max_capture_bytes)
 

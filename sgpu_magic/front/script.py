@@ -31,10 +31,10 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from sgpu_magic.front.decorator import _FromConfig, _resolve, job_spec, start
+from sgpu_magic.front.decorator import FromConfig, resolve_config, job_spec, start
 from sgpu_magic.errors import SpecError
 from sgpu_magic.job.handle import Job
-from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, _check_switch, shown
+from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, check_switch, shown
 
 __all__ = ["run_script", "resolve", "ScriptTarget"]
 
@@ -155,11 +155,11 @@ def resolve(script: str, module: bool = False) -> ScriptTarget:
 
 
 def run_script(path_or_module: str, args: Sequence[str] = (), *, module: bool = False, gpus: int | None = None,
-               gpu_type: str | None = None, timeout: float | None = _FromConfig("timeout_s", DEFAULT_TIMEOUT_S),
-               port: int | None = None, widgets: bool | None = _FromConfig("widgets", None),
-               mlflow: bool = _FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
+               gpu_type: str | None = None, timeout: float | None = FromConfig("timeout_s", DEFAULT_TIMEOUT_S),
+               port: int | None = None, widgets: bool | None = FromConfig("widgets", None),
+               mlflow: bool = FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
                max_restarts: int = 0, cluster: str | None = None,
-               teardown_grace_s: float = _FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
+               teardown_grace_s: float = FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
                remote: bool = False, num_accelerators: int | None = None, accelerator_type: str | None = None,
                background: bool = False) -> Any:
     """Run a script (or with ``module=True`` a module) on every rank, as ``torchrun`` does.
@@ -186,11 +186,11 @@ def run_script(path_or_module: str, args: Sequence[str] = (), *, module: bool = 
         JobTimeoutError, JobCancelledError: as for ``fn.distributed``.
     """
     args = _check_args(args)
-    module = _check_switch("module", module, "run a module, as python -m, instead of a script file")
-    background = _check_switch("background", background, "return the Job at once, or wait for the results")
-    spec = job_spec("script", gpus, gpu_type, _resolve(timeout), port=port, widgets=_resolve(widgets),
-                    mlflow=_resolve(mlflow), gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts, cluster=cluster,
-                    teardown_grace_s=_resolve(teardown_grace_s), remote=remote, num_accelerators=num_accelerators,
+    module = check_switch("module", module, "run a module, as python -m, instead of a script file")
+    background = check_switch("background", background, "return the Job at once, or wait for the results")
+    spec = job_spec("script", gpus, gpu_type, resolve_config(timeout), port=port, widgets=resolve_config(widgets),
+                    mlflow=resolve_config(mlflow), gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts, cluster=cluster,
+                    teardown_grace_s=resolve_config(teardown_grace_s), remote=remote, num_accelerators=num_accelerators,
                     accelerator_type=accelerator_type)
     target = resolve(path_or_module, module=module)
     job: Job = start(replace(spec, name=target.name), lambda warn: target.payload(args), background=background)

@@ -5,10 +5,7 @@ A job is followed through its RunDir: the host's ``status.json``, each rank's lo
 """
 
 from __future__ import annotations
-
-import codecs
 import contextvars
-import enum
 import os
 import pickle
 import select
@@ -17,213 +14,45 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
-
-from sgpu_magic.errors import (NO_GPU_HINT, JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, RankFailure,
-                     ResourceError, SgpuError)
+from sgpu_magic.errors import (NO_GPU_HINT, JobCancelledError, JobTimeoutError, LauncherError, ResourceError, SgpuError)
 from sgpu_magic.launch.client import LaunchHost
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private
 from sgpu_magic.spec import LaunchSpec
+from sgpu_magic.job.follow import JobSink, LogFollower
+from sgpu_magic.job.outcome import ending_notes, failure_from_status, stopped_error
+from sgpu_magic.job.state import JobState, state_from_status
+
 
 POLL_INTERVAL_S = 0.01
 """How often a followed job's status file is checked (an os.stat) when its status FIFO could not be made;
 with the FIFO the follower sleeps until the launch host signals a status write (or ``PUMP_INTERVAL_S``)."""
+
+
 PUMP_INTERVAL_S = 0.05
 """How often the rank logs are read (and the launch host's liveness checked) while nothing else changes."""
+
+
 ON_SCREEN_READ_S = 0.2
 """How often a log on screen is read when no sink needs every line (the panel shows it at most 5 times a second)."""
+
+
 OFF_SCREEN_READ_S = 5.0
 """How often the logs of ranks not on screen are read, when no sink needs every line (the panel
 refreshes tabs off screen every 5 s, and a tab at once when it is selected)."""
-TAIL_MIN_BYTES = 64 * 1024
-"""Below this much new output a log is read whole; above it, from where its last lines start (the
-first window read back from the end; later windows fit the lines seen so far)."""
+
+
 HOST_CHECK_S = 0.5
 """How often a followed job checks that its launch host process still runs."""
+
+
 CANCEL_WAIT_S = 15.0
 
 
-class JobState(enum.Enum):
-    """Life cycle of a job. Final states: SUCCEEDED, FAILED, CANCELLED, TIMED_OUT."""
-
-    PENDING = "pending"
-    STARTING = "starting"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    TIMED_OUT = "timed_out"
-
-    @property
-    def final(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT)
-
-    @property
-    def label(self) -> str:
-        """The state in words, as the panel, the summary line and the job table show it: ``timed out``."""
-        return self.value.replace("_", " ")
-
-
-def _to_state(status: dict) -> JobState:
-    """The host writes JobState values, plus ``interrupted`` (a cancel caused by a kernel interrupt)."""
-    raw = status.get("state", "pending")
-    return JobState.CANCELLED if raw == "interrupted" else JobState(raw)
-
-
-class LogFollower:
-    """Follows one rank's log file by byte offset and returns the new text (UTF-8 decoded incrementally).
-
-    The file is kept open from its first read until :meth:`close` (logs are only appended to), so a
-    read with nothing new costs one ``fstat``.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.skipped_total = 0
-        """Bytes passed over so far (they are only in the log file)."""
-        self._line_bytes = 0.0  # mean length of the lines read from the tail last time
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._file = None
-
-    def _open(self):
-        if self._file is None:
-            try:
-                self._file = open(self.path, "rb")  # noqa: SIM115 - kept open until close()
-            except FileNotFoundError:
-                return None
-        return self._file
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def read(self, final: bool = False) -> str:
-        """Text written since the last call; with ``final`` also a trailing incomplete character."""
-        f = self._open()
-        if f is None or os.fstat(f.fileno()).st_size <= self.offset:
-            chunk = b""
-        else:
-            f.seek(self.offset)
-            chunk = f.read()
-        self.offset += len(chunk)
-        return self._decoder.decode(chunk, final=final)
-
-    def read_tail(self, min_lines: int, final: bool = False) -> tuple[int, str]:
-        """Like :meth:`read`, but when much was written, skip to the last ``min_lines`` complete lines.
-
-        Returns ``(skipped_bytes, text)``: the bytes passed over (they end at a line end) and the
-        text after them. A view that shows only the last lines reads a few hundred KB however
-        fast the rank writes.
-        """
-        f = self._open()
-        if f is None:
-            return 0, ""
-        size = os.fstat(f.fileno()).st_size
-        if size - self.offset <= TAIL_MIN_BYTES:
-            return 0, self.read(final)
-        # a window that holds min_lines lines of the length seen so far (a fifth more), at least 4 KiB
-        want = max(4096, int(min_lines * self._line_bytes * 1.2)) if self._line_bytes else TAIL_MIN_BYTES
-        while True:
-            start = max(self.offset, size - want)
-            f.seek(start)
-            chunk = f.read(size - start)
-            cut = chunk.find(b"\n") if start > self.offset else -1
-            lines = chunk.count(b"\n", cut + 1) if cut >= 0 else 0
-            if lines:
-                self._line_bytes = (len(chunk) - cut - 1) / lines
-            if cut >= 0 and lines >= min_lines:
-                skipped = start + cut + 1 - self.offset
-                self.skipped_total += skipped
-                self.offset = start + len(chunk)
-                self._decoder.reset()  # the skipped bytes end at a newline: no character is cut
-                return skipped, self._decoder.decode(chunk[cut + 1:], final=final)
-            if start == self.offset:
-                self.offset += len(chunk)
-                return 0, self._decoder.decode(chunk, final=final)
-            want *= 4
-
-    def reread_tail(self, min_lines: int) -> tuple[int, str]:
-        """The last ``min_lines`` complete lines of the whole log (and any unfinished last line), read
-        again from the file, after :meth:`read_tail` passed over the middle with fewer lines.
-
-        Returns ``(skipped_bytes, text)`` like :meth:`read_tail`; ``skipped_bytes`` counts only bytes
-        not reported as skipped before, so the sum over calls stays the bytes before the text.
-        """
-        before = self.skipped_total
-        self.offset, self.skipped_total = 0, 0
-        self._decoder.reset()
-        skipped, text = self.read_tail(min_lines, final=True)
-        return max(0, skipped - before), text
-
-
-class JobSink:
-    """Receives one job's events; subclass and override what you need.
-
-    The panel, the text view and MLflow tracking are sinks. ``created`` runs in the thread
-    that started the job; the other events come from the thread that follows it (the calling
-    thread for a blocking call, a background thread for a submitted job). ``prepare`` runs
-    once the job holds its GPUs, before the ranks start.
-    """
-
-    needs_every_line = True
-    """False for a sink that shows only the last ``tail_lines`` lines of each rank: when every sink
-    says so, the job skips over the middle of fast logs (see :meth:`skipped`)."""
-    tail_lines = 0
-    """Lines of each rank the sink keeps at the end (read from the log's tail when it skips)."""
-    live_tail_lines = 0
-    """Lines of each rank the sink shows while the job runs (0: ``tail_lines``); the logs are read from
-    their tail with this many lines, and once more with ``tail_lines`` when the job ends."""
-
-    def ranks_on_screen(self) -> set[int] | None:
-        """Ranks whose output is shown right now (read every ``ON_SCREEN_READ_S``); the others are read
-        every ``OFF_SCREEN_READ_S`` when no sink needs every line. ``None``: all of them."""
-        return None
-
-    def created(self, job: "Job") -> None:
-        """The job exists (state pending); nothing has started yet. Runs in the starting thread."""
-
-    def pending(self, job: "Job", why: str) -> None:
-        """The job waits for GPUs; ``why`` says how many are free and who holds the rest."""
-
-    def prepare(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> dict:
-        """Before launch: return ``{"env": {...}}`` for the ranks and other launch.json entries."""
-        return {}
-
-    def started(self, job: "Job") -> None:
-        """The job was handed to the launch host."""
-
-    def output(self, rank: int, text: str) -> None:
-        """New text from rank ``rank``'s log (stdout and stderr in order; may end mid-line)."""
-
-    def skipped(self, rank: int, nbytes: int) -> None:
-        """``nbytes`` of rank ``rank``'s log (ending at a line end) were passed over; they are in its file.
-        The lines the sink holds are dropped (``nbytes`` may be 0 when the job's end reads a longer tail again)."""
-
-    def state_changed(self, job: "Job", state: "JobState") -> None:
-        """The job moved to ``state``."""
-
-    def tick(self, job: "Job") -> None:
-        """Called on every poll of the job (about 20 times a second): flush what is buffered."""
-
-    def restarted(self, job: "Job", attempt: int) -> None:
-        """A rank failed and every rank was started again (``max_restarts``); ``attempt`` counts from 1."""
-
-    def finished(self, job: "Job") -> None:
-        """The job reached a final state; every line of its logs was delivered before this."""
-
-    def launch_failed(self, job_id: str, error: BaseException) -> None:
-        """The launch failed after ``prepare`` (no ``started`` or ``finished`` follows): release what
-        ``prepare`` set up."""
-
-    def run_url(self) -> str | None:
-        """A link to the page of what the sink records for the job, if a server shows it now (``Job.run_url``)."""
-        return None
-
-
 _JOBS: list["Job"] = []
+
+
 _JOBS_LOCK = threading.Lock()
 
 
@@ -378,7 +207,7 @@ class Job:
     @property
     def state(self) -> JobState:
         """The current :class:`JobState`."""
-        return _to_state(self._status())
+        return state_from_status(self._status())
 
     def done(self) -> bool:
         return self.state.final
@@ -512,11 +341,20 @@ class Job:
     def _write_final(self, state: str, **extra: Any) -> None:
         """End a job that never reached the launch host (cancelled while pending, or refused)."""
         self._release()
-        self._final_status = {"state": state, "ended_s": time.time(), **extra}
-        atomic_write_json(self._status_path, self._final_status)
-        self._last_state = _to_state(self._final_status)
-        self._emit("state_changed", self, self._last_state)
-        if self._last_state is JobState.CANCELLED:
+        status = {"state": state, "ended_s": time.time(), **extra}
+        atomic_write_json(self._status_path, status)
+        self._end(status, finished=state_from_status(status) is JobState.CANCELLED)
+
+    def _end(self, status: dict, finished: bool = True) -> None:
+        """The one finalize sequence: keep the final status, release the lease and the status FIFO, tell the
+        sinks (``state_changed``, then ``finished`` unless the job never started), wake whoever waits."""
+        self._final_status = status
+        state = state_from_status(status)
+        self._release()
+        if state is not self._last_state:
+            self._last_state = state
+            self._emit("state_changed", self, state)
+        if finished:
             self._emit("finished", self)
         self._done.set()
 
@@ -577,7 +415,7 @@ class Job:
         self._stamp, self._last_pump = stamp, now
         self._pump()
         status = self._status(stamp)
-        state = _to_state(status)
+        state = state_from_status(status)
         waiting = status.get("waiting")  # a Ray job waiting for the cluster's resources (sgpu_magic.launch.ray.cluster)
         if waiting and waiting != self.pending_reason and not state.final:
             self._set_pending(waiting)
@@ -586,26 +424,17 @@ class Job:
             self._emit("restarted", self, self._attempt)
         if state.final:
             self._pump(final=True)
-            self._final_status = status
+            self._end(status)
+            return True
         if state is not self._last_state:
             self._last_state = state
             self._emit("state_changed", self, state)
-        if state.final:
-            self._release()
-            self._emit("finished", self)
-            self._done.set()
-            return True
         self._emit("tick", self)
         if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
             message = (f"the launch host died while job {self.job_id} ran; see {self._host.log_path} "
                        f"and the rank logs in {self._rd.path / 'logs'}")
             self._pump(final=True)
-            self._final_status = {**status, "state": "failed", "host_lost": message, "ended_s": time.time()}
-            self._last_state = JobState.FAILED
-            self._release()
-            self._emit("state_changed", self, JobState.FAILED)
-            self._emit("finished", self)
-            self._done.set()
+            self._end({**status, "state": "failed", "host_lost": message, "ended_s": time.time()})
             raise LauncherError(message)
         return False
 
@@ -639,8 +468,7 @@ class Job:
             else:
                 self.request_cancel("interrupted")
                 self._drain(CANCEL_WAIT_S)
-            raise JobCancelledError(f"job {self.job_id} was interrupted; every rank was stopped. "
-                                    f"Logs: {self._rd.path / 'logs'}") from None
+            raise stopped_error(self.job_id, "interrupted", self._rd.path / "logs") from None
 
     def _follow_background(self) -> None:
         """Body of the background thread of a submitted job."""
@@ -697,8 +525,7 @@ class Job:
                 self._wait_for_status()
         except KeyboardInterrupt:
             self.cancel(_reason="interrupted")
-            raise JobCancelledError(f"job {self.job_id} was interrupted; every rank was stopped. "
-                                    f"Logs: {self._rd.path / 'logs'}") from None
+            raise stopped_error(self.job_id, "interrupted", self._rd.path / "logs") from None
         return self.state
 
     def request_cancel(self, _reason: str = "cancelled") -> None:
@@ -784,8 +611,7 @@ class Job:
             how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
             if "started_s" not in status:
                 return JobCancelledError(f"job {self.job_id} was {how} before it started (no rank ran)")
-            return JobCancelledError(f"job {self.job_id} was {how}; every rank was stopped. "
-                                     f"Logs: {self._rd.path / 'logs'}")
+            return stopped_error(self.job_id, how, self._rd.path / "logs")
         if status.get("host_lost"):
             return LauncherError(status["host_lost"])
         if status.get("launch_error"):
@@ -802,50 +628,6 @@ class Job:
         gpus = f" gpus={self.gpus}" if self.gpus else ""
         return (f"<Job {self.job_id} {self.state.label} world_size={self.world_size}{gpus} "
                 f"run_dir={str(self.run_dir)!r}>")
-
-
-def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:
-    """:attr:`Job.notes` from the host's status (``teardown_ended``) and the ranks' exit files."""
-    notes = []
-    for entry in status.get("teardown_ended", []):
-        what = "returned its value" if entry.get("outcome") == "value" else "raised"
-        kept = "; its value is kept" if entry.get("outcome") == "value" else ""
-        notes.append(f"rank {entry['rank']} needed the teardown grace: it {what} but had not exited "
-                     f"{entry.get('grace_s', 0):g} s later (teardown_grace_s), so sgpu_magic ended it "
-                     f"({entry.get('signal', 'SIGTERM')}){kept}")
-    for rank in range(world_size):
-        ended = read_json(rd.exit_file(rank))
-        if ended and ended.get("kind") != "script":  # a script's sys.exit(0) is its normal end
-            notes.append(f"rank {rank} called sys.exit(0) at {ended.get('where', '?')}; it returned nothing")
-    return notes
-
-
-def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailedError:
-    """Build the :class:`RankFailedError` for a failed job: the earliest failure is the root cause.
-
-    Ranks the host saw exit with an error before it stopped the rest come first: a rank killed outright
-    (SIGKILL, SIGSEGV) leaves no error file, and the exceptions it then causes in the other ranks
-    (connection reset) carry earlier timestamps than the host's observation of its death.
-    """
-    exitcodes = {int(k): v for k, v in (status.get("exitcodes") or {}).items()}
-    observed = {f["rank"]: f for f in status.get("failures", [])}
-    failures = []
-    for rank in range(world_size):
-        err = read_json(rd.error_file(rank))
-        if rank not in observed and err is None:
-            continue
-        seen = observed.get(rank, {})
-        failures.append(RankFailure(
-            rank=rank, exitcode=seen.get("exitcode", exitcodes.get(rank)),
-            exc_type=err and err["exc_type"], message=(err or {}).get("message", ""),
-            traceback=(err or {}).get("traceback", ""), log_path=str(rd.log_file(rank)),
-            time_s=err["time_s"] if err else seen.get("time_s", float("inf")), cuda=bool((err or {}).get("cuda"))))
-    if not failures:
-        failures.append(RankFailure(rank=0, exitcode=exitcodes.get(0), log_path=str(rd.log_file(0))))
-    failures.sort(key=lambda f: (f.rank not in observed, f.time_s, f.rank))
-    failed = {f.rank for f in failures}
-    stopped = [r for r in range(world_size) if r not in failed and not rd.result_file(r).exists()]
-    return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))
 
 
 def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable[[], LaunchHost],

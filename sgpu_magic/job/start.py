@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from sgpu_magic.job.handle import Job, JobSink, submit
+from sgpu_magic.job.handle import Job, submit
+from sgpu_magic.job.follow import JobSink
 from sgpu_magic.launch.client import get_host
 from sgpu_magic.launch.leases import LeaseRegistry
 from sgpu_magic.launch.resources import DevicePlan, check_port_free, plan_devices
@@ -26,7 +27,8 @@ def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dic
     """
     view = sinks[-1]
     if spec.cluster is not None:  # Ray places the ranks: no local GPUs, no leases, no local port
-        from sgpu_magic.launch.ray.cluster import RayLauncher, is_connected, plan_on_cluster
+        from sgpu_magic.launch.ray.launcher import RayLauncher
+        from sgpu_magic.launch.ray.cluster import is_connected, plan_on_cluster
 
         if not is_connected():
             view.note(f"sgpu_magic: connecting to the Ray cluster {spec.cluster} ...")

@@ -95,7 +95,7 @@ class LaunchHost:
 
     def launch(self, run_dir: RunDir) -> None:
         """Ask the host to start the ranks of ``run_dir`` with the kernel's current environment."""
-        self.send({"op": "launch", "run_dir": str(run_dir.path), "env": _rank_base_env()})
+        self.send({"op": "launch", "run_dir": str(run_dir.path), "env": rank_base_env()})
 
     def cancel(self, run_dir: RunDir, reason: str) -> None:
         """Ask the host to stop a job; ``reason`` is its final state (cancelled, timed_out, interrupted)."""
@@ -122,7 +122,7 @@ def _host_env() -> dict[str, str]:
     return env
 
 
-def _rank_base_env() -> dict[str, str]:
+def rank_base_env() -> dict[str, str]:
     """The kernel's environment as ranks should see it (inline matplotlib backend dropped)."""
     env = _host_env()
     env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)

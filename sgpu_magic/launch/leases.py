@@ -29,6 +29,7 @@ from typing import Callable
 import psutil
 from filelock import FileLock
 
+from sgpu_magic._util.fs import atomic_write
 from sgpu_magic.errors import JobCancelledError, ResourceError
 from sgpu_magic.launch.resources import Gpu
 from sgpu_magic.rundir import default_root
@@ -122,14 +123,7 @@ class LeaseRegistry:
         return data
 
     def _save(self, data: dict) -> None:
-        tmp = self.file.with_name(f".registry.{os.getpid()}.{threading.get_ident()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, self._mode)
-        os.replace(tmp, self.file)
+        atomic_write(self.file, json.dumps(data, indent=1).encode(), mode=self._mode, fsync=True)
 
     def _update(self, job_id: str, change: Callable[[dict], None]) -> None:
         with self._lock:

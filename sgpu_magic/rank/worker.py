@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import ctypes
 import functools
 import gc
 import importlib
@@ -35,10 +34,8 @@ import cloudpickle
 from sgpu_magic.rank import exit as rank_exit
 from sgpu_magic.errors import Unpicklable
 from sgpu_magic.rank.mlflow_guard import flush_async_logging, guard_job_run, settled_value
+from sgpu_magic._util.proc import die_with_parent
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private, traceback_marker
-
-_PR_SET_PDEATHSIG = 1
-
 
 def _redirect_output(log_file) -> None:
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -54,10 +51,7 @@ def _die_with_parent(expected_parent: int | None) -> None:
 
     Also lead a session of its own, so that what this rank starts can be found and stopped with it.
     """
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    die_with_parent(signal.SIGKILL)
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(signal.SIGKILL + 128)  # the parent died before the death signal was armed
     try:

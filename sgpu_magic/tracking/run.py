@@ -1,6 +1,6 @@
 """MLflow tracking: one run per job, created and ended by the kernel.
 
-:class:`MlflowTracking` is a :class:`~sgpu_magic.job.handle.JobSink`. Before the ranks start it creates
+:class:`MlflowTracking` is a :class:`~sgpu_magic.job.follow.JobSink`. Before the ranks start it creates
 one MLflow run (nested under the kernel's active run, if any) and hands the ranks its identity
 through their environment (``MLFLOW_TRACKING_URI``, ``MLFLOW_RUN_ID``, ``MLFLOW_EXPERIMENT_ID``,
 ``MLFLOW_EXPERIMENT_NAME``), so plain ``mlflow.log_metric(...)`` in rank code lands in the job's
@@ -31,34 +31,32 @@ URI, tied to the kernel's life by a small watchdog process; from then on run lin
 """
 
 from __future__ import annotations
-
 import getpass
 import logging
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
-
 from sgpu_magic.errors import SgpuError
 from sgpu_magic._util.redact import redact
-from sgpu_magic.job.handle import JobSink, JobState
+from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.state import JobState
 from sgpu_magic._util.kernel_log import divert_info
 from sgpu_magic.rank.mlflow_guard import RUN_ID_ENV
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, default_root, make_private_dir
+from sgpu_magic.rundir import RunDir, atomic_write_bytes
+from sgpu_magic.tracking.server import start_ui
+from sgpu_magic.tracking.uri import absolute_tracking_uri, http_base, notebook_path, sqlite_dir
+from sgpu_magic.tracking.server import run_link
+
 
 if TYPE_CHECKING:
     from sgpu_magic.job.handle import Job
     from sgpu_magic.launch.resources import DevicePlan
     from sgpu_magic.spec import LaunchSpec
+
 
 DEFAULT_EXPERIMENT = "sgpu_magic"
 """Experiment for jobs when neither the kernel, the environment nor a notebook name gives one."""
@@ -67,15 +65,9 @@ DEFAULT_EXPERIMENT = "sgpu_magic"
 STORE_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration")
 """Loggers whose INFO lines (a new store's tables and migrations) go to the kernel log, not the cell."""
 
-UI_READY_TIMEOUT_S = 120.0
+
 _STATUS = {JobState.SUCCEEDED: "FINISHED", JobState.FAILED: "FAILED"}  # every other final state: KILLED
 
-
-class MlflowUIError(SgpuError):
-    """The local MLflow UI server could not be started."""
-
-
-# ----------------------------------------------------------------------------- import and URIs
 
 _warm_thread: threading.Thread | None = None
 
@@ -103,64 +95,10 @@ def warm_up(after: Path | None = None, max_wait_s: float = 30.0) -> None:
         _warm_thread.start()
 
 
-def absolute_tracking_uri(uri: str) -> str:
-    """``uri`` with a relative local path made absolute (ranks may run elsewhere than the kernel's cwd).
-
-    ``sqlite:///mlflow.db`` -> ``sqlite:////<cwd>/mlflow.db``; ``mlruns`` -> ``/<cwd>/mlruns``;
-    ``file:mlruns`` -> ``file:///<cwd>/mlruns``; server and database URIs are returned as they are.
-    """
-    if uri.startswith("sqlite:///"):
-        path, sep, query = uri[len("sqlite:///"):].partition("?")
-        if path and not path.startswith("/") and path != ":memory:":
-            path = quote(os.path.abspath(unquote(path)))
-            return "sqlite:///" + path + sep + query
-        return uri
-    parts = urlsplit(uri)
-    if not parts.scheme:
-        return os.path.abspath(uri)
-    if parts.scheme == "file" and not parts.netloc and not parts.path.startswith("/"):
-        return "file://" + quote(os.path.abspath(unquote(parts.path)))
-    return uri
-
-
-def _sqlite_dir(uri: str) -> Path | None:
-    """The directory of a local sqlite store's database file, else ``None``."""
-    if not uri.startswith("sqlite:////"):
-        return None
-    path = unquote(uri[len("sqlite:///"):].partition("?")[0])
-    return Path(path).parent
-
-
-def notebook_path() -> str | None:
-    """The notebook this kernel runs, as Jupyter names it (``JPY_SESSION_NAME``), or ``None``."""
-    return os.environ.get("JPY_SESSION_NAME") or None
-
-
-def _http_base(uri: str) -> str | None:
-    """``uri`` without credentials and trailing slash when it is an http(s) server, else ``None``."""
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https"):
-        return None
-    host = parts.hostname or ""
-    netloc = f"[{host}]" if ":" in host else host
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-
-
-def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
-    """The run's page: on the tracking server for an http(s) URI, else on the ``%mlflow_ui`` server if
-    one runs for this URI, else ``None``."""
-    base = _http_base(tracking_uri) or ui_base_url(tracking_uri)
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}" if base else None
-
-
 def _warn(text: str) -> None:
     sys.stderr.write(f"sgpu_magic warning: {redact(text)}\n")
     sys.stderr.flush()
 
-
-# ----------------------------------------------------------------------------- the sink
 
 MLFLOW_ENDED_MARK = "mlflow_ended"
 """File the kernel leaves in a run dir once it has ended the job's MLflow run."""
@@ -309,7 +247,7 @@ class MlflowTracking(JobSink):
 
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
-            db_dir = _sqlite_dir(uri)
+            db_dir = sqlite_dir(uri)
             location = None
             if db_dir is not None:
                 location = (db_dir / "mlruns" / (re.sub(r"[^\w.-]+", "_", name).strip("._") or "experiment")).as_uri()
@@ -332,7 +270,7 @@ class MlflowTracking(JobSink):
         if self.run_id is None:
             return
         job.mlflow_run_id = self.run_id
-        if self.ui and _http_base(self.tracking_uri) is None:
+        if self.ui and http_base(self.tracking_uri) is None:
             try:
                 start_ui(self.tracking_uri, wait=False)
             except Exception as exc:  # noqa: BLE001 - the link is a convenience
@@ -406,183 +344,3 @@ class MlflowTracking(JobSink):
             files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
             for path in files:
                 self._client.log_artifact(self.run_id, str(path), artifact_path=sub)
-
-
-# ----------------------------------------------------------------------------- the local UI server
-
-_WATCHDOG = r"""
-import os, select, signal, subprocess, sys, time
-kernel_pid = int(sys.argv[1])
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-server = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL)
-try:
-    while server.poll() is None:
-        ready, _, _ = select.select([0], [], [], 0.5)
-        if (ready and not os.read(0, 4096)) or os.getppid() != kernel_pid:
-            break  # the kernel closed the pipe, or it is gone
-finally:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        os.killpg(0, signal.SIGTERM)  # the server and what it started share this session's group
-    except OSError:
-        pass
-    deadline = time.monotonic() + 2  # uvicorn stops in ~0.3 s; the CLI parent's own exit can take seconds
-    while server.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    me, group = os.getpid(), os.getpgid(0)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me:
-            try:
-                if os.getpgid(int(entry)) == group:
-                    os.kill(int(entry), signal.SIGKILL)
-            except OSError:
-                pass
-sys.exit(server.returncode or 0)
-"""
-"""Runs as the UI server's parent in a session of its own: stops the server's process group when the
-kernel closes the pipe or dies (checked every 0.5 s), so the server never outlives the kernel."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MlflowUI:
-    """A local ``mlflow server`` for one tracking URI on 127.0.0.1, which dies with the kernel.
-
-    Attributes:
-        backend_uri: the tracking URI it serves.
-        url: ``http://127.0.0.1:<port>``.
-        log_path: the server's output.
-    """
-
-    def __init__(self, backend_uri: str, port: int | None = None) -> None:
-        self.backend_uri = backend_uri
-        if port:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    raise MlflowUIError(f"port {port} on 127.0.0.1 is in use; pick another with --port, "
-                                        f"or leave it out for a free one") from None
-        self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        folder = make_private_dir(default_root() / "mlflow-ui")
-        self.log_path = folder / f"server-{os.getpid()}-{self.port}.log"
-        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_uri,
-               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        # no job runner (2 processes instead of 15); no usage telemetry, whose flush held up the server's exit ~4 s
-        env = {"MLFLOW_DISABLE_TELEMETRY": "true", **os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        cwd = _sqlite_dir(backend_uri) or folder
-        with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
-            self._proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), *cmd],
-                                          stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True, env=env, cwd=str(cwd))
-        self.pid = self._proc.pid
-        """The watchdog's pid; the server runs in its process group (``os.killpg(pid, ...)``)."""
-
-    def alive(self) -> bool:
-        return self._proc.poll() is None
-
-    def answers(self) -> bool:
-        """Whether the server answers ``/health``."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
-                return reply.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def wait_ready(self, timeout_s: float = UI_READY_TIMEOUT_S) -> None:
-        """Block until the server answers; raise :class:`MlflowUIError` if it exits or takes too long."""
-        deadline = time.monotonic() + timeout_s
-        while not self.answers():
-            if not self.alive():
-                raise MlflowUIError(f"the MLflow UI server exited with code {self._proc.returncode}; "
-                                    f"see {self.log_path}:\n{_tail(self.log_path)}")
-            if time.monotonic() > deadline:
-                raise MlflowUIError(f"the MLflow UI server did not answer on {self.url} within {timeout_s:g} s; "
-                                    f"see {self.log_path}")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        """Stop the server (its watchdog stops the whole group) and wait until it is gone."""
-        try:
-            self._proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            self._proc.wait()
-
-
-def _tail(path: Path, n: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
-_ui: MlflowUI | None = None
-_ui_lock = threading.Lock()
-
-
-def start_ui(tracking_uri: str | None = None, port: int | None = None, wait: bool = True,
-             timeout_s: float = UI_READY_TIMEOUT_S) -> MlflowUI:
-    """Start (or reuse) the local MLflow UI server for ``tracking_uri`` (default: the kernel's) on ``port``
-    of 127.0.0.1 (default: a free one).
-
-    One server per kernel: asking for another URI or port stops the previous one. With ``wait``,
-    return once it answers (about 10 s for a fresh server).
-
-    Raises:
-        MlflowUIError: the URI is already a server, the port is in use, or the server exited or did
-            not answer within ``timeout_s``.
-    """
-    global _ui
-    if tracking_uri is None:
-        import mlflow
-
-        tracking_uri = absolute_tracking_uri(mlflow.get_tracking_uri())
-    if _http_base(tracking_uri) is not None:
-        raise MlflowUIError(f"the tracking URI {redact(tracking_uri)} is already an MLflow server; open it directly")
-    with _ui_lock:
-        ui = _ui
-        if ui is None or not ui.alive() or ui.backend_uri != tracking_uri or (port and ui.port != port):
-            if ui is not None:
-                ui.stop()
-            ui = _ui = MlflowUI(tracking_uri, port)
-    if wait:
-        try:
-            ui.wait_ready(timeout_s)
-        except MlflowUIError:
-            with _ui_lock:
-                if _ui is ui:
-                    _ui = None
-            ui.stop()
-            raise
-    return ui
-
-
-def stop_ui() -> bool:
-    """Stop the local MLflow UI server; ``False`` if none ran."""
-    global _ui
-    with _ui_lock:
-        ui, _ui = _ui, None
-    if ui is None:
-        return False
-    ui.stop()
-    return True
-
-
-def ui_base_url(tracking_uri: str) -> str | None:
-    """The ``%mlflow_ui`` server's URL if one runs for ``tracking_uri``, else ``None``."""
-    ui = _ui
-    return ui.url if ui is not None and ui.alive() and ui.backend_uri == tracking_uri else None

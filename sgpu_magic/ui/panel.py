@@ -7,27 +7,31 @@ at most ``HIDDEN_TAB_FLUSHES_PER_S`` times a second.
 """
 
 from __future__ import annotations
-
-import collections
 import functools
 import html
-import itertools
 import os
 import re
-import sys
 import threading
 import time
-
 from sgpu_magic.errors import describe_exit
-from sgpu_magic.job.handle import Job, JobSink, JobState
-from sgpu_magic.rundir import is_attempt_marker, is_traceback_marker
+from sgpu_magic.job.handle import Job
+from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.state import JobState
+from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES, TerminalBuffer
+from sgpu_magic.ui.text import TextView, restart_reason, summary_lines
 
-DEFAULT_MAX_LINES = 2000
+
 MAX_FLUSHES_PER_S = 5.0
+
+
 MAX_BYTES_PER_S = 1 << 20
 """Flushes are spaced so that the panel sends at most about this much log text a second."""
+
+
 LIVE_LINES = 200
 """Lines each tab shows while the job runs (all ``max_lines`` kept lines once it has ended)."""
+
+
 HIDDEN_TAB_FLUSHES_PER_S = 0.2
 """Tabs not on screen are refreshed at most this often (each refresh resends the tab's lines).
 Switching to a tab refreshes it at once, also while a blocking cell runs where the frontend sends
@@ -35,200 +39,16 @@ widget messages to kernel subshells (JupyterLab 4.4+); elsewhere this is how a t
 blocking cell catches up."""
 
 
-def terminal_line(line: str) -> str:
-    """What a terminal would show for ``line``: the text after its last carriage return."""
-    if "\r" not in line:
-        return line
-    parts = [p for p in line.split("\r") if p]
-    return parts[-1] if parts else ""
-
-
-def summary_line(job: Job) -> str:
-    """``sgpu_magic: job <id> succeeded in 3.2 s on 2 x cpu (gloo); logs: <dir>[; MLflow run: <url>]``."""
-    elapsed = f" in {job.elapsed_s:.1f} s" if job.elapsed_s is not None else ""
-    link = f"; MLflow run: {job.run_url}" if getattr(job, "run_url", None) else ""
-    return (f"sgpu_magic: job {job.job_id} {job.state.label}{elapsed} on {job.plan.device_kind}; "
-            f"logs: {job.run_dir / 'logs'}{link}")
-
-
-def summary_lines(job: Job) -> list[str]:
-    """:func:`summary_line`, then one ``sgpu_magic: ...`` line per note on how ranks ended (:attr:`Job.notes`)."""
-    return [summary_line(job)] + [f"sgpu_magic: {note}" for note in job.notes]
-
-
-def _restart_reason(job: Job) -> str:
-    """``rank 1 failed (exit code 1)`` for the attempt that ended last."""
-    attempts = job.attempts
-    failures = attempts[-1]["failures"] if attempts else []
-    return ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failures) or "a rank failed"
-
-
-_TRACEBACK_SHOWN = {False: "the error below shows the root cause's traceback (every rank's is in its log file)",
-                    True: "job.result() raises the error with the root cause's traceback (every rank's is in its "
-                          "log file)"}
-"""What the text view says instead of a rank's traceback, for a blocking and a background job."""
-
-
-class TextView(JobSink):
-    """Streams each rank's lines to the cell's output, prefixed ``[rank N]``; notes and warnings to stderr.
-
-    A rank's traceback is not streamed; the line announcing it says where it is: the kernel
-    shows the root-cause traceback once, in the error it raises (below, or from ``job.result()``
-    for a background job), and every rank's stays in its log file.
-    """
-
-    def __init__(self, out=None, err=None) -> None:
-        self._out = out
-        self._err = err
-        self._partial: dict[int, str] = {}
-        self._failed_ranks: set[int] = set()
-        self._traceback_shown = _TRACEBACK_SHOWN[False]
-
-    def started(self, job: Job) -> None:
-        self._traceback_shown = _TRACEBACK_SHOWN[job.background]
-
-    def output(self, rank: int, text: str) -> None:
-        *lines, self._partial[rank] = (self._partial.get(rank, "") + text).split("\n")
-        self.lines(rank, lines)
-
-    def lines(self, rank: int, lines: list[str]) -> None:
-        """Write complete lines of rank ``rank``."""
-        if rank not in self._failed_ranks and not any("\r" in line or line.startswith("[sgpu_magic] rank ")
-                                                      for line in lines):
-            if lines:  # fast path: no carriage return, no traceback marker
-                out = self._out or sys.stdout
-                prefix = f"[rank {rank}] "
-                out.write(prefix + f"\n{prefix}".join(lines) + "\n")
-                out.flush()
-            return
-        shown = []
-        for line in lines:
-            if is_attempt_marker(line):  # a new attempt: this rank's lines are shown again
-                self._failed_ranks.discard(rank)
-            if rank in self._failed_ranks:
-                continue
-            if is_traceback_marker(line):
-                self._failed_ranks.add(rank)
-                line = line.replace("its traceback follows", self._traceback_shown)
-            shown.append(f"[rank {rank}] {terminal_line(line)}\n")
-        if shown:
-            out = self._out or sys.stdout
-            out.write("".join(shown))
-            out.flush()
-
-    def pending(self, job: Job, why: str) -> None:
-        self.note(f"sgpu_magic: job {job.job_id} is pending, {why}")
-
-    def restarted(self, job: Job, attempt: int) -> None:
-        self._failed_ranks.clear()  # the new attempt's lines are shown again
-        self.note(f"sgpu_magic: job {job.job_id}: {_restart_reason(job)}; attempt {attempt} of "
-                  f"{job.spec.max_restarts + 1} started")
-
-    def finished(self, job: Job) -> None:
-        for rank, rest in sorted(self._partial.items()):
-            if rest:
-                self.lines(rank, [rest])
-        self._partial.clear()
-        for line in summary_lines(job):
-            self.note(line)
-        if job.background and job.state is not JobState.SUCCEEDED:
-            # nobody waits on a background job to raise its error: say what happened here
-            error = job.exception()
-            if error is not None:
-                self.warn(str(error).splitlines()[0] + " (job.result() raises it)")
-
-    def note(self, text: str) -> None:
-        """One line for the user (e.g. the CPU fallback), on stdout."""
-        out = self._out or sys.stdout
-        out.write(text + "\n")
-        out.flush()
-
-    def warn(self, text: str) -> None:
-        """A warning before launch (a large or unpicklable global), on stderr."""
-        err = self._err or sys.stderr
-        err.write(f"sgpu_magic warning: {text}\n")
-        err.flush()
-
-
-class TerminalBuffer:
-    """The last ``max_lines`` lines a terminal would show for a stream of text.
-
-    ``\r`` returns to the start of the line (the next text replaces it, as a tqdm bar
-    does); ``\n`` ends it. ANSI colour codes are kept for the frontend to render.
-    """
-
-    def __init__(self, max_lines: int = DEFAULT_MAX_LINES) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=max_lines)
-        self.current = ""
-        self.total_lines = 0
-        self.skipped_bytes = 0
-        self._cr = False
-
-    def write(self, text: str) -> None:
-        if "\r" not in text:  # fast path (no per-line Python work): only the last max_lines lines are kept
-            complete = text.count("\n")
-            maxlen = self.lines.maxlen
-            if maxlen and complete > maxlen:  # split off just the lines that stay
-                parts = text.rsplit("\n", maxlen + 1)
-                self.total_lines += complete
-                self.lines.extend(parts[1:-1])
-                self.current, self._cr = "", False
-                self._feed(parts[-1])
-                return
-            parts = text.split("\n")
-            self._feed(parts[0])
-            if complete:
-                self.total_lines += complete
-                self.lines.append(self.current)
-                self.lines.extend(parts[1:complete])
-                self.current, self._cr = "", False
-                self._feed(parts[-1])
-            return
-        parts = text.split("\n")
-        for part in parts[:-1]:
-            self._feed(part)
-            self.lines.append(self.current)
-            self.total_lines += 1
-            self.current, self._cr = "", False
-        self._feed(parts[-1])
-
-    def _feed(self, part: str) -> None:
-        """Text without a newline: after a carriage return, the next text replaces the line."""
-        for i, segment in enumerate(part.split("\r") if "\r" in part else (part,)):
-            if i:
-                self._cr = True
-            if segment:
-                self.current = segment if self._cr else self.current + segment
-                self._cr = False
-
-    def skip(self, nbytes: int) -> None:
-        """``nbytes`` of output (ending at a line end) were passed over: they are only in the log file."""
-        self.lines.clear()
-        self.current, self._cr = "", False
-        self.skipped_bytes += nbytes
-
-    @property
-    def hidden_lines(self) -> int:
-        """Lines that dropped out of the buffer (still in the log file), not counting skipped output."""
-        return self.total_lines - len(self.lines)
-
-    def text(self, last: int | None = None) -> str:
-        """What the view shows: the kept lines (only the ``last`` ones if given) and the current line."""
-        lines = self.lines
-        if last is not None and len(lines) > last:
-            lines = list(itertools.islice(lines, len(lines) - last, None))
-        body = "\n".join(lines)
-        if self.current:
-            return f"{body}\n{self.current}" if lines else self.current
-        return f"{body}\n" if lines else ""
-
-
 _BADGE_COLOURS = {JobState.PENDING: "#777", JobState.STARTING: "#1f6feb", JobState.RUNNING: "#1f6feb",
                   JobState.SUCCEEDED: "#1a7f37", JobState.FAILED: "#cf222e", JobState.CANCELLED: "#bf8700",
                   JobState.TIMED_OUT: "#bf8700"}
+
+
 _TEXT_STYLE = "line-height: 1.4"
 """For the panel's HTML text: ipywidgets gives an HTML widget its one-line height as line height, which
 spreads text that wraps or has a second line."""
+
+
 STOP_TOOLTIP = ("Cancel the job: every rank is stopped. If this button does not respond while the cell runs (a "
                 "frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too.")
 """The Stop button's tooltip; the panel itself shows the job's state, and README's "The panel" the rest."""
@@ -486,7 +306,7 @@ class Panel(TextView):
         if attempt > 1:
             badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"
             if not problem:
-                problem = f"<br><small>{html.escape(_restart_reason(job))}; all ranks restarted</small>"
+                problem = f"<br><small>{html.escape(restart_reason(job))}; all ranks restarted</small>"
         self.header.value = (f'<div style="{_TEXT_STYLE}">'
                              f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
                              f"{html.escape(job.plan.device_kind)}{_NO_GPU if job.plan.no_gpu else ''} &middot; "

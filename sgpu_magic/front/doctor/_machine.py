@@ -102,7 +102,7 @@ def _inventory() -> Inventory:
     return Inventory(gpus, None, driver, cuda, attached)
 
 
-def _unwritable(path: Path) -> str | None:
+def unwritable(path: Path) -> str | None:
     """Why ``path`` (a directory, made with its parents if missing) cannot be used, or ``None``."""
     probe = path
     while not probe.exists():
@@ -120,7 +120,7 @@ def _leases(lease_dir: str | None) -> Leases:
     from sgpu_magic.launch.leases import LeaseRegistry, default_lease_dir
 
     directory = Path(lease_dir) if lease_dir else default_lease_dir()
-    why = _unwritable(directory)
+    why = unwritable(directory)
     if why is not None:
         return Leases(directory, problem=error("leases", f"the lease directory {directory} cannot be used: {why}",
                                                LEASE_DIR_REMEDY))
@@ -302,7 +302,7 @@ def home_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
     if root.exists() and root.stat().st_uid != os.getuid():
         return [error("home", f"sgpu_magic's home {root} is owned by uid {root.stat().st_uid}, not by you: jobs "
                               f"refuse to run there", "set SGPU_MAGIC_HOME to a private directory of yours")]
-    why = _unwritable(root)
+    why = unwritable(root)
     if why is not None:
         return [error("home", f"sgpu_magic's home {root} cannot be used: {why}",
                       "set SGPU_MAGIC_HOME to a directory you can write")]

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from sgpu_magic.front.doctor import Check, DoctorConfig, error, ok, warning
-from sgpu_magic.front.doctor._machine import Facts, _unwritable
+from sgpu_magic.front.doctor._machine import Facts, unwritable
 from sgpu_magic._util.redact import redact
 
 REMOTE_CLUSTER_ENV = "SGPU_MAGIC_REMOTE_CLUSTER"
@@ -44,7 +44,7 @@ def _importable(module: str) -> bool:
 def _sqlite_store(uri: str, shown: str) -> Check:
     path = Path(unquote(uri[len("sqlite:///"):].partition("?")[0]))
     if not path.exists():
-        why = _unwritable(path.parent)
+        why = unwritable(path.parent)
         if why is not None:
             return error("mlflow", f"{shown}: the database cannot be created: {why}",
                          f"set MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) to a place you can write "
@@ -67,7 +67,7 @@ def _sqlite_store(uri: str, shown: str) -> Check:
 def _file_store(uri: str, shown: str) -> Check:
     parts = urlsplit(uri)
     path = Path(unquote(parts.path) if parts.scheme == "file" else uri)
-    why = _unwritable(path)
+    why = unwritable(path)
     if why is not None:
         return error("mlflow", f"{shown}: the file store cannot be written: {why}",
                      f"set MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) to a place you can write "
@@ -108,7 +108,7 @@ def mlflow_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
         import mlflow
     except ImportError as exc:
         return [warning("mlflow", f"cannot be imported ({exc}): jobs run untracked", "pip install mlflow")]
-    from sgpu_magic.tracking.run import absolute_tracking_uri
+    from sgpu_magic.tracking.uri import absolute_tracking_uri
 
     uri = absolute_tracking_uri(mlflow.get_tracking_uri())
     shown = f"mlflow {mlflow.__version__}, tracking URI {redact(uri)}"
@@ -324,7 +324,7 @@ def deepspeed_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
         return [ok("deepspeed", f"{version} (not checked further without torch)")]
     directory = _extensions_dir()
     ops = _built_ops(directory)
-    why = _unwritable(directory)
+    why = unwritable(directory)
     if why is not None:
         cache = warning("torch extensions", f"the JIT op cache {directory} cannot be written: {why}",
                         "set TORCH_EXTENSIONS_DIR to a directory you can write")

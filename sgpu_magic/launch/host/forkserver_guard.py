@@ -8,18 +8,15 @@ turns it on again): the ~300k objects torch and torch._dynamo create live as lon
 forkserver, and collecting them during the import was 16% of its CPU time.
 """
 
-import ctypes
 import gc
 import os
 import signal
 
 gc.disable()
 
-_PR_SET_PDEATHSIG = 1
+from sgpu_magic._util.proc import die_with_parent  # noqa: E402 - after gc.disable(), first of the preload
+
 _host = os.environ.get("SGPU_MAGIC_HOST_PID")
-try:
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-except (OSError, AttributeError):
-    pass
+die_with_parent(signal.SIGKILL)
 if _host and os.getppid() != int(_host):
     os._exit(1)  # the host is already gone
