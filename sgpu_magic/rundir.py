@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,62 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=1, default=str).encode())
 
 
+STATUS_SCHEMA = 1
+"""Version of ``status.json``'s layout (its ``schema`` key), for readers of run directories kept from older releases."""
+
+FINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out", "interrupted"})
+"""The ``state`` values of a job that has ended; ``interrupted`` is a cancel caused by a kernel interrupt."""
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    """A job's ``status.json`` as its launcher (the launch host or the Ray supervisor) last wrote it: the typed
+    view the Job handle, the panel and tracking read. Keys the file lacks take the defaults below.
+
+    Attributes:
+        state: ``pending``, ``starting``, ``running``, or one of :data:`FINAL_STATES`.
+        started_s, ended_s: epoch seconds when the ranks started and the job ended (``None`` before).
+        attempt: the attempt that runs (or ran last), from 1; ``attempts``: the failed ones before it.
+        exitcodes: ``{rank: exit code}`` once the ranks ended (negative: killed by that signal).
+        failures: the failures the launcher observed (``{"rank", "exitcode", "time_s"}``), root cause first.
+        log_lines: ``{rank: lines}`` in each log once the job ended (a view that skipped shows the count).
+        teardown_ended: ranks the teardown grace ended (``{"rank", "outcome", "grace_s", "signal"}``).
+        waiting: why a Ray job waits for the cluster's resources; ``host_lost``, ``launch_error``: why it failed.
+    """
+
+    state: str = "pending"
+    started_s: float | None = None
+    ended_s: float | None = None
+    attempt: int = 1
+    attempts: tuple = ()
+    exitcodes: dict = field(default_factory=dict)
+    failures: tuple = ()
+    log_lines: dict = field(default_factory=dict)
+    teardown_ended: tuple = ()
+    waiting: str | None = None
+    host_lost: str | None = None
+    launch_error: str | None = None
+
+    @classmethod
+    def from_dict(cls, status: dict) -> "HostStatus":
+        return cls(state=status.get("state", "pending"), started_s=status.get("started_s"),
+                   ended_s=status.get("ended_s"), attempt=int(status.get("attempt", 1)),
+                   attempts=tuple(status.get("attempts", ())),
+                   exitcodes={int(k): v for k, v in (status.get("exitcodes") or {}).items()},
+                   failures=tuple(status.get("failures", ())), log_lines=dict(status.get("log_lines") or {}),
+                   teardown_ended=tuple(status.get("teardown_ended", ())), waiting=status.get("waiting"),
+                   host_lost=status.get("host_lost"), launch_error=status.get("launch_error"))
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+    @property
+    def interrupted(self) -> bool:
+        """Cancelled because the kernel was interrupted (the job's state is ``CANCELLED``)."""
+        return self.state == "interrupted"
+
+
 def write_status(run_dir: "RunDir", status: dict) -> None:
     """The launch host's report: ``status.json`` written atomically, then its follower woken.
 
@@ -134,7 +191,7 @@ def write_status(run_dir: "RunDir", status: dict) -> None:
     Raises:
         OSError: the status could not be written at all.
     """
-    data = json.dumps(status, indent=1, default=str).encode()
+    data = json.dumps({"schema": STATUS_SCHEMA, **status}, indent=1, default=str).encode()
     try:
         atomic_write_bytes(run_dir.status_file, data)
     except OSError as exc:
@@ -206,6 +263,19 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
+SUBDIRS = ("logs", "results", "errors", "elastic")
+"""The folders of every run directory."""
+
+
+def host_warm_marker(host_log: str | os.PathLike) -> Path:
+    """``<host log>.warm``: made by the launch host once its forkserver has preloaded (the first launch waits)."""
+    return Path(f"{os.fspath(host_log)}.warm")
+
+
+HOST_WARM_STATS = "warm.json"
+"""Beside the host logs: the forkserver's remembered preload time (see :mod:`sgpu_magic.launch.host.warm_pool`)."""
+
+
 class RunDir:
     """Names every file of one job. ``RunDir.create()`` makes a new private one."""
 
@@ -218,7 +288,7 @@ class RunDir:
         runs = make_private_dir((root or default_root()) / "runs")
         rd = cls(runs / (job_id or new_job_id()))
         rd.path.mkdir(mode=0o700)
-        for sub in ("logs", "results", "errors", "elastic"):
+        for sub in SUBDIRS:
             (rd.path / sub).mkdir(mode=0o700)
         try:
             atomic_write_bytes(rd.path / RESERVE_NAME, b"\0" * RESERVE_BYTES)  # written, so the blocks are held
@@ -252,18 +322,40 @@ class RunDir:
     def elastic_dir(self) -> Path:
         return self.path / "elastic"
 
+    @property
+    def logs_dir(self) -> Path:
+        """``logs/``: one ``rank_<r>.log`` per rank (stdout and stderr), kept after the job."""
+        return self.path / "logs"
+
+    @property
+    def results_dir(self) -> Path:
+        return self.path / "results"
+
+    @property
+    def errors_dir(self) -> Path:
+        return self.path / "errors"
+
+    def attempt_errors_dir(self, attempt: int) -> Path:
+        """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""
+        return self.errors_dir / f"attempt_{attempt}"
+
+    @property
+    def mlflow_ended_file(self) -> Path:
+        """Left by the kernel once it has ended the job's MLflow run (else the launch host ends it on its way out)."""
+        return self.path / "mlflow_ended"
+
     def log_file(self, rank: int) -> Path:
-        return self.path / "logs" / f"rank_{rank}.log"
+        return self.logs_dir / f"rank_{rank}.log"
 
     def result_file(self, rank: int) -> Path:
-        return self.path / "results" / f"rank_{rank}.pkl"
+        return self.results_dir / f"rank_{rank}.pkl"
 
     def error_file(self, rank: int) -> Path:
-        return self.path / "errors" / f"rank_{rank}.json"
+        return self.errors_dir / f"rank_{rank}.json"
 
     def exit_file(self, rank: int) -> Path:
         """Written by a rank that ended through ``SystemExit(0)``: ``{"code": 0, "where": "file:line", "kind"}``."""
-        return self.path / "results" / f"rank_{rank}.exit.json"
+        return self.results_dir / f"rank_{rank}.exit.json"
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"

@@ -14,6 +14,8 @@ import signal
 import psutil
 import pytest
 
+from sgpu_magic.rundir import RunDir, read_json
+
 ray = pytest.importorskip("ray")
 
 from sgpu_magic import distributed  # noqa: E402
@@ -23,6 +25,11 @@ from helpers import job_processes, wait_for  # noqa: E402
 from kernel_utils import start_kernel, stop_kernel  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+
+def _status_file(job) -> dict:
+    """The job's status.json as its launcher wrote it (every key, not only the typed ones of job.status)."""
+    return read_json(RunDir(job.run_dir).status_file)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +77,7 @@ def test_a_4_rank_ddp_job_spreads_over_both_nodes(cluster, monkeypatch):
     assert {r["LOCAL_WORLD_SIZE"] for r in results} == {"2"}
     assert len({str(r["grad"]) for r in results}) == 1  # gradients all-reduced across both nodes
     job = ddp_step.last_job
-    assert job._status()["start_method"] == "ray" and len(set(job._status()["nodes"].values())) >= 1
+    assert _status_file(job)["start_method"] == "ray" and len(set(_status_file(job)["nodes"].values())) >= 1
     for rank in range(4):
         assert f"rank {rank} of 4 on node {rank // 2}" in job.logs(rank)  # logs came back into the run dir
     assert not job_processes(job.job_id)
@@ -99,7 +106,7 @@ def test_remote_true_and_scripts_run_on_the_kernels_remote_cluster(cluster, ip, 
 
         assert where.spec.cluster == cluster.address
         assert where.distributed() == [("0", "2"), ("0", "2")]
-        assert where.last_job._status()["start_method"] == "ray"
+        assert _status_file(where.last_job)["start_method"] == "ray"
     finally:
         ip.run_line_magic("config", "DistributedMagics.remote_cluster = ''")
     monkeypatch.setenv("SGPU_MAGIC_REMOTE_CLUSTER", cluster.address)
@@ -107,7 +114,7 @@ def test_remote_true_and_scripts_run_on_the_kernels_remote_cluster(cluster, ip, 
     script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'argv', sys.argv[1:], 'main', __name__)\n")
     job = run_script(str(script), ["--flag", "x"], num_accelerators=2, remote=True, mlflow=False, widgets=False,
                      background=True)
-    assert job.result(timeout_s=300) == [0, 0] and job._status()["start_method"] == "ray"
+    assert job.result(timeout_s=300) == [0, 0] and _status_file(job)["start_method"] == "ray"
     assert "rank 1 argv ['--flag', 'x'] main __main__" in job.logs(1)
     ip.run_line_magic("distributed_run", f"--gpus 2 --remote --no-mlflow --no-widgets -o remote_job {script} y")
     assert ip.user_ns["remote_job"].result() == [0, 0] and "argv ['y']" in ip.user_ns["remote_job"].logs(0)

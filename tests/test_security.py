@@ -15,11 +15,17 @@ from pathlib import Path
 import psutil
 import pytest
 
+
 from sgpu_magic import distributed
 from sgpu_magic._util.redact import redact, secret_values
-from sgpu_magic.rundir import RunDir, default_root, read_private
+from sgpu_magic.rundir import RunDir, default_root, read_json, read_private
 
 LOOPBACK = {"127.0.0.1", "::1"}
+
+
+def _status_file(job) -> dict:
+    """The job's status.json as its launcher wrote it (every key, not only the typed ones of job.status)."""
+    return read_json(RunDir(job.run_dir).status_file)
 
 
 @distributed(gpus=2, timeout=120, mlflow=False)
@@ -52,9 +58,9 @@ def test_a_job_listens_on_loopback_only():
         assert s["rank"] and set(s["rank"]) <= LOOPBACK, f"rank {rank} listens on {s['rank']}"
         assert s["host"] == ["127.0.0.1"], f"the launch host listens on {s['host']}"  # the rendezvous store
         assert s["agent_store"] == "True"
-    host_pid = int(listeners.last_job._status()["host_pid"])
+    host_pid = int(_status_file(listeners.last_job)["host_pid"])
     job = listeners.last_job
-    port = job._status()["port"]
+    port = _status_file(job)["port"]
     assert not [c for c in psutil.Process(host_pid).net_connections("inet")
                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port], "the store outlived its job"
 

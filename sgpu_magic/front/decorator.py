@@ -122,7 +122,7 @@ class DistributedFunction:
             JobCancelledError: (a KeyboardInterrupt) the kernel was interrupted; every rank was stopped.
         """
         self.last_job = start(self.spec, lambda warn: self._payload(args, kwargs, warn))
-        self.last_job._follow_blocking()
+        self.last_job.follow()
         return self.last_job.result()
 
     def submit(self, *args: Any, **kwargs: Any) -> Job:

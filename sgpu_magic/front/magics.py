@@ -339,7 +339,7 @@ class DistributedMagics(Magics):
             self.shell.user_ns[args.output] = job
         if args.background:
             return job
-        job._follow_blocking()
+        job.follow()
         return job.result()[0]
 
     @magic_arguments(name="distributed_run")
@@ -375,7 +375,7 @@ class DistributedMagics(Magics):
             self.shell.user_ns[args.output] = job
         if args.background:
             return job
-        job._follow_blocking()
+        job.follow()
         job.result()
         return None
 

@@ -196,5 +196,5 @@ def run_script(path_or_module: str, args: Sequence[str] = (), *, module: bool = 
     job: Job = start(replace(spec, name=target.name), lambda warn: target.payload(args), background=background)
     if background:
         return job
-    job._follow_blocking()
+    job.follow()
     return job.result()

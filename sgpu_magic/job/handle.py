@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 from sgpu_magic.errors import (NO_GPU_HINT, JobCancelledError, JobTimeoutError, LauncherError, ResourceError, SgpuError)
-from sgpu_magic.launch.client import LaunchHost
+from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private
+from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.job.follow import JobSink, LogFollower
 from sgpu_magic.job.outcome import ending_notes, failure_from_status, stopped_error
@@ -80,7 +80,7 @@ class Job:
         waited_s: seconds the job waited in the queue for its GPUs.
     """
 
-    def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, get_host: Callable[[], LaunchHost],
+    def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, get_host: Callable[[], Launcher],
                  sinks: list[JobSink] = (), registry: LeaseRegistry | None = None) -> None:
         self._rd = run_dir
         self._status_path = run_dir.status_file
@@ -88,7 +88,7 @@ class Job:
         self.spec = spec
         self.plan = plan
         self._get_host = get_host
-        self._host: LaunchHost | None = None
+        self._host: Launcher | None = None
         self._registry = registry
         self._lease: Lease | None = None
         self._skipped: dict[str, str] = {}  # free GPUs the last lease try passed over: uuid -> why
@@ -203,6 +203,23 @@ class Job:
             return cached[2] if cached is not None else {"state": "pending"}
         self._status_cache = (stamp, now, status)
         return status
+
+    @property
+    def status(self) -> HostStatus:
+        """The job's status record as its launcher last wrote it (typed; see :class:`~sgpu_magic.rundir.HostStatus`)."""
+        return HostStatus.from_dict(self._status())
+
+    @property
+    def shown_state(self) -> JobState:
+        """The state the sinks were last told of (``STARTING`` once handed to the launcher, before that
+        ``PENDING``): what a view shows between two polls."""
+        return self._last_state or (JobState.STARTING if self._host is not None else JobState.PENDING)
+
+    def follow(self) -> None:
+        """Follow a blocking job to its end in the calling thread: wait in the GPU queue if needed, launch,
+        hand its output to the sinks. An interrupt cancels the job and raises
+        :class:`~sgpu_magic.errors.JobCancelledError`. (A submitted job is followed by its own thread.)"""
+        self._follow_blocking()
 
     @property
     def state(self) -> JobState:
@@ -431,8 +448,8 @@ class Job:
             self._emit("state_changed", self, state)
         self._emit("tick", self)
         if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
-            message = (f"the launch host died while job {self.job_id} ran; see {self._host.log_path} "
-                       f"and the rank logs in {self._rd.path / 'logs'}")
+            message = (f"the launch host died while job {self.job_id} ran; see {self._host.where()} "
+                       f"and the rank logs in {self._rd.logs_dir}")
             self._pump(final=True)
             self._end({**status, "state": "failed", "host_lost": message, "ended_s": time.time()})
             raise LauncherError(message)
@@ -468,7 +485,7 @@ class Job:
             else:
                 self.request_cancel("interrupted")
                 self._drain(CANCEL_WAIT_S)
-            raise stopped_error(self.job_id, "interrupted", self._rd.path / "logs") from None
+            raise stopped_error(self.job_id, "interrupted", self._rd.logs_dir) from None
 
     def _follow_background(self) -> None:
         """Body of the background thread of a submitted job."""
@@ -525,7 +542,7 @@ class Job:
                 self._wait_for_status()
         except KeyboardInterrupt:
             self.cancel(_reason="interrupted")
-            raise stopped_error(self.job_id, "interrupted", self._rd.path / "logs") from None
+            raise stopped_error(self.job_id, "interrupted", self._rd.logs_dir) from None
         return self.state
 
     def request_cancel(self, _reason: str = "cancelled") -> None:
@@ -606,12 +623,12 @@ class Job:
         state = self.state
         if state is JobState.TIMED_OUT:
             return JobTimeoutError(f"job {self.job_id} ran longer than its timeout of {self.spec.timeout_s:g} s; "
-                                   f"every rank was stopped. Logs: {self._rd.path / 'logs'}")
+                                   f"every rank was stopped. Logs: {self._rd.logs_dir}")
         if state is JobState.CANCELLED:
             how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
             if "started_s" not in status:
                 return JobCancelledError(f"job {self.job_id} was {how} before it started (no rank ran)")
-            return stopped_error(self.job_id, how, self._rd.path / "logs")
+            return stopped_error(self.job_id, how, self._rd.logs_dir)
         if status.get("host_lost"):
             return LauncherError(status["host_lost"])
         if status.get("launch_error"):
@@ -630,7 +647,7 @@ class Job:
                 f"run_dir={str(self.run_dir)!r}>")
 
 
-def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable[[], LaunchHost],
+def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable[[], Launcher],
            sinks: list[JobSink] = (), root: Path | None = None, background: bool = False,
            registry: LeaseRegistry | None = None) -> Job:
     """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.

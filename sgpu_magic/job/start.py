@@ -10,6 +10,7 @@ from typing import Callable
 
 from sgpu_magic.job.handle import Job, submit
 from sgpu_magic.job.follow import JobSink
+from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.client import get_host
 from sgpu_magic.launch.leases import LeaseRegistry
 from sgpu_magic.launch.resources import DevicePlan, check_port_free, plan_devices
@@ -34,7 +35,7 @@ def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dic
             view.note(f"sgpu_magic: connecting to the Ray cluster {spec.cluster} ...")
         plan = plan_on_cluster(spec)
         launcher = RayLauncher(spec.cluster, spec.gpu_type)
-        host_factory: Callable = lambda: launcher  # noqa: E731
+        host_factory: Callable[[], Launcher] = lambda: launcher  # noqa: E731
     else:
         plan = plan_devices(spec)
         if spec.port is not None:

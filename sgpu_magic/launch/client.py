@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from sgpu_magic.errors import LauncherError
-from sgpu_magic.rundir import RunDir, default_root, make_private_dir
+from sgpu_magic.rundir import RunDir, default_root, host_warm_marker, make_private_dir
 
 _HANDSHAKE_TIMEOUT_S = 30.0
 _HOST_MAIN = "import sys; from sgpu_magic.launch.host.process import main; main(sys.argv)"
@@ -28,7 +28,7 @@ from its forkserver skips re-running the host module as ``__mp_main__`` (multipr
 
 
 class LaunchHost:
-    """Handle on a running launch host process.
+    """Handle on a running launch host process: the local :class:`~sgpu_magic.launch.base.Launcher`.
 
     Attributes:
         pid: the host's process id.
@@ -63,7 +63,11 @@ class LaunchHost:
         ``SGPU_MAGIC_START_METHOD=subprocess``)."""
         if os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") == "subprocess":
             return None
-        return Path(str(self.log_path) + ".warm")
+        return host_warm_marker(self.log_path)
+
+    def where(self) -> str:
+        """The host's log file (its own diagnostics), for error messages."""
+        return str(self.log_path)
 
     def alive(self) -> bool:
         """Whether the host process still runs and its command pipe is open."""
@@ -79,7 +83,7 @@ class LaunchHost:
     @property
     def warm(self) -> bool:
         """Whether the host's forkserver has finished preloading torch (the marker the host names after its log)."""
-        return Path(f"{self.log_path}.warm").exists()
+        return host_warm_marker(self.log_path).exists()
 
     def send(self, cmd: dict) -> None:
         """Send one command; raises :class:`LauncherError` if the host is gone."""

@@ -100,10 +100,6 @@ def _warn(text: str) -> None:
     sys.stderr.flush()
 
 
-MLFLOW_ENDED_MARK = "mlflow_ended"
-"""File the kernel leaves in a run dir once it has ended the job's MLflow run."""
-
-
 def _fluent_context() -> tuple[tuple[str, str] | None, str | None]:
     """``((run id, experiment id) of the active run or None, experiment set by mlflow.set_experiment)``.
 
@@ -290,10 +286,10 @@ class MlflowTracking(JobSink):
         if self.run_id is None:
             return
         status = _STATUS.get(job.state, "KILLED")
-        ended_s = job._status().get("ended_s") or time.time()
+        ended_s = job.status.ended_s or time.time()
         try:
             self._stop_monitor()
-            raw = job._status().get("state", job.state.value)
+            raw = job.status.state
             self._client.set_tag(self.run_id, "sgpu_magic.state", raw)
             self._log_artifacts(RunDir(job.run_dir))
         except Exception as exc:  # noqa: BLE001 - the job's result matters more than its artifacts
@@ -302,7 +298,7 @@ class MlflowTracking(JobSink):
         finally:
             self._terminate(status, ended_s)
             # tells the launch host this run needs nothing from it when it exits (no mlflow import there)
-            atomic_write_bytes(RunDir(job.run_dir).path / MLFLOW_ENDED_MARK, b"")  # 0600, as every run dir file
+            atomic_write_bytes(RunDir(job.run_dir).mlflow_ended_file, b"")  # 0600, as every run dir file
 
     def run_url(self) -> str | None:
         """The run's page (``job.run_url``): on the tracking server, or on the ``%mlflow_ui`` server running
@@ -339,8 +335,8 @@ class MlflowTracking(JobSink):
             pass
 
     def _log_artifacts(self, rd: RunDir) -> None:
-        for sub in ("logs", "errors"):
-            folder = rd.path / sub
+        for folder in (rd.logs_dir, rd.errors_dir):
+            sub = folder.name
             files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
             for path in files:
                 self._client.log_artifact(self.run_id, str(path), artifact_path=sub)

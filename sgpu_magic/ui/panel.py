@@ -253,7 +253,7 @@ class Panel(TextView):
 
     @staticmethod
     def _job_state(job: Job) -> JobState:
-        return job._last_state or (JobState.STARTING if job._host is not None else JobState.PENDING)
+        return job.shown_state
 
     def _tab_outputs(self, rank: int, text: str) -> tuple[dict, dict]:
         """A tab's content, in nbformat output form: the footer line (HTML), then the log text (a stream)."""
@@ -265,8 +265,9 @@ class Panel(TextView):
     def _final_footers(self, job: Job) -> None:
         """Once the job has ended: each rank's exit state, and its line count from the launch host."""
         self._exitcodes = job.rank_exitcodes
-        self._counted = job._status().get("log_lines") or {}
-        self._grace_ended = {e["rank"]: e for e in job._status().get("teardown_ended", [])}
+        status = job.status
+        self._counted = status.log_lines
+        self._grace_ended = {e["rank"]: e for e in status.teardown_ended}
 
     def _render_footer(self, rank: int, shown_lines: int) -> str:
         """The footer of ``rank``'s tab when it shows ``shown_lines`` complete lines: state, earlier lines, log."""

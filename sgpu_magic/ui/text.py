@@ -7,7 +7,7 @@ from sgpu_magic.errors import describe_exit
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.state import JobState
-from sgpu_magic.rundir import is_attempt_marker, is_traceback_marker
+from sgpu_magic.rundir import RunDir, is_attempt_marker, is_traceback_marker
 from sgpu_magic.ui.terminal import terminal_line
 
 
@@ -16,7 +16,7 @@ def summary_line(job: Job) -> str:
     elapsed = f" in {job.elapsed_s:.1f} s" if job.elapsed_s is not None else ""
     link = f"; MLflow run: {job.run_url}" if getattr(job, "run_url", None) else ""
     return (f"sgpu_magic: job {job.job_id} {job.state.label}{elapsed} on {job.plan.device_kind}; "
-            f"logs: {job.run_dir / 'logs'}{link}")
+            f"logs: {RunDir(job.run_dir).logs_dir}{link}")
 
 
 def summary_lines(job: Job) -> list[str]:

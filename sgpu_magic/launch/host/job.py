@@ -128,7 +128,7 @@ class HostJob:
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.status = {"state": "starting", "port": self.port, "started_s": self.started_s, "host_pid": os.getpid()}
         self.unwritten = False
-        self._write()
+        self.write()
         env = {**env, **self.launch.get("env", {})}
         os.environ.clear()
         os.environ.update(env)
@@ -164,9 +164,9 @@ class HostJob:
         self.pids = self.ctx.pids()
         _make_tree_private(self.run_dir.elastic_dir)  # torch elastic made its per-rank folders with the umask
         self.status.update(state="running", attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()})
-        self._write()
+        self.write()
 
-    def _write(self) -> None:
+    def write(self) -> None:
         """Write status.json; when that fails (a full disk that even the reserve did not cover), keep the
         status and try again on every turn of the host's loop (:meth:`Host.run`) instead of failing."""
         try:
@@ -225,7 +225,7 @@ class HostJob:
         self.status.setdefault("attempts", []).append(
             {"attempt": self.attempt, "failures": failed, "ended_s": time.time(),
              "exitcodes": {str(r): code for r, code in _exitcodes(self.ctx).items()}})
-        keep = self.run_dir.path / "errors" / f"attempt_{self.attempt}"
+        keep = self.run_dir.attempt_errors_dir(self.attempt)
         self.guard.reset()
         for rank in range(world):
             self.run_dir.result_file(rank).unlink(missing_ok=True)
@@ -268,7 +268,7 @@ class HostJob:
         except FileNotFoundError:
             pass
         _release_lease(self.launch)
-        self._write()
+        self.write()
         self.done = True
 
 

@@ -33,6 +33,7 @@ import psutil
 from sgpu_magic.rundir import RunDir, write_status
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic._util.proc import adopt_orphans
+from sgpu_magic.rundir import HOST_WARM_STATS, host_warm_marker
 from sgpu_magic.launch.host.job import HostJob, end_mlflow_run, host_log, reap_adopted
 
 
@@ -127,7 +128,7 @@ class Host:
                         self.ended.append(job)
                 for job in self.ended:
                     if job.unwritten:
-                        job._write()
+                        job.write()
                 if time.monotonic() - last_check > 0.5:
                     last_check = time.monotonic()
                     if not self.kernel_alive():
@@ -141,7 +142,7 @@ class Host:
             if self.pool is not None:
                 self.pool.stop()
             for job in [*self.ended, *self.jobs.values()]:
-                if not (job.run_dir.path / "mlflow_ended").exists():  # the kernel did not get to end it
+                if not job.run_dir.mlflow_ended_file.exists():  # the kernel did not get to end it
                     end_mlflow_run(job.launch, job.status.get("state", "cancelled"))
 
 
@@ -165,7 +166,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     warm = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess"
-    host = Host(kernel_pid, log_path + ".warm" if warm else None, Path(log_path).parent / "warm.json")
+    host = Host(kernel_pid, str(host_warm_marker(log_path)) if warm else None, Path(log_path).parent / HOST_WARM_STATS)
     if host.pool is not None:
         host.pool.ready(sys.path)  # the forkserver preloads while this host imports torch: the first launch can be warm
     started = time.perf_counter()

@@ -52,8 +52,8 @@ def _agent_class():
             import sys
 
             rd = RunDir(self.dir)
-            for sub in ("logs", "results", "errors"):
-                (rd.path / sub).mkdir(mode=0o700, exist_ok=True)
+            for folder in (rd.logs_dir, rd.results_dir, rd.errors_dir):
+                folder.mkdir(mode=0o700, exist_ok=True)
             atomic_write_bytes(rd.payload_file, payload)
             atomic_write_json(rd.launch_file, launch)
             rd.log_file(rank).touch(mode=0o600)
@@ -88,7 +88,7 @@ def _agent_class():
 
         def read_log(self, rank: int, offset: int) -> bytes:
             try:
-                with open(self.dir / "logs" / f"rank_{rank}.log", "rb") as f:
+                with open(RunDir(self.dir).log_file(rank), "rb") as f:
                     f.seek(offset)
                     return f.read(8 << 20)
             except FileNotFoundError:
@@ -98,14 +98,16 @@ def _agent_class():
 
 
 class RayLauncher:
-    """Stands in for the local launch host (:class:`sgpu_magic.launch.client.LaunchHost`) for jobs on a Ray
-    cluster: ``launch`` starts a supervisor thread for the run dir, ``cancel`` stops it."""
+    """The :class:`~sgpu_magic.launch.base.Launcher` of jobs on a Ray cluster: ``launch`` starts a supervisor
+    thread in the kernel for the run dir, ``cancel`` stops it."""
 
     def __init__(self, cluster: str, gpu_type: str | None) -> None:
         self.cluster, self.gpu_type = cluster, gpu_type
         self.pid = os.getpid()
-        self.log_path = "the kernel's Ray driver"
         self._jobs: dict[str, _Supervisor] = {}
+
+    def where(self) -> str:
+        return "the kernel's Ray driver"
 
     def launch(self, run_dir: RunDir) -> None:
         sup = _Supervisor(run_dir, self.cluster, self.gpu_type)
