@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+
+# tests/unit, tests/integration, tests/kernel, tests/browser and tests/chaos share helpers.py and kernel_utils.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="session", autouse=True)

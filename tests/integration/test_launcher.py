@@ -9,6 +9,7 @@ import pytest
 
 from sgpu_magic import distributed
 from sgpu_magic.errors import LauncherError
+from helpers import wait_for
 from sgpu_magic.launch.client import get_host
 
 
@@ -59,9 +60,7 @@ def _start_sleepers(piddir):
     from sgpu_magic.front.decorator import start
 
     job = start(sleeper.spec, lambda warn: sleeper._payload((str(piddir),), {}, warn))
-    deadline = time.monotonic() + 60
-    while len(os.listdir(piddir)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: len(os.listdir(piddir)) >= 2, 60, "both sleeper ranks to record their pids")
     return job, [int(p) for p in os.listdir(piddir)]
 
 

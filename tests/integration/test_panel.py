@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from helpers import wait_for
 from sgpu_magic import JobState, distributed
 from sgpu_magic.front.decorator import start
 from sgpu_magic.errors import JobCancelledError, RankFailedError
@@ -188,10 +189,13 @@ def test_stop_button_from_another_thread_cancels_a_blocking_job(tmp_path):
 
     panel = Panel()
 
+    waited: list[BaseException] = []
+
     def click_when_running():
-        deadline = time.monotonic() + 60
-        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        try:
+            wait_for(lambda: len(os.listdir(tmp_path)) >= 2, 60, "both ranks to run before Stop is clicked")
+        except AssertionError as exc:
+            waited.append(exc)  # failed below, in the test's thread; Stop is clicked all the same
         panel.stop_button.click()  # what a kernel subshell does while the cell is busy
 
     clicker = threading.Thread(target=click_when_running)
@@ -200,6 +204,7 @@ def test_stop_button_from_another_thread_cancels_a_blocking_job(tmp_path):
     with pytest.raises(JobCancelledError, match=r"was cancelled; every rank was stopped"):
         job.result()
     clicker.join()
+    assert waited == []
     assert job.state is JobState.CANCELLED
     assert "cancelled" in panel.header.value and panel.stop_button.disabled
 

@@ -23,7 +23,7 @@ from sgpu_magic.front.doctor import Check, DoctorConfig, Report, Status, diagnos
 from sgpu_magic.front.doctor._machine import torch_gpu_problem
 from sgpu_magic.front.doctor._services import jupyter_row, widgets_row
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 IPYWIDGETS_REQUIRES = ["comm>=0.1.3", "ipython>=6.1.0", "widgetsnbextension~=4.0.16", "jupyterlab_widgets~=3.0.17",
                        'pytest>=3.6.0; extra == "test"']
 """ipywidgets 8.1.9's own requirements, as its metadata lists them."""
@@ -173,7 +173,7 @@ def test_no_gpu_here_means_cpu_ranks_and_unused_leases(clean_env):
     from sgpu_magic.launch.resources import list_gpus
 
     if list_gpus():
-        pytest.skip("this machine has GPUs (tests/test_gpu.py covers them)")
+        pytest.skip("this machine has GPUs (tests/integration/test_gpu.py covers them)")
     report = diagnose()
     assert row(report, "gpus") == Check("gpus", Status.OK, "none (no NVIDIA driver or GPU seen through NVML): jobs run "
                                                            "CPU ranks with gloo")

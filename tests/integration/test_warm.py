@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from sgpu_magic import distributed
+from helpers import wait_for
 from sgpu_magic.launch.client import get_host
+from sgpu_magic.rundir import host_warm_marker
 
 
 @distributed(gpus=2)
@@ -28,17 +30,15 @@ def wait_warm(timeout_s: float = 120.0, launch_first: bool = True) -> None:
     """
     if launch_first:
         probe.distributed("X")
-    marker = Path(str(get_host().log_path) + ".warm")
-    deadline = time.monotonic() + timeout_s
-    while not marker.exists():
-        assert time.monotonic() < deadline, "the forkserver never finished preloading"
-        time.sleep(0.05)
+    marker = host_warm_marker(get_host().log_path)
+    wait_for(marker.exists, timeout_s, f"the forkserver to finish preloading ({marker})")
 
 
 def start_method(fn) -> str:
     return json.loads((fn.last_job.run_dir / "status.json").read_text())["start_method"]
 
 
+@pytest.mark.slow  # ~20 s: the warm forkserver is started again
 def test_warm_ranks_see_the_kernels_current_cwd_env_and_sys_path(tmp_path, monkeypatch):
     wait_warm()
     monkeypatch.chdir(tmp_path)
@@ -69,6 +69,7 @@ def test_local_module_edited_between_launches_is_imported_fresh(tmp_path, monkey
     assert read_value.distributed() == [2]
 
 
+@pytest.mark.slow  # ~20 s: the warm forkserver is started again
 def test_a_package_change_restarts_the_warm_state(tmp_path, monkeypatch):
     """A site-packages folder that changes (as %pip install changes it) makes the next ranks use a new forkserver."""
     site = tmp_path / "site-packages"

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "setup.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "setup.sh"
 
 
 def test_setup_prints_one_timed_line_per_step_and_the_log_of_the_step_that_failed(tmp_path):

@@ -23,7 +23,7 @@ from sgpu_magic.launch.resources import list_gpus
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CELLS = [
     "%load_ext sgpu_magic",
     "import os\nprint('kernel pid', os.getpid())",

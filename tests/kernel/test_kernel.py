@@ -31,7 +31,7 @@ from nbclient import NotebookClient
 
 pytestmark = pytest.mark.slow
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_quickstart.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "01_quickstart.ipynb"
 START_DEADLINE_S = 120.0  # rank start-up on a busy 2-core box: two fresh `import torch`
 
 

@@ -27,7 +27,7 @@ from sgpu_magic.front.decorator import REMOTE_CLUSTER_ENV, remote_cluster
 from sgpu_magic.errors import SpecError
 from sgpu_magic.spec import parse_accelerator_type
 
-NOTEBOOKS = Path(__file__).resolve().parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 def f():

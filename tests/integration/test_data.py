@@ -9,9 +9,11 @@ from __future__ import annotations
 import collections
 import functools
 import http.server
-import multiprocessing
+import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -187,25 +189,32 @@ def test_a_cache_inside_a_local_volume_is_never_listed(tmp_path):
     assert len(other) > 3 and any(f.startswith("cache/") for f in other)  # another dataset's cache is just files
 
 
-def _touch_first(url, cache_dir, barrier, out):
-    from sgpu_magic.data import VolumeDataset
-
-    ds = VolumeDataset(url, pattern="shard_000.bin", cache_dir=cache_dir)
-    barrier.wait()
-    out.put((ds.fetch("shard_000.bin"), ds.fetches))
+_TOUCH_FIRST = """
+import json, sys
+from pathlib import Path
+import fsspec.core
+from sgpu_magic.data.cache import VolumeCache
+url, cache_dir = sys.argv[1:3]
+fs, root = fsspec.core.url_to_fs(url)
+cache = VolumeCache(Path(cache_dir))
+print("ready", flush=True)
+sys.stdin.read(1)  # a barrier: the test writes here once all four are ready, so they touch the file at once
+local, fetched = cache.get("shard_000.bin", None, lambda tmp: fs.get_file(f"{root}/shard_000.bin", tmp))
+print(json.dumps([local, fetched]))
+"""
+"""A plain process (no torch) that touches one file of the volume through the cache, with 3 others at once."""
 
 
 def test_a_concurrent_first_touch_fetches_once(volume, tmp_path):
     server, data = volume
-    ctx = multiprocessing.get_context("spawn")
-    barrier, out = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_touch_first, args=(server.url, str(tmp_path / "cache"), barrier, out)) for _ in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", _TOUCH_FIRST, server.url, str(tmp_path / "cache")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    assert [p.stdout.readline() for p in procs] == ["ready\n"] * 4
     for p in procs:
-        p.start()
-    got = [out.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0] * 4
+        p.stdin.write("x")
+        p.stdin.close()
+    got = [json.loads(p.stdout.read()) for p in procs]
+    assert [p.wait(timeout=120) for p in procs] == [0] * 4
     assert server.file_gets() == {"/shard_000.bin": 1}
     assert sum(fetched for _, fetched in got) == 1
     (path,) = {p for p, _ in got}
@@ -272,6 +281,7 @@ def test_bad_paths_and_bounds_are_named(tmp_path):
         VolumeDataset(tmp_path, prefetch_files=0)
 
 
+@pytest.mark.slow  # ~11 s: a job with an MLflow run and DataLoader workers
 def test_data_loader_reports_fetch_times_to_the_jobs_mlflow_run(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
