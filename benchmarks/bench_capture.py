@@ -131,7 +131,7 @@ def run(ctx: Context) -> Section:
     diff = median(g_send) - median(g_float) if g_send and g_float else None
     t.rows.append([f"fn.distributed(): {cfg.gather_ranks} ranks each return a {mb:.0f} MB tensor",
                    fmt(median(g_send), 2, " s"), fmt_range(g_send) + " s", len(g_send), ""])
-    t.rows.append([f"same job, each rank returns one float (baseline)", fmt(median(g_float), 2, " s"),
+    t.rows.append(["same job, each rank returns one float (baseline)", fmt(median(g_float), 2, " s"),
                    fmt_range(g_float) + " s", len(g_float), ""])
     t.rows.append([f"gathering {cfg.gather_ranks} x {mb:.0f} MB = difference", fmt(diff, 2, " s"), "-", "-",
                    f"{cfg.gather_ranks * mb / diff:.0f} MB/s" if diff and diff > 0 else ""])

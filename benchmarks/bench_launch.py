@@ -19,7 +19,7 @@ so background load on a shared machine hits all of them alike.
 
 from __future__ import annotations
 
-from .common import (Context, Section, Table, Target, fmt, fmt_range, fmt_ratio, measure, median, ratio, settle)
+from .common import Context, Section, Table, Target, fmt, fmt_range, fmt_ratio, measure, median, ratio, settle
 
 TRIVIAL_DEF = '''\
 def trivial():

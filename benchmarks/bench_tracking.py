@@ -41,14 +41,14 @@ finally:
 _emit(kernel_s=_dt, ranks=_res, points=_points(tracked_mlp.last_job, 2) if {log} else None)
 '''
 
-MODES = {"no logging": dict(log=False, sync=False), "per-step log_metric (async, default)": dict(log=True, sync=False)}
+MODES = {"no logging": {"log": False, "sync": False}, "per-step log_metric (async, default)": {"log": True, "sync": False}}
 SYNC_MODE = "per-step log_metric, synchronous (MLFLOW_ENABLE_ASYNC_LOGGING=false)"
 SYNC_STEPS = 300
 STEPS_PER_EPOCH = 2500  # per rank: 5000 samples over 2 ranks at batch size 1
 
 
 def _one(ctx: Context, kernel, factory, mode: str, epochs: int, max_steps, samples: dict):
-    opts = MODES.get(mode) or dict(log=True, sync=True)
+    opts = MODES.get(mode) or {"log": True, "sync": True}
     code = CELL.format(epochs=epochs, max_steps=max_steps, **opts)
     kernel, cell, problem = measure(factory, kernel, code, ctx.cfg.cell_timeout_s * 3)
     s = samples[mode]

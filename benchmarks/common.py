@@ -116,7 +116,7 @@ class Config:
     teardown_launches: int = 500
 
     @classmethod
-    def make(cls, quick: bool, gpu: bool, only: set[str], soak: int, reps: int | None) -> "Config":
+    def make(cls, quick: bool, gpu: bool, only: set[str], soak: int, reps: int | None) -> Config:
         if quick:
             cfg = cls(quick, gpu, only, soak, launch_ranks=(1, 8), launch_reps=1, train_reps=1, train_epochs=3,
                       log_ranks=8, log_lines=10_000, log_reps=1, capture_reps=2, gather_ranks=8,

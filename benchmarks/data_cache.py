@@ -83,7 +83,7 @@ def main() -> None:
         (volume / f"f{i:06d}.bin").write_bytes(payload)
 
     port = _free_port()
-    log = open(work / "http.log", "w")
+    log = open(work / "http.log", "w")  # noqa: SIM115 - the server writes to it until it is stopped
     server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(volume)],
                               stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}/"

@@ -66,7 +66,7 @@ class Kernel:
     def __init__(self, name: str, env: dict[str, str], cwd: Path, log_dir: Path, ready_timeout_s: float = 120.0) -> None:
         self.name = f"{name}-{next(self._ids)}"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_dir / f"kernel-{self.name}.log", "wb")
+        self._log = open(log_dir / f"kernel-{self.name}.log", "wb")  # noqa: SIM115 - closed when the kernel stops
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(env=env, cwd=str(cwd), stdout=self._log, stderr=self._log)
         self.kc = self.km.client()

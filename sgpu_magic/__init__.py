@@ -18,16 +18,24 @@ from typing import TYPE_CHECKING
 _LAZY = {
     "distributed": "sgpu_magic.front.decorator", "DistributedFunction": "sgpu_magic.front.decorator",
     "run_script": "sgpu_magic.front.script", "Job": "sgpu_magic.job", "JobState": "sgpu_magic.job",
-    **{name: "sgpu_magic.errors" for name in (
-        "SgpuError", "SpecError", "ResourceError", "CaptureError", "LauncherError", "RankFailedError",
-        "JobTimeoutError", "JobCancelledError", "UnpicklableGlobalError", "CheckpointError")},
+    **dict.fromkeys(("SgpuError", "SpecError", "ResourceError", "CaptureError", "LauncherError", "RankFailedError", "JobTimeoutError", "JobCancelledError", "UnpicklableGlobalError", "CheckpointError"), "sgpu_magic.errors"),
 }
 _SUBMODULES = {"runtime", "errors", "data", "checkpoint"}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from sgpu_magic import checkpoint, data, errors, runtime
-    from sgpu_magic.errors import (CaptureError, CheckpointError, JobCancelledError, JobTimeoutError, LauncherError,
-                                   RankFailedError, ResourceError, SgpuError, SpecError, UnpicklableGlobalError)
+    from sgpu_magic import checkpoint, data, errors, runtime  # noqa: F401 - what type checkers see
+    from sgpu_magic.errors import (
+        CaptureError,
+        CheckpointError,
+        JobCancelledError,
+        JobTimeoutError,
+        LauncherError,
+        RankFailedError,
+        ResourceError,
+        SgpuError,
+        SpecError,
+        UnpicklableGlobalError,
+    )
     from sgpu_magic.front.decorator import DistributedFunction, distributed
     from sgpu_magic.front.script import run_script
     from sgpu_magic.job import Job, JobState
@@ -37,7 +45,7 @@ __all__ = ["distributed", "DistributedFunction", "run_script", "Job", "JobState"
            "UnpicklableGlobalError", "CheckpointError", "load_ipython_extension"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _package_version() -> str:
     """The installed distribution's version (its metadata); in a source checkout that was never installed,
     the ``version`` line of its ``pyproject.toml``; else ``"0+unknown"``."""

@@ -25,8 +25,9 @@ import marshal
 import pickle
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 
@@ -316,7 +317,7 @@ def _argument_error(label: str, call: str, value: object, exc: Exception) -> Cap
 def _dumps_argument(label: str, call: str, value: object) -> bytes:
     try:
         return dumps(value)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is the user's argument: said with its name
         raise _argument_error(label, call, value, exc) from None
 
 

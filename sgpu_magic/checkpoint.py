@@ -187,7 +187,7 @@ class VolumeReader(FileSystemReader):
     def read_data(self, plan, planner):
         names = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
         for name in names:
-            self._fetch(name, lambda: self._damaged_message(name))
+            self._fetch(name, lambda name=name: self._damaged_message(name))
         try:
             return super().read_data(plan, planner)
         finally:

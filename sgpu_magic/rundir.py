@@ -163,7 +163,7 @@ class HostStatus:
     launch_error: str | None = None
 
     @classmethod
-    def from_dict(cls, status: dict) -> "HostStatus":
+    def from_dict(cls, status: dict) -> HostStatus:
         return cls(state=status.get("state", "pending"), started_s=status.get("started_s"),
                    ended_s=status.get("ended_s"), attempt=int(status.get("attempt", 1)),
                    attempts=tuple(status.get("attempts", ())),
@@ -182,7 +182,7 @@ class HostStatus:
         return self.state == "interrupted"
 
 
-def write_status(run_dir: "RunDir", status: dict) -> None:
+def write_status(run_dir: RunDir, status: dict) -> None:
     """The launch host's report: ``status.json`` written atomically, then its follower woken.
 
     When even that fails for lack of space, the file is rewritten in place (truncating it frees its
@@ -205,7 +205,7 @@ def write_status(run_dir: "RunDir", status: dict) -> None:
     signal_status(run_dir)
 
 
-def signal_status(run_dir: "RunDir") -> None:
+def signal_status(run_dir: RunDir) -> None:
     """Wake whoever follows ``run_dir`` (one byte into its status FIFO). Does nothing when there is no
     FIFO or nobody reads it; a full FIFO already holds a wake-up."""
     try:
@@ -283,7 +283,7 @@ class RunDir:
         self.path = Path(path)
 
     @classmethod
-    def create(cls, root: Path | None = None, job_id: str | None = None) -> "RunDir":
+    def create(cls, root: Path | None = None, job_id: str | None = None) -> RunDir:
         """Make ``<root>/runs/<job_id>`` and its subfolders, all 0700."""
         runs = make_private_dir((root or default_root()) / "runs")
         rd = cls(runs / (job_id or new_job_id()))

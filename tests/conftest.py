@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-
 # tests/unit, tests/integration, tests/kernel, tests/browser and tests/chaos share helpers.py and kernel_utils.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 SECRET_NAME = re.compile(r"TOKEN(?!IZER)|SECRET|PASSW(OR)?D|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|"
                          r"(^|_)AUTH(ORIZATION)?($|_)|COOKIE|(^|_)KEY$|_PWD$", re.IGNORECASE)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from sgpu_magic.rundir import atomic_write_bytes
 from sgpu_magic.data.cache import VolumeCache, default_cache_dir, volume_key
+from sgpu_magic.rundir import atomic_write_bytes
 
 __all__ = ["VolumeDataset", "DataLoader"]
 
@@ -197,7 +197,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         for local in self._local_paths(self.slice_for(rank, world, worker_id, num_workers)):
             yield local if self.transform is None else self.transform(local)
 
-    def _file_board(self, world: int) -> "_FileBoard | None":
+    def _file_board(self, world: int) -> _FileBoard | None:
         """Files under the cache, per job (``TORCHELASTIC_RUN_ID``), when all ``world`` ranks run on this machine."""
         job = os.environ.get("TORCHELASTIC_RUN_ID")
         if not job or os.environ.get("LOCAL_WORLD_SIZE") != str(world):

@@ -19,20 +19,30 @@ import difflib
 import functools
 import inspect
 import os
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from sgpu_magic import capture
-from sgpu_magic.job.handle import Job
+from sgpu_magic.errors import SpecError
 from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
+from sgpu_magic.launch.resources import list_gpus
+from sgpu_magic.spec import (
+    DEFAULT_TEARDOWN_GRACE_S,
+    DEFAULT_TIMEOUT_S,
+    LaunchSpec,
+    check_gpus,
+    check_max_capture_bytes,
+    check_switch,
+    make_spec,
+    parse_accelerator_type,
+    shown,
+)
+from sgpu_magic.ui.panel import make_view
 from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES
 from sgpu_magic.ui.text import TextView
-from sgpu_magic.ui.panel import make_view
-from sgpu_magic.launch.resources import list_gpus
-from sgpu_magic.spec import (DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec, check_switch, check_gpus,
-                   check_max_capture_bytes, make_spec, parse_accelerator_type, shown)
-from sgpu_magic.errors import SpecError
 
 
 def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:

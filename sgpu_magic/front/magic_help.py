@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import textwrap
-from typing import Callable
+from collections.abc import Callable
 
 MAGICS = {
     "%%distributed": "run the cell on N ranks (%%distributed --gpus N [options])",

@@ -16,13 +16,12 @@ from IPython.utils.process import arg_split
 from traitlets import Bool, Float, Int, Unicode
 
 from sgpu_magic import capture
-
+from sgpu_magic._util.redact import redact
+from sgpu_magic.errors import CellSyntaxError, SpecError
 from sgpu_magic.front import script
 from sgpu_magic.front.decorator import job_spec, start
-from sgpu_magic.errors import CellSyntaxError, SpecError
-from sgpu_magic.job.handle import Job, jobs
 from sgpu_magic.front.magic_help import magic_help, usage_line
-from sgpu_magic._util.redact import redact
+from sgpu_magic.job.handle import Job, jobs
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec, shown
 
 
@@ -385,7 +384,7 @@ class DistributedMagics(Magics):
         20261201-101500-a1b2c3  succeeded  2           cpu   3.2 s    3f1c0e...
         """)
     @line_magic
-    def distributed_jobs(self, line: str) -> "JobTable":
+    def distributed_jobs(self, line: str) -> JobTable:
         """Show this kernel's jobs: id, state, world size, GPUs, elapsed time and MLflow run.
 
         The MLflow run id links to its page whenever a server shows it (a tracking server, or

@@ -28,11 +28,12 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
-from sgpu_magic.front.decorator import FromConfig, resolve_config, job_spec, start
 from sgpu_magic.errors import SpecError
+from sgpu_magic.front.decorator import FromConfig, job_spec, resolve_config, start
 from sgpu_magic.job.handle import Job
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, check_switch, shown
 

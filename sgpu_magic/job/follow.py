@@ -2,10 +2,12 @@
 what shows or records it (:class:`JobSink`: the panel, the text view, MLflow tracking)."""
 
 from __future__ import annotations
+
 import codecs
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
 from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.spec import LaunchSpec
 
@@ -130,17 +132,17 @@ class JobSink:
         every ``OFF_SCREEN_READ_S`` when no sink needs every line. ``None``: all of them."""
         return None
 
-    def created(self, job: "Job") -> None:
+    def created(self, job: Job) -> None:
         """The job exists (state pending); nothing has started yet. Runs in the starting thread."""
 
-    def pending(self, job: "Job", why: str) -> None:
+    def pending(self, job: Job, why: str) -> None:
         """The job waits for GPUs; ``why`` says how many are free and who holds the rest."""
 
     def prepare(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> dict:
         """Before launch: return ``{"env": {...}}`` for the ranks and other launch.json entries."""
         return {}
 
-    def started(self, job: "Job") -> None:
+    def started(self, job: Job) -> None:
         """The job was handed to the launch host."""
 
     def output(self, rank: int, text: str) -> None:
@@ -150,16 +152,16 @@ class JobSink:
         """``nbytes`` of rank ``rank``'s log (ending at a line end) were passed over; they are in its file.
         The lines the sink holds are dropped (``nbytes`` may be 0 when the job's end reads a longer tail again)."""
 
-    def state_changed(self, job: "Job", state: "JobState") -> None:
+    def state_changed(self, job: Job, state: JobState) -> None:
         """The job moved to ``state``."""
 
-    def tick(self, job: "Job") -> None:
+    def tick(self, job: Job) -> None:
         """Called on every poll of the job (about 20 times a second): flush what is buffered."""
 
-    def restarted(self, job: "Job", attempt: int) -> None:
+    def restarted(self, job: Job, attempt: int) -> None:
         """A rank failed and every rank was started again (``max_restarts``); ``attempt`` counts from 1."""
 
-    def finished(self, job: "Job") -> None:
+    def finished(self, job: Job) -> None:
         """The job reached a final state; every line of its logs was delivered before this."""
 
     def launch_failed(self, job_id: str, error: BaseException) -> None:

@@ -5,6 +5,7 @@ A job is followed through its RunDir: the host's ``status.json``, each rank's lo
 """
 
 from __future__ import annotations
+
 import contextvars
 import os
 import pickle
@@ -12,18 +13,19 @@ import select
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-from sgpu_magic.errors import (NO_GPU_HINT, JobCancelledError, JobTimeoutError, LauncherError, ResourceError, SgpuError)
+from typing import Any
+
+from sgpu_magic.errors import NO_GPU_HINT, JobCancelledError, JobTimeoutError, LauncherError, ResourceError, SgpuError
+from sgpu_magic.job.follow import JobSink, LogFollower
+from sgpu_magic.job.outcome import ending_notes, failure_from_status, stopped_error
+from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
 from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private
 from sgpu_magic.spec import LaunchSpec
-from sgpu_magic.job.follow import JobSink, LogFollower
-from sgpu_magic.job.outcome import ending_notes, failure_from_status, stopped_error
-from sgpu_magic.job.state import JobState, state_from_status
-
 
 POLL_INTERVAL_S = 0.01
 """How often a followed job's status file is checked (an os.stat) when its status FIFO could not be made;
@@ -50,13 +52,13 @@ HOST_CHECK_S = 0.5
 CANCEL_WAIT_S = 15.0
 
 
-_JOBS: list["Job"] = []
+_JOBS: list[Job] = []
 
 
 _JOBS_LOCK = threading.Lock()
 
 
-def jobs() -> list["Job"]:
+def jobs() -> list[Job]:
     """Every job started in this process (kernel), oldest first."""
     with _JOBS_LOCK:
         return list(_JOBS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 from sgpu_magic.errors import JobCancelledError, RankFailedError, RankFailure
 from sgpu_magic.rundir import RunDir, read_json
 

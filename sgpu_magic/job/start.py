@@ -6,10 +6,10 @@ Everything that can be refused is refused before any process starts.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
-from sgpu_magic.job.handle import Job, submit
 from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.handle import Job, submit
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.client import get_host
 from sgpu_magic.launch.leases import LeaseRegistry
@@ -28,8 +28,8 @@ def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dic
     """
     view = sinks[-1]
     if spec.cluster is not None:  # Ray places the ranks: no local GPUs, no leases, no local port
-        from sgpu_magic.launch.ray.launcher import RayLauncher
         from sgpu_magic.launch.ray.cluster import is_connected, plan_on_cluster
+        from sgpu_magic.launch.ray.launcher import RayLauncher
 
         if not is_connected():
             view.note(f"sgpu_magic: connecting to the Ray cluster {spec.cluster} ...")

@@ -1,6 +1,7 @@
 """A job's life cycle as the layers above see it (:class:`JobState`), read from the launch host's status."""
 
 from __future__ import annotations
+
 import enum
 
 

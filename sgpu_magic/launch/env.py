@@ -2,9 +2,11 @@
 ``TORCHELASTIC_*``) as the launch host and the Ray backend give it."""
 
 from __future__ import annotations
+
 import functools
 import os
 import socket
+
 import psutil
 
 

@@ -22,9 +22,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import psutil
 from filelock import FileLock
@@ -72,7 +72,7 @@ def _user() -> str:
 class Lease:
     """GPUs held by one job; :meth:`release` gives them back (idempotent)."""
 
-    registry: "LeaseRegistry"
+    registry: LeaseRegistry
     job_id: str
     gpus: list[Gpu]
     waited_s: float = 0.0

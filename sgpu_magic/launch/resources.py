@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from sgpu_magic.errors import ResourceError
 from sgpu_magic.spec import LaunchSpec
 
-
 FAKE_GPUS_ENV = "SGPU_MAGIC_FAKE_GPUS"
 
 
@@ -83,7 +82,7 @@ class DevicePlan:
     def fake(self) -> bool:
         return bool(self.candidates) and self.candidates[0].fake
 
-    def with_gpus(self, gpus: list[Gpu]) -> "DevicePlan":
+    def with_gpus(self, gpus: list[Gpu]) -> DevicePlan:
         return replace(self, gpus=tuple(gpus))
 
     @property

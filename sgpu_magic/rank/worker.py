@@ -31,11 +31,12 @@ import zipfile
 
 import cloudpickle
 
-from sgpu_magic.rank import exit as rank_exit
-from sgpu_magic.errors import Unpicklable
-from sgpu_magic.rank.mlflow_guard import flush_async_logging, guard_job_run, settled_value
 from sgpu_magic._util.proc import die_with_parent
+from sgpu_magic.errors import Unpicklable
+from sgpu_magic.rank import exit as rank_exit
+from sgpu_magic.rank.mlflow_guard import flush_async_logging, guard_job_run, settled_value
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private, traceback_marker
+
 
 def _redirect_output(log_file) -> None:
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -188,7 +189,7 @@ def _dump_result(value, rank: int) -> bytes:
     buf = io.BytesIO()
     try:
         _ResultPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any pickling failure of a return value is the user's to fix
         raise TypeError(f"the return value of rank {rank} ({type(value).__module__}.{type(value).__qualname__}) "
                         f"cannot be sent back to the kernel ({type(exc).__name__}: {exc}); return plain Python, "
                         f"numpy or torch values") from None

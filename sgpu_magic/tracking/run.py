@@ -31,6 +31,7 @@ URI, tied to the kernel's life by a small watchdog process; from then on run lin
 """
 
 from __future__ import annotations
+
 import getpass
 import logging
 import os
@@ -40,17 +41,16 @@ import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
-from sgpu_magic.errors import SgpuError
+
+from sgpu_magic._util.kernel_log import divert_info
 from sgpu_magic._util.redact import redact
+from sgpu_magic.errors import SgpuError
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.state import JobState
-from sgpu_magic._util.kernel_log import divert_info
 from sgpu_magic.rank.mlflow_guard import RUN_ID_ENV
 from sgpu_magic.rundir import RunDir, atomic_write_bytes
-from sgpu_magic.tracking.server import start_ui
+from sgpu_magic.tracking.server import run_link, start_ui
 from sgpu_magic.tracking.uri import absolute_tracking_uri, http_base, notebook_path, sqlite_dir
-from sgpu_magic.tracking.server import run_link
-
 
 if TYPE_CHECKING:
     from sgpu_magic.job.handle import Job
@@ -155,7 +155,7 @@ class MlflowTracking(JobSink):
 
     # -- before launch
 
-    def prepare(self, job_id: str, spec: "LaunchSpec", plan: "DevicePlan") -> dict:
+    def prepare(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> dict:
         """Create the run; return the ranks' MLflow environment and the host's ``mlflow`` entry."""
         try:
             self._create_run(job_id, spec, plan)
@@ -193,7 +193,7 @@ class MlflowTracking(JobSink):
             return {}
         return {"MLFLOW_REGISTRY_URI": self.tracking_uri if same else registry} if registry else {}
 
-    def _create_run(self, job_id: str, spec: "LaunchSpec", plan: "DevicePlan") -> None:
+    def _create_run(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> None:
         import mlflow
         from mlflow import MlflowClient
         from mlflow.entities import Param
@@ -261,7 +261,7 @@ class MlflowTracking(JobSink):
 
     # -- while the job runs
 
-    def started(self, job: "Job") -> None:
+    def started(self, job: Job) -> None:
         """Name the run on the job (``job.mlflow_run_id``); start the system metrics monitor."""
         if self.run_id is None:
             return
@@ -281,7 +281,7 @@ class MlflowTracking(JobSink):
         except Exception:  # noqa: BLE001 - system metrics are optional (psutil/NVML missing, ...)
             self._monitor = None
 
-    def finished(self, job: "Job") -> None:
+    def finished(self, job: Job) -> None:
         """Stop the monitor, attach logs and error files, then set the final status and end time."""
         if self.run_id is None:
             return

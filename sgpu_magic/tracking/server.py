@@ -2,6 +2,7 @@
 ends with the kernel."""
 
 from __future__ import annotations
+
 import os
 import signal
 import socket
@@ -12,11 +13,11 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from sgpu_magic.errors import SgpuError
-from sgpu_magic._util.redact import redact
-from sgpu_magic.rundir import default_root, make_private_dir
-from sgpu_magic.tracking.uri import http_base, sqlite_dir, absolute_tracking_uri
 
+from sgpu_magic._util.redact import redact
+from sgpu_magic.errors import SgpuError
+from sgpu_magic.rundir import default_root, make_private_dir
+from sgpu_magic.tracking.uri import absolute_tracking_uri, http_base, sqlite_dir
 
 UI_READY_TIMEOUT_S = 120.0
 

@@ -1,6 +1,7 @@
 """MLflow tracking URIs: absolute store paths, the notebook's path, links to a run's page."""
 
 from __future__ import annotations
+
 import os
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit

@@ -7,19 +7,20 @@ at most ``HIDDEN_TAB_FLUSHES_PER_S`` times a second.
 """
 
 from __future__ import annotations
+
 import functools
 import html
 import os
 import re
 import threading
 import time
+
 from sgpu_magic.errors import describe_exit
-from sgpu_magic.job.handle import Job
 from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
 from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES, TerminalBuffer
 from sgpu_magic.ui.text import TextView, restart_reason, summary_lines
-
 
 MAX_FLUSHES_PER_S = 5.0
 

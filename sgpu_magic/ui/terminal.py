@@ -2,9 +2,9 @@
 ``max_lines`` lines kept."""
 
 from __future__ import annotations
+
 import collections
 import itertools
-
 
 DEFAULT_MAX_LINES = 2000
 

@@ -2,10 +2,12 @@
 of an ended job (used where there are no widgets, and by the panel for the summary)."""
 
 from __future__ import annotations
+
 import sys
+
 from sgpu_magic.errors import describe_exit
-from sgpu_magic.job.handle import Job
 from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
 from sgpu_magic.rundir import RunDir, is_attempt_marker, is_traceback_marker
 from sgpu_magic.ui.terminal import terminal_line

@@ -43,8 +43,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers import job_processes  # noqa: E402
-from kernel_utils import collect, execute, start_kernel, stop_kernel  # noqa: E402
+from helpers import job_processes
+from kernel_utils import collect, execute, start_kernel, stop_kernel
 
 BOUND_S = 15.0
 """Seconds from a fault to the job's final state (after the timeout, for faults that end by timeout)."""

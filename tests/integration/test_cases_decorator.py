@@ -18,11 +18,10 @@ import time
 
 import psutil
 import pytest
-from helpers import C01_CELL1, kids, run_dirs, wait_gone
 
 from sgpu_magic.errors import CaptureError, JobTimeoutError, RankFailedError, ResourceError
 
-
+from helpers import C01_CELL1, kids, run_dirs, wait_gone
 
 # --- helpers -------------------------------------------------------------------------------
 
@@ -391,7 +390,7 @@ def test_c25_repeated_failed_launches_do_not_pile_up_processes(ip, run_cell, pid
             flaky.distributed(attempt)
         assert time.monotonic() - t0 < 60
         assert info.value.root_cause.rank == 0 and info.value.root_cause.exc_type == "RuntimeError"
-        assert f'raise RuntimeError(f"attempt {{attempt}} failed")' in info.value.root_cause.traceback
+        assert 'raise RuntimeError(f"attempt {attempt} failed")' in info.value.root_cause.traceback
         errors.append(str(info.value))
         fds.append(me.num_fds())
     assert [f"attempt {i} failed" in e for i, e in enumerate(errors)] == [True, True, True]

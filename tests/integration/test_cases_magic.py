@@ -16,13 +16,12 @@ import time
 
 import psutil
 import pytest
-from helpers import C01_CELL1, kids, run_dirs, wait_gone
 from IPython.core.error import UsageError
 
 from sgpu_magic.errors import RankFailedError
 from sgpu_magic.front.magics import DistributedMagics
 
-
+from helpers import C01_CELL1, kids, run_dirs, wait_gone
 
 # --- helpers -------------------------------------------------------------------------------
 

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
-from test_bad_input import settled  # noqa: F401 - the "nothing starts" fixture
 
 from sgpu_magic import distributed, run_script, runtime
-from sgpu_magic.front.decorator import REMOTE_CLUSTER_ENV, remote_cluster
 from sgpu_magic.errors import SpecError
+from sgpu_magic.front.decorator import REMOTE_CLUSTER_ENV, remote_cluster
 from sgpu_magic.spec import parse_accelerator_type
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -218,7 +219,7 @@ def test_a_concurrent_first_touch_fetches_once(volume, tmp_path):
     assert server.file_gets() == {"/shard_000.bin": 1}
     assert sum(fetched for _, fetched in got) == 1
     (path,) = {p for p, _ in got}
-    assert open(path, "rb").read() == (data / "shard_000.bin").read_bytes()
+    assert Path(path).read_bytes() == (data / "shard_000.bin").read_bytes()
     assert [p.name for p in (tmp_path / "cache").rglob("*") if ".part" in p.name] == []
 
 
@@ -230,7 +231,7 @@ def test_local_directory_pattern_and_subdirectories(tmp_path):
     (root / "c.txt").write_bytes(b"333")
     ds = VolumeDataset(root, pattern="*.pt", cache_dir=tmp_path / "cache")
     assert ds.files == ["a/x.pt", "b.pt"]
-    ds = VolumeDataset(f"file://{root}", cache_dir=tmp_path / "cache", transform=lambda p: open(p, "rb").read())
+    ds = VolumeDataset(f"file://{root}", cache_dir=tmp_path / "cache", transform=lambda p: Path(p).read_bytes())
     assert list(ds) == [b"1", b"22", b"333"]
     assert ds.fetches == 3 and list(ds) == [b"1", b"22", b"333"] and ds.fetches == 3
 
@@ -248,7 +249,7 @@ def test_cache_bound_evicts_least_recently_served(tmp_path):
     list(ds)
     assert ds.fetches > 10  # evicted files were fetched again
     # with files fetched 8 ahead, a bound above those 8 files keeps every yielded file readable
-    ds = VolumeDataset(root, cache_dir=tmp_path / "cache8", cache_max_bytes=9500, transform=lambda p: open(p, "rb").read())
+    ds = VolumeDataset(root, cache_dir=tmp_path / "cache8", cache_max_bytes=9500, transform=lambda p: Path(p).read_bytes())
     assert list(ds) == [bytes(1000)] * 10 and list(ds) == [bytes(1000)] * 10
     assert sum(p.stat().st_size for p in ds.cache.directory.iterdir() if not p.name.startswith(".")) <= 9500
 

@@ -13,12 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import wait_for, wait_gone
 
 from sgpu_magic import distributed
 from sgpu_magic.errors import JobTimeoutError, RankFailedError, SpecError
 from sgpu_magic.launch.client import get_host
 from sgpu_magic.launch.host.warm_pool import warm_wait_s
+
+from helpers import wait_for, wait_gone
 
 
 def status(job) -> dict:
@@ -339,7 +340,7 @@ CUDA_ON_CPU = {
 def runs(code):
     import os  # noqa: F401 - for the code
 
-    import torch  # noqa: F401
+    import torch
     import torch.distributed  # noqa: F401
 
     exec(code)

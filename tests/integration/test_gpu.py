@@ -13,6 +13,7 @@ def test_nccl_rank_returns_cpu_tensor_and_kernel_stays_cuda_free():
     def allreduce():
         import torch
         import torch.distributed as dist
+
         from sgpu_magic import runtime
 
         dist.init_process_group(runtime.backend())

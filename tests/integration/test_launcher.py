@@ -9,8 +9,9 @@ import pytest
 
 from sgpu_magic import distributed
 from sgpu_magic.errors import LauncherError
-from helpers import wait_for
 from sgpu_magic.launch.client import get_host
+
+from helpers import wait_for
 
 
 def _wait_gone(pids, timeout_s=10.0):

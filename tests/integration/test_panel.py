@@ -8,13 +8,14 @@ import time
 
 import pytest
 
-from helpers import wait_for
 from sgpu_magic import JobState, distributed
+from sgpu_magic.errors import JobCancelledError
 from sgpu_magic.front.decorator import start
-from sgpu_magic.errors import JobCancelledError, RankFailedError
 from sgpu_magic.ui.panel import HIDDEN_TAB_FLUSHES_PER_S, MAX_FLUSHES_PER_S, Panel, make_view, rank_state
 from sgpu_magic.ui.terminal import TerminalBuffer
 from sgpu_magic.ui.text import TextView
+
+from helpers import wait_for
 
 
 def run_with_panel(fn, *args, max_lines=2000):

@@ -137,7 +137,6 @@ def test_a_job_past_its_timeout_is_stopped(cluster):
 def test_the_first_failing_rank_is_the_root_cause_and_the_rest_stop(cluster):
     @distributed(gpus=4, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)
     def fails_on_rank_2():
-        import os
         import time
 
         import torch.distributed as dist

@@ -13,8 +13,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from sgpu_magic import JobState, distributed
-from sgpu_magic.front.decorator import start
 from sgpu_magic.errors import RankFailedError, SpecError
+from sgpu_magic.front.decorator import start
 from sgpu_magic.ui.panel import Panel
 
 

@@ -14,11 +14,11 @@ import textwrap
 
 import pytest
 from IPython.core.error import UsageError
-from kernel_utils import execute, start_kernel, stop_kernel
-from test_bad_input import settled  # noqa: F401 - the "nothing starts" fixture
 
 from sgpu_magic import Job, JobState, run_script
 from sgpu_magic.errors import RankFailedError, SpecError
+
+from kernel_utils import execute, start_kernel, stop_kernel
 
 PROBE = '''\
 import argparse, json, os, sys

@@ -15,7 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-
 from sgpu_magic import distributed
 from sgpu_magic._util.redact import redact, secret_values
 from sgpu_magic.rundir import RunDir, default_root, read_json, read_private
@@ -95,9 +94,9 @@ def test_everything_a_job_writes_is_private(sgpu_home):
     directories 0700, files 0600, owned by us; also what other tests left there (the MLflow UI's log, more
     jobs). Not walked: the session's MLflow store, which conftest keeps there (mlflow.db, mlruns/: MLflow's
     files), and the VolumeDataset cache (cache/: copies of the user's data files)."""
-    from helpers import wait_for
-
     from sgpu_magic.errors import RankFailedError
+
+    from helpers import wait_for
 
     assert returns_one.distributed() == [1]
     with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails"):

@@ -19,19 +19,20 @@ import socket
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
-from helpers import wait_for
-from kernel_utils import collect, execute, start_kernel, stop_kernel
 
 from sgpu_magic import JobState, distributed
-from sgpu_magic.front.decorator import start
 from sgpu_magic.errors import JobTimeoutError, LauncherError, RankFailedError
+from sgpu_magic.front.decorator import start
 from sgpu_magic.launch.client import get_host
-from sgpu_magic.tracking.server import MlflowUIError, start_ui, stop_ui
+from sgpu_magic.tracking.server import MlflowUIError, run_link, start_ui, stop_ui
 from sgpu_magic.tracking.uri import absolute_tracking_uri
-from sgpu_magic.tracking.server import run_link
+
+from helpers import wait_for
+from kernel_utils import collect, execute, start_kernel, stop_kernel
 
 START_DEADLINE_S = 120.0
 
@@ -380,7 +381,7 @@ def test_failed_job_is_failed_with_its_logs_and_error_file(experiment):
     assert artifact_paths(client, run.info.run_id, "logs") == ["logs/rank_0.log", "logs/rank_1.log"]
     assert artifact_paths(client, run.info.run_id, "errors") == ["errors/rank_0.json"]
     local = client.download_artifacts(run.info.run_id, "errors/rank_0.json")
-    assert json.loads(open(local).read())["message"] == "loss exploded"
+    assert json.loads(Path(local).read_text())["message"] == "loss exploded"
 
 
 def test_cancelled_job_is_killed(experiment, tmp_path):

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from pathlib import Path
 
 import pytest
 
 from sgpu_magic import distributed
-from helpers import wait_for
 from sgpu_magic.launch.client import get_host
 from sgpu_magic.rundir import host_warm_marker
+
+from helpers import wait_for
 
 
 @distributed(gpus=2)
 def probe(name):
-    import os
     import sys
 
     return os.getcwd(), os.environ.get(name), sys.path[:], os.getppid(), "torch" in sys.modules
@@ -93,7 +91,6 @@ def test_a_killed_rank_does_not_poison_the_next_warm_launch():
 
     @distributed(gpus=2)
     def killed():
-        import os
         import signal
 
         if os.environ["RANK"] == "1":

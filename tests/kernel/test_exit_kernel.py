@@ -14,6 +14,7 @@ import ast
 import re
 
 import pytest
+
 from helpers import wait_gone
 from kernel_utils import execute, start_kernel, stop_kernel
 

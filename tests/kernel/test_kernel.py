@@ -25,9 +25,10 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
+from nbclient import NotebookClient
+
 from helpers import wait_for
 from kernel_utils import collect, execute, start_kernel, stop_kernel
-from nbclient import NotebookClient
 
 pytestmark = pytest.mark.slow
 

@@ -17,11 +17,11 @@ def test_cell_global_names_sees_nested_reads():
 
 
 def test_code_global_names_ignores_attributes_and_locals():
-    data = 1
+    data = 1  # noqa: F841 - a local of the caller, not a global of fn
 
     def fn(a):
         import math
-        b = a.data + helper(SCALE)
+        b = a.data + helper(SCALE)  # noqa: F821 - undefined on purpose: the globals capture looks for
         return [math.pi for _ in range(b)]
 
     names = capture.code_global_names(fn.__code__)

@@ -102,7 +102,7 @@ def test_identical_secondary_failures_are_one_line_in_rank_order():
 
 def test_secondary_failures_group_by_what_happened_and_sort_by_first_rank():
     root = RankFailure(rank=2, exitcode=1, exc_type="ValueError", message="bad batch", time_s=1.0)
-    reset = dict(exc_type="RuntimeError", message="Connection reset by peer")
+    reset = {"exc_type": "RuntimeError", "message": "Connection reset by peer"}
     others = [RankFailure(rank=5, exitcode=1, **reset), RankFailure(rank=0, exitcode=1, **reset),
               RankFailure(rank=1, exitcode=-15, exc_type="ValueError", message="bad batch"),
               RankFailure(rank=4, exitcode=1, exc_type="ValueError", message="bad batch"),

@@ -99,7 +99,7 @@ class DoctorConfig:
     timeout_s: float = NETWORK_TIMEOUT_S
 
     @classmethod
-    def from_magics(cls, magics, port: int | None = None, cluster: str | None = None) -> "DoctorConfig":
+    def from_magics(cls, magics, port: int | None = None, cluster: str | None = None) -> DoctorConfig:
         """The settings of the kernel whose ``DistributedMagics`` instance is ``magics``."""
         return cls(port=port, cluster=cluster, lease_dir=magics.lease_dir or None, mlflow=magics.mlflow,
                    widgets=magics.widgets, remote_cluster=getattr(magics, "remote_cluster", None) or None,

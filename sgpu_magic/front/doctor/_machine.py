@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgpu_magic.front.doctor import Check, DoctorConfig, error, ok, warning
 from sgpu_magic.errors import ResourceError
+from sgpu_magic.front.doctor import Check, DoctorConfig, error, ok, warning
 from sgpu_magic.launch.resources import FAKE_GPUS_ENV, Gpu, check_port_free, free_port, list_gpus
 
 FREE_SPACE_WARNING_BYTES = 1 << 30
@@ -58,7 +58,7 @@ class Facts:
     leases: Leases
 
     @classmethod
-    def gather(cls, config: DoctorConfig) -> "Facts":
+    def gather(cls, config: DoctorConfig) -> Facts:
         try:
             inventory = _inventory()
         except Exception as exc:  # noqa: BLE001 - an NVML error mid-listing: the other rows still come

@@ -2,22 +2,24 @@
 ``max_restarts`` times, ended with the teardown grace, its status written until the final one."""
 
 from __future__ import annotations
+
 import os
 import socket
 import sys
 import threading
 import time
 from pathlib import Path
+
 import psutil
-from sgpu_magic.errors import describe_exit
+
+from sgpu_magic._util.fs import count_lines
 from sgpu_magic._util.redact import redact
+from sgpu_magic.errors import describe_exit
+from sgpu_magic.launch.env import rank_env
+from sgpu_magic.launch.host.warm_pool import WarmPool
+from sgpu_magic.launch.teardown import TeardownGuard
 from sgpu_magic.rundir import RunDir, attempt_marker, read_json, write_status
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
-from sgpu_magic.launch.teardown import TeardownGuard
-from sgpu_magic.launch.host.warm_pool import WarmPool
-from sgpu_magic._util.fs import count_lines
-from sgpu_magic.launch.env import rank_env
-
 
 GRACE_S = 3.0
 
@@ -84,8 +86,7 @@ def _context_class(base):
 
 
 def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict, warm: bool, restart_count: int = 0):
-    from torch.distributed.elastic.multiprocessing.api import (DefaultLogsSpecs, MultiprocessContext,
-                                                                 SubprocessContext)
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, MultiprocessContext, SubprocessContext
 
     from sgpu_magic.rank import worker
 

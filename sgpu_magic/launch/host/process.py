@@ -20,6 +20,7 @@ single-machine job listens on no other address.
 """
 
 from __future__ import annotations
+
 import collections
 import gc
 import json
@@ -29,13 +30,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-import psutil
-from sgpu_magic.rundir import RunDir, write_status
-from sgpu_magic.launch.host.warm_pool import WarmPool
-from sgpu_magic._util.proc import adopt_orphans
-from sgpu_magic.rundir import HOST_WARM_STATS, host_warm_marker
-from sgpu_magic.launch.host.job import HostJob, end_mlflow_run, host_log, reap_adopted
 
+import psutil
+
+from sgpu_magic._util.proc import adopt_orphans
+from sgpu_magic.launch.host.job import HostJob, end_mlflow_run, host_log, reap_adopted
+from sgpu_magic.launch.host.warm_pool import WarmPool
+from sgpu_magic.rundir import HOST_WARM_STATS, RunDir, host_warm_marker, write_status
 
 POLL_S = 0.02
 

@@ -23,9 +23,9 @@ the job's actors (and with them the ranks) and its placement group. Ray is optio
 """
 
 from __future__ import annotations
+
 from sgpu_magic.errors import ResourceError, SpecError
 from sgpu_magic.launch.resources import DevicePlan
-
 
 PENDING_NOTE_S = 5.0
 """How often a job that waits for the cluster's resources says again what it waits for."""

@@ -2,13 +2,14 @@
 a supervisor thread in the kernel writes the job's status as the launch host does."""
 
 from __future__ import annotations
+
 import os
 import threading
 import time
 from pathlib import Path
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, write_status
-from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
 
+from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, write_status
 
 LOG_PULL_S = 0.2
 """How often the supervisor copies new log bytes from the ranks' nodes."""
@@ -60,8 +61,8 @@ def _agent_class():
             env = {**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())}
             self.proc = subprocess.Popen([sys.executable, "-u", "-m", "sgpu_magic.rank.worker", str(rd.path)], env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
-            from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
             from sgpu_magic.launch.teardown import wait_with_grace
+            from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
 
             grace_s = launch.get("teardown_grace_s")
             code, ended = wait_with_grace(self.proc, rd, rank, DEFAULT_TEARDOWN_GRACE_S if grace_s is None else grace_s,
@@ -234,8 +235,8 @@ class _Supervisor(threading.Thread):
 
     def _rank_env(self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int) -> dict[str, str]:
         """torchrun's contract for ``rank``; ``nodes[r]`` = (node id, IP, Ray's GPU ids) of rank ``r``'s actor."""
-        from sgpu_magic.launch.env import torchrun_env
         from sgpu_magic.launch.client import rank_base_env
+        from sgpu_magic.launch.env import torchrun_env
 
         order: list[str] = []
         for node_id, _, _ in nodes:
