@@ -276,6 +276,11 @@ HOST_WARM_STATS = "warm.json"
 """Beside the host logs: the forkserver's remembered preload time (see :mod:`sgpu_magic.launch.host.warm_pool`)."""
 
 
+def _entry(name: str, doc: str) -> property:
+    """A :class:`RunDir` property: the path of its entry ``name``."""
+    return property(lambda self: self.path / name, doc=doc)
+
+
 class RunDir:
     """Names every file of one job. ``RunDir.create()`` makes a new private one."""
 
@@ -300,49 +305,22 @@ class RunDir:
     def job_id(self) -> str:
         return self.path.name
 
-    @property
-    def launch_file(self) -> Path:
-        return self.path / "launch.json"
-
-    @property
-    def payload_file(self) -> Path:
-        return self.path / "payload.pkl"
-
-    @property
-    def status_file(self) -> Path:
-        return self.path / "status.json"
-
-    @property
-    def status_signal(self) -> Path:
-        """A FIFO the kernel makes and reads; the launch host writes a byte to it after each status write
-        (see :func:`signal_status`), so a followed job wakes at once instead of polling."""
-        return self.path / "status.fifo"
-
-    @property
-    def elastic_dir(self) -> Path:
-        return self.path / "elastic"
-
-    @property
-    def logs_dir(self) -> Path:
-        """``logs/``: one ``rank_<r>.log`` per rank (stdout and stderr), kept after the job."""
-        return self.path / "logs"
-
-    @property
-    def results_dir(self) -> Path:
-        return self.path / "results"
-
-    @property
-    def errors_dir(self) -> Path:
-        return self.path / "errors"
+    launch_file = _entry("launch.json", "What the job runs: world size, backend, env, timeout (written by the kernel).")
+    payload_file = _entry("payload.pkl", "The pickled cell or function and its captured globals.")
+    status_file = _entry("status.json", "The launcher's report (:class:`HostStatus`), written until the final state.")
+    status_signal = _entry("status.fifo", "A FIFO the kernel makes and reads; the launch host writes a byte to it "
+                           "after each status write (see :func:`signal_status`), so a followed job wakes at once.")
+    elastic_dir = _entry("elastic", "torch elastic's own files (its error files, per attempt).")
+    logs_dir = _entry("logs", "One ``rank_<r>.log`` per rank (stdout and stderr), kept after the job.")
+    results_dir = _entry("results", "Each rank's pickled value (``rank_<r>.pkl``) and ``sys.exit`` note.")
+    errors_dir = _entry("errors", "Each failed rank's error (``rank_<r>.json``); ``attempt_<k>/`` of earlier attempts.")
+    mlflow_ended_file = _entry("mlflow_ended", "Left by the kernel once it has ended the job's MLflow run (else "
+                               "the launch host ends it on its way out).")
 
     def attempt_errors_dir(self, attempt: int) -> Path:
         """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""
         return self.errors_dir / f"attempt_{attempt}"
 
-    @property
-    def mlflow_ended_file(self) -> Path:
-        """Left by the kernel once it has ended the job's MLflow run (else the launch host ends it on its way out)."""
-        return self.path / "mlflow_ended"
 
     def log_file(self, rank: int) -> Path:
         return self.logs_dir / f"rank_{rank}.log"

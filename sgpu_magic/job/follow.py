@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import codecs
 import os
+import select
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sgpu_magic.launch.resources import DevicePlan
+from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.spec import LaunchSpec
 
 if TYPE_CHECKING:
@@ -16,6 +20,22 @@ if TYPE_CHECKING:
     from sgpu_magic.job.state import JobState
 
 
+POLL_INTERVAL_S = 0.01
+"""How often a followed job's status file is checked (an os.stat) when its status FIFO could not be made;
+with the FIFO the follower sleeps until the launch host signals a status write (or ``PUMP_INTERVAL_S``)."""
+
+
+PUMP_INTERVAL_S = 0.05
+"""How often the rank logs are read (and the launch host's liveness checked) while nothing else changes."""
+
+
+ON_SCREEN_READ_S = 0.2
+"""How often a log on screen is read when no sink needs every line (the panel shows it at most 5 times a second)."""
+
+
+OFF_SCREEN_READ_S = 5.0
+"""How often the logs of ranks not on screen are read, when no sink needs every line (the panel
+refreshes tabs off screen every 5 s, and a tab at once when it is selected)."""
 TAIL_MIN_BYTES = 64 * 1024
 """Below this much new output a log is read whole; above it, from where its last lines start (the
 first window read back from the end; later windows fit the lines seen so far)."""
@@ -171,3 +191,122 @@ class JobSink:
     def run_url(self) -> str | None:
         """A link to the page of what the sink records for the job, if a server shows it now (``Job.run_url``)."""
         return None
+
+
+class StatusFeed:
+    """A job's ``status.json`` as its launcher last wrote it, re-read only when the file was replaced; and the
+    job's status FIFO, which the launch host writes a byte to after each write, so the follower sleeps on it
+    instead of polling."""
+
+    def __init__(self, run_dir: RunDir) -> None:
+        self._rd = run_dir
+        self.path = run_dir.status_file
+        self._path_str = str(self.path)  # stat-ed every poll: no pathlib on that path
+        self._cache: tuple[tuple, float, dict] | None = None
+        self.signal_fd: int | None = None
+
+    def stamp(self) -> tuple | None:
+        """``(inode, mtime_ns, size)`` of the status file; ``None`` before it is written."""
+        try:
+            st = os.stat(self._path_str)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size  # each write is a rename: a new inode
+
+    def read(self, stamp: tuple | None = None) -> dict:
+        """The status as last written; ``stamp``: :meth:`stamp` if the caller has just taken it."""
+        stamp, now = stamp or self.stamp(), time.monotonic()
+        cached = self._cache
+        # a replaced file has a new stamp; the age bound covers a reused inode with the same times
+        if stamp is not None and cached is not None and cached[0] == stamp and now - cached[1] < PUMP_INTERVAL_S:
+            return cached[2]
+        status = read_json(self.path)
+        if status is None:  # not written yet, or caught half-rewritten in place (full disk): keep the last one
+            return cached[2] if cached is not None else {"state": "pending"}
+        self._cache = (stamp, now, status)
+        return status
+
+    def open_signal(self) -> None:
+        """Make the job's status FIFO and hold it open for reading and writing (so it never reads as
+        closed); without it the follower polls every ``POLL_INTERVAL_S``."""
+        path = self._rd.status_signal
+        try:
+            os.mkfifo(path, 0o600)
+            self.signal_fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        except (OSError, AttributeError):  # a file system without FIFOs
+            self.signal_fd = None
+
+    def close_signal(self) -> None:
+        """Close the FIFO and remove it: a FIFO left in the run directory would block whoever copies it."""
+        fd, self.signal_fd = self.signal_fd, None
+        if fd is not None:
+            os.close(fd)
+            self._rd.status_signal.unlink(missing_ok=True)
+
+    def wait(self) -> None:
+        """Sleep until the launch host writes the job's status, or ``PUMP_INTERVAL_S`` (time to read the
+        logs again) passes."""
+        fd = self.signal_fd
+        if fd is None:
+            time.sleep(POLL_INTERVAL_S)
+            return
+        try:
+            ready, _, _ = select.select([fd], [], [], PUMP_INTERVAL_S)
+            if ready:
+                os.read(fd, 4096)
+        except (OSError, ValueError):  # closed by the thread that saw the job end
+            time.sleep(POLL_INTERVAL_S)
+
+
+class LogPump:
+    """Hands what each rank wrote to the sinks (``emit("output", rank, text)``, ``emit("skipped", ...)``): every
+    line, or, when no sink needs them all, only the last lines of each log (read from its tail), reading the
+    logs of ranks not on screen less often."""
+
+    def __init__(self, paths: list[Path], sinks: list[JobSink], emit: Callable[..., None]) -> None:
+        self._followers = [LogFollower(path) for path in paths]
+        self._sinks, self._emit = sinks, emit
+        # every line to each sink, or (when no sink needs them all) only the last tail_lines lines
+        self._tail_lines = None if any(s.needs_every_line for s in sinks) else max([s.tail_lines for s in sinks] + [1])
+        self._live_tail_lines = None if self._tail_lines is None else max(
+            [s.live_tail_lines or s.tail_lines for s in sinks] + [1])
+        self._read_at = [0.0] * len(paths)
+
+    def pump(self, final: bool = False) -> None:
+        """What the ranks wrote since the last call; ``final``: all of it, then close the logs."""
+        try:
+            self._read(final)
+        finally:
+            if final:
+                for follower in self._followers:
+                    follower.close()
+
+    def _read(self, final: bool) -> None:
+        tail = self._tail_lines
+        if tail is None:
+            for rank, follower in enumerate(self._followers):
+                text = follower.read(final)
+                if text:
+                    self._emit("output", rank, text)
+            return
+        now = time.monotonic()
+        on_screen = None
+        if not final:
+            shown = [sink.ranks_on_screen() for sink in self._sinks]
+            on_screen = None if any(s is None for s in shown) else set().union(*shown)
+        for rank, follower in enumerate(self._followers):
+            every_s = ON_SCREEN_READ_S if on_screen is None or rank in on_screen else OFF_SCREEN_READ_S
+            if not final and now - self._read_at[rank] < every_s:
+                continue
+            self._read_at[rank] = now
+            if final and follower.skipped_total and self._live_tail_lines < tail:
+                # while running only the last live lines were read: the sinks keep the last tail lines,
+                # read again (the skip clears what they hold)
+                skipped, text = follower.reread_tail(tail)
+                self._emit("skipped", rank, skipped)
+            else:
+                skipped, text = follower.read_tail(tail if final else self._live_tail_lines, final)
+                if skipped:
+                    self._emit("skipped", rank, skipped)
+            if text:
+                self._emit("output", rank, text)

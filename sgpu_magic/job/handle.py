@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextvars
 import os
-import pickle
-import select
 import sys
 import threading
 import time
@@ -17,33 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sgpu_magic.errors import NO_GPU_HINT, JobCancelledError, JobTimeoutError, LauncherError, ResourceError, SgpuError
-from sgpu_magic.job.follow import JobSink, LogFollower
-from sgpu_magic.job.outcome import ending_notes, failure_from_status, stopped_error
+from sgpu_magic.errors import JobCancelledError, LauncherError, ResourceError, SgpuError
+from sgpu_magic.job.follow import PUMP_INTERVAL_S, JobSink, LogPump, StatusFeed
+from sgpu_magic.job.outcome import build_error, ending_notes, load_result, stopped_error
 from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private
+from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_json
 from sgpu_magic.spec import LaunchSpec
-
-POLL_INTERVAL_S = 0.01
-"""How often a followed job's status file is checked (an os.stat) when its status FIFO could not be made;
-with the FIFO the follower sleeps until the launch host signals a status write (or ``PUMP_INTERVAL_S``)."""
-
-
-PUMP_INTERVAL_S = 0.05
-"""How often the rank logs are read (and the launch host's liveness checked) while nothing else changes."""
-
-
-ON_SCREEN_READ_S = 0.2
-"""How often a log on screen is read when no sink needs every line (the panel shows it at most 5 times a second)."""
-
-
-OFF_SCREEN_READ_S = 5.0
-"""How often the logs of ranks not on screen are read, when no sink needs every line (the panel
-refreshes tabs off screen every 5 s, and a tab at once when it is selected)."""
-
 
 HOST_CHECK_S = 0.5
 """How often a followed job checks that its launch host process still runs."""
@@ -85,8 +65,7 @@ class Job:
     def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, get_host: Callable[[], Launcher],
                  sinks: list[JobSink] = (), registry: LeaseRegistry | None = None) -> None:
         self._rd = run_dir
-        self._status_path = run_dir.status_file
-        self._status_path_str = str(self._status_path)  # stat-ed every poll: no pathlib on that path
+        self._feed = StatusFeed(run_dir)
         self.spec = spec
         self.plan = plan
         self._get_host = get_host
@@ -97,7 +76,6 @@ class Job:
         self._sinks = list(sinks)
         self._last_state: JobState | None = None
         self._attempt = 1
-        self._followers = [LogFollower(run_dir.log_file(r)) for r in range(plan.world_size)]
         self._results: list[Any] | None = None
         self._error: BaseException | None = None
         self._final_status: dict | None = None
@@ -106,16 +84,9 @@ class Job:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._stamp: tuple | None = None
-        self._status_cache: tuple[tuple, float, dict] | None = None
         self._last_pump = 0.0
         self._host_checked = 0.0
-        self._signal_fd: int | None = None
-        # every line to each sink, or (when no sink needs them all) only the last tail_lines lines
-        self._tail_lines = None if any(s.needs_every_line for s in self._sinks) else max(
-            [s.tail_lines for s in self._sinks] + [1])
-        self._live_tail_lines = None if self._tail_lines is None else max(
-            [s.live_tail_lines or s.tail_lines for s in self._sinks] + [1])
-        self._read_at = [0.0] * plan.world_size
+        self._logs = LogPump([run_dir.log_file(r) for r in range(plan.world_size)], self._sinks, self._emit)
         self.background = False
         self.submitted_s = time.time()
         self.waited_s = 0.0
@@ -191,20 +162,11 @@ class Job:
         return self._notes
 
     def _status(self, stamp: tuple | None = None) -> dict:
-        """The job's status file as last written (re-read only when the file was replaced since);
-        ``stamp``: its :meth:`_status_stamp` if the caller has just taken it."""
+        """The job's status as last written (the final one once the job has ended); ``stamp``: the status
+        file's :meth:`StatusFeed.stamp` if the caller has just taken it."""
         if self._final_status is not None:
             return self._final_status
-        stamp, now = stamp or self._status_stamp(), time.monotonic()
-        cached = self._status_cache
-        # a replaced file has a new stamp; the age bound covers a reused inode with the same times
-        if stamp is not None and cached is not None and cached[0] == stamp and now - cached[1] < PUMP_INTERVAL_S:
-            return cached[2]
-        status = read_json(self._status_path)
-        if status is None:  # not written yet, or caught half-rewritten in place (full disk): keep the last one
-            return cached[2] if cached is not None else {"state": "pending"}
-        self._status_cache = (stamp, now, status)
-        return status
+        return self._feed.read(stamp)
 
     @property
     def status(self) -> HostStatus:
@@ -234,6 +196,26 @@ class Job:
     def _emit(self, event: str, *args: Any) -> None:
         for sink in self._sinks:
             getattr(sink, event)(*args)
+
+    def start(self, background: bool = False) -> None:
+        """Take the first try for the GPUs in the calling thread (so ``wait=False`` refuses at once); then launch
+        a blocking job here, or start the thread that launches and follows a background one (creating its
+        MLflow run can take seconds). An interrupt before the launch ends the job as ``interrupted``."""
+        self._cwd, self._sys_path = os.getcwd(), list(sys.path)
+        self._emit("created", self)
+        try:
+            if self._try_lease() and not background:
+                self._launch()
+        except KeyboardInterrupt:
+            self._end_unstarted("interrupted")
+            raise
+        if background:
+            self._start_background()
+
+    def _end_unstarted(self, state: str) -> None:
+        """End the job as ``state`` unless it has ended already (the launcher was never asked, or was too late)."""
+        if not self.done():
+            self._write_final(state)
 
     # -- start: lease GPUs, prepare the sinks, hand the run dir to the launch host
 
@@ -302,7 +284,7 @@ class Job:
             atomic_write_json(rd.launch_file, launch)
             for rank in range(plan.world_size):
                 rd.log_file(rank).touch(mode=0o600)
-            self._open_status_signal()
+            self._feed.open_signal()
             host = self._get_host()
             try:
                 host.launch(rd)
@@ -321,39 +303,8 @@ class Job:
         if self._cancel.is_set():
             self.request_cancel(self._cancel_reason)
 
-    def _open_status_signal(self) -> None:
-        """Make the job's status FIFO and hold it open for reading and writing (so it never reads as
-        closed); without it the follower polls every ``POLL_INTERVAL_S``."""
-        path = self._rd.status_signal
-        try:
-            os.mkfifo(path, 0o600)
-            self._signal_fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
-        except (OSError, AttributeError):  # a file system without FIFOs
-            self._signal_fd = None
-
-    def _close_status_signal(self) -> None:
-        """Close the FIFO and remove it: a FIFO left in the run directory would block whoever copies it."""
-        fd, self._signal_fd = self._signal_fd, None
-        if fd is not None:
-            os.close(fd)
-            self._rd.status_signal.unlink(missing_ok=True)
-
-    def _wait_for_status(self) -> None:
-        """Sleep until the launch host writes the job's status, or ``PUMP_INTERVAL_S`` (time to read the
-        logs again) passes."""
-        fd = self._signal_fd
-        if fd is None:
-            time.sleep(POLL_INTERVAL_S)
-            return
-        try:
-            ready, _, _ = select.select([fd], [], [], PUMP_INTERVAL_S)
-            if ready:
-                os.read(fd, 4096)
-        except (OSError, ValueError):  # closed by the thread that saw the job end
-            time.sleep(POLL_INTERVAL_S)
-
     def _release(self) -> None:
-        self._close_status_signal()
+        self._feed.close_signal()
         if self._lease is not None:
             self._lease.release()
 
@@ -361,7 +312,7 @@ class Job:
         """End a job that never reached the launch host (cancelled while pending, or refused)."""
         self._release()
         status = {"state": state, "ended_s": time.time(), **extra}
-        atomic_write_json(self._status_path, status)
+        atomic_write_json(self._feed.path, status)
         self._end(status, finished=state_from_status(status) is JobState.CANCELLED)
 
     def _end(self, status: dict, finished: bool = True) -> None:
@@ -381,54 +332,12 @@ class Job:
 
     def _pump(self, final: bool = False) -> None:
         """Hand what the ranks wrote since the last call to the sinks; ``final``: all of it, then close the logs."""
-        try:
-            self._read_logs(final)
-        finally:
-            if final:
-                for follower in self._followers:
-                    follower.close()
-
-    def _read_logs(self, final: bool) -> None:
-        tail = self._tail_lines
-        if tail is None:
-            for rank, follower in enumerate(self._followers):
-                text = follower.read(final)
-                if text:
-                    self._emit("output", rank, text)
-            return
-        now = time.monotonic()
-        on_screen = None
-        if not final:
-            shown = [sink.ranks_on_screen() for sink in self._sinks]
-            on_screen = None if any(s is None for s in shown) else set().union(*shown)
-        for rank, follower in enumerate(self._followers):
-            every_s = ON_SCREEN_READ_S if on_screen is None or rank in on_screen else OFF_SCREEN_READ_S
-            if not final and now - self._read_at[rank] < every_s:
-                continue
-            self._read_at[rank] = now
-            if final and follower.skipped_total and self._live_tail_lines < tail:
-                # while running only the last live lines were read: the sinks keep the last tail lines,
-                # read again (the skip clears what they hold)
-                skipped, text = follower.reread_tail(tail)
-                self._emit("skipped", rank, skipped)
-            else:
-                skipped, text = follower.read_tail(tail if final else self._live_tail_lines, final)
-                if skipped:
-                    self._emit("skipped", rank, skipped)
-            if text:
-                self._emit("output", rank, text)
-
-    def _status_stamp(self) -> tuple | None:
-        try:
-            st = os.stat(self._status_path_str)
-        except FileNotFoundError:
-            return None
-        return st.st_ino, st.st_mtime_ns, st.st_size  # each write is a rename: a new inode
+        self._logs.pump(final)
 
     def _poll_once(self) -> bool:
         if self._final_status is not None:
             return True
-        stamp, now = self._status_stamp(), time.monotonic()
+        stamp, now = self._feed.stamp(), time.monotonic()
         if stamp == self._stamp and now - self._last_pump < PUMP_INTERVAL_S:
             return False
         self._stamp, self._last_pump = stamp, now
@@ -470,7 +379,7 @@ class Job:
                 raise JobCancelledError(f"job {self.job_id} was cancelled before it started (no rank ran)")
             self._launch()
         while not self._poll_once():
-            self._wait_for_status()
+            self._feed.wait()
 
     def _follow_blocking(self) -> None:
         """:meth:`_run_to_end` in the calling thread; an interrupt cancels the job and raises
@@ -478,8 +387,7 @@ class Job:
         try:
             self._run_to_end()
         except JobCancelledError:
-            if not self.done():
-                self._write_final("cancelled")
+            self._end_unstarted("cancelled")
             raise
         except KeyboardInterrupt:
             if self._host is None:
@@ -494,8 +402,7 @@ class Job:
         try:
             self._run_to_end()
         except JobCancelledError:
-            if not self.done():
-                self._write_final("cancelled")
+            self._end_unstarted("cancelled")
         except BaseException as exc:  # noqa: BLE001 - recorded on the job, shown by its view
             self._error = exc if isinstance(exc, SgpuError) else LauncherError(
                 f"job {self.job_id} could not run: {type(exc).__name__}: {exc}")
@@ -519,7 +426,7 @@ class Job:
             self._done.wait(timeout_s)
             return
         while self._host is not None and not self._poll_once() and time.monotonic() < deadline:
-            self._wait_for_status()
+            self._feed.wait()
 
     def wait(self, timeout_s: float | None = None) -> JobState:
         """Block until the job ends or ``timeout_s`` seconds pass; return its state.
@@ -541,7 +448,7 @@ class Job:
             while not self._poll_once():
                 if deadline is not None and time.monotonic() > deadline:
                     break
-                self._wait_for_status()
+                self._feed.wait()
         except KeyboardInterrupt:
             self.cancel(_reason="interrupted")
             raise stopped_error(self.job_id, "interrupted", self._rd.logs_dir) from None
@@ -581,7 +488,7 @@ class Job:
         if not self.done():
             raise TimeoutError(f"job {self.job_id} is still {self.state.label} after {timeout_s:g} s")
         if self._error is None and self.state is not JobState.SUCCEEDED:
-            self._error = self._build_error()
+            self._error = build_error(self._rd, self._status(), self.spec, self.plan)
         return self._error
 
     def result(self, timeout_s: float | None = None) -> list[Any]:
@@ -598,7 +505,7 @@ class Job:
         if error is not None:
             raise error
         if self._results is None:
-            self._results = [self._load_result(r) for r in range(self.world_size)]
+            self._results = [load_result(self._rd, r) for r in range(self.world_size)]
         return self._results
 
     @property
@@ -608,77 +515,7 @@ class Job:
             return self.result()
         return None
 
-    def _load_result(self, rank: int) -> Any:
-        path = self._rd.result_file(rank)
-        try:
-            data = read_private(path, self._rd.path)
-        except FileNotFoundError:
-            raise SgpuError(f"rank {rank} exited 0 but left no result; see {self._rd.log_file(rank)}") from None
-        try:
-            return pickle.loads(data)
-        except Exception as exc:
-            raise SgpuError(f"the result of rank {rank} cannot be unpickled in the kernel "
-                            f"({type(exc).__name__}: {exc}); return plain Python, numpy or torch values") from exc
-
-    def _build_error(self) -> BaseException:
-        status = self._status()
-        state = self.state
-        if state is JobState.TIMED_OUT:
-            return JobTimeoutError(f"job {self.job_id} ran longer than its timeout of {self.spec.timeout_s:g} s; "
-                                   f"every rank was stopped. Logs: {self._rd.logs_dir}")
-        if state is JobState.CANCELLED:
-            how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
-            if "started_s" not in status:
-                return JobCancelledError(f"job {self.job_id} was {how} before it started (no rank ran)")
-            return stopped_error(self.job_id, how, self._rd.logs_dir)
-        if status.get("host_lost"):
-            return LauncherError(status["host_lost"])
-        if status.get("launch_error"):
-            return LauncherError(f"job {self.job_id} could not start: {status['launch_error']}")
-        error = failure_from_status(self._rd, status, self.world_size)
-        if error.root_cause.cuda and self.plan.backend == "gloo" and self.plan.cluster is None:
-            error.hint = NO_GPU_HINT
-        if status.get("attempts"):
-            error.attempt_note = (f"attempt {status.get('attempt', 1)} of {self.spec.max_restarts + 1} failed, after "
-                                  f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures")
-        return error
-
     def __repr__(self) -> str:
         gpus = f" gpus={self.gpus}" if self.gpus else ""
         return (f"<Job {self.job_id} {self.state.label} world_size={self.world_size}{gpus} "
                 f"run_dir={str(self.run_dir)!r}>")
-
-
-def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable[[], Launcher],
-           sinks: list[JobSink] = (), root: Path | None = None, background: bool = False,
-           registry: LeaseRegistry | None = None) -> Job:
-    """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
-
-    The first try for the GPUs happens in the calling thread, so ``wait=False`` refusals raise
-    here. A background job is then launched and followed by a daemon thread (its launch errors
-    are the job's error); for a blocking one the launch happens here and the caller runs
-    :meth:`Job._follow_blocking` (which waits in the GPU queue if needed; an interrupt cancels
-    the job).
-
-    ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
-    one is asked once more, so a dead host never fails a launch.
-    """
-    rd = RunDir.create(root)
-    atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
-    if plan.needs_lease and registry is None:
-        registry = LeaseRegistry()
-    job = Job(rd, spec, plan, get_host, sinks, registry)
-    job._cwd, job._sys_path = os.getcwd(), list(sys.path)
-    job._emit("created", job)
-    try:
-        # the first try for the GPUs is here, so that wait=False refuses at once; a background job is
-        # launched by its own thread (creating its MLflow run can take seconds), a blocking one here
-        if job._try_lease() and not background:
-            job._launch()
-    except KeyboardInterrupt:
-        if not job.done():
-            job._write_final("interrupted")
-        raise
-    if background:
-        job._start_background()
-    return job

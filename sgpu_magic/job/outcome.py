@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
+from typing import Any
 
-from sgpu_magic.errors import JobCancelledError, RankFailedError, RankFailure
-from sgpu_magic.rundir import RunDir, read_json
+from sgpu_magic.errors import (
+    NO_GPU_HINT,
+    JobCancelledError,
+    JobTimeoutError,
+    LauncherError,
+    RankFailedError,
+    RankFailure,
+    SgpuError,
+)
+from sgpu_magic.job.state import JobState, state_from_status
+from sgpu_magic.launch.resources import DevicePlan
+from sgpu_magic.rundir import RunDir, read_json, read_private
+from sgpu_magic.spec import LaunchSpec
 
 
 def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:
@@ -56,3 +69,46 @@ def stopped_error(job_id: str, how: str, logs: Path) -> JobCancelledError:
     """``job <id> was interrupted; every rank was stopped. Logs: <dir>`` (``how``: ``interrupted`` or
     ``cancelled``), the error of a job stopped once its ranks ran."""
     return JobCancelledError(f"job {job_id} was {how}; every rank was stopped. Logs: {logs}")
+
+
+def load_result(rd: RunDir, rank: int) -> Any:
+    """Rank ``rank``'s returned value, unpickled from its private result file.
+
+    Raises:
+        SgpuError: the rank left no result, or it cannot be unpickled in the kernel.
+    """
+    path = rd.result_file(rank)
+    try:
+        data = read_private(path, rd.path)
+    except FileNotFoundError:
+        raise SgpuError(f"rank {rank} exited 0 but left no result; see {rd.log_file(rank)}") from None
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        raise SgpuError(f"the result of rank {rank} cannot be unpickled in the kernel "
+                        f"({type(exc).__name__}: {exc}); return plain Python, numpy or torch values") from exc
+
+
+def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) -> BaseException:
+    """The error of a job that ended without succeeding, from its final ``status``: a timeout, a cancel (or
+    interrupt), a lost launcher, a launch that failed, or the :class:`RankFailedError` naming the root cause."""
+    state, job_id = state_from_status(status), rd.job_id
+    if state is JobState.TIMED_OUT:
+        return JobTimeoutError(f"job {job_id} ran longer than its timeout of {spec.timeout_s:g} s; "
+                               f"every rank was stopped. Logs: {rd.logs_dir}")
+    if state is JobState.CANCELLED:
+        how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
+        if "started_s" not in status:
+            return JobCancelledError(f"job {job_id} was {how} before it started (no rank ran)")
+        return stopped_error(job_id, how, rd.logs_dir)
+    if status.get("host_lost"):
+        return LauncherError(status["host_lost"])
+    if status.get("launch_error"):
+        return LauncherError(f"job {job_id} could not start: {status['launch_error']}")
+    error = failure_from_status(rd, status, plan.world_size)
+    if error.root_cause.cuda and plan.backend == "gloo" and plan.cluster is None:
+        error.hint = NO_GPU_HINT
+    if status.get("attempts"):
+        error.attempt_note = (f"attempt {status.get('attempt', 1)} of {spec.max_restarts + 1} failed, after "
+                              f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures")
+    return error

@@ -5,15 +5,18 @@ Everything that can be refused is refused before any process starts.
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from sgpu_magic.job.follow import JobSink
-from sgpu_magic.job.handle import Job, submit
+from sgpu_magic.job.handle import Job
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.client import get_host
 from sgpu_magic.launch.leases import LeaseRegistry
 from sgpu_magic.launch.resources import DevicePlan, check_port_free, plan_devices
+from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.spec import LaunchSpec
 
 
@@ -62,3 +65,26 @@ def _say_note(view: JobSink, plan: DevicePlan, spec: LaunchSpec) -> None:
             return
         _NO_GPU_SAID.set()
     view.note(plan.note)
+
+
+def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable[[], Launcher],
+           sinks: list[JobSink] = (), root: Path | None = None, background: bool = False,
+           registry: LeaseRegistry | None = None) -> Job:
+    """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
+
+    The first try for the GPUs happens in the calling thread, so ``wait=False`` refusals raise
+    here. A background job is then launched and followed by a daemon thread (its launch errors
+    are the job's error); for a blocking one the launch happens here and the caller runs
+    :meth:`Job.follow` (which waits in the GPU queue if needed; an interrupt cancels
+    the job).
+
+    ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
+    one is asked once more, so a dead host never fails a launch.
+    """
+    rd = RunDir.create(root)
+    atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    if plan.needs_lease and registry is None:
+        registry = LeaseRegistry()
+    job = Job(rd, spec, plan, get_host, sinks, registry)
+    job.start(background)
+    return job

@@ -17,19 +17,21 @@ was written is ended, and the job keeps its outcome (see :mod:`sgpu_magic.launch
 - :func:`exit_like_python`: non-daemon threads, ``atexit`` handlers and stream flushes, in
   CPython's order (``Py_FinalizeEx``); the process then ends with ``os._exit``.
 
-Imports nothing but the standard library; torch is patched only once the rank imports it.
+Imports nothing but the standard library (and its hook, :mod:`sgpu_magic._util.imports`); torch is patched only
+once the rank imports it.
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib.abc
 import os
 import re
 import sys
 import threading
 import traceback
 import weakref
+
+from sgpu_magic._util.imports import AfterImport
 
 _C10D = "torch.distributed.distributed_c10d"
 _kept_groups: list = []
@@ -55,43 +57,13 @@ def _keep_groups_of(c10d) -> None:
     c10d._update_default_pg = update_default_pg
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; runs ``callback(module)`` once ``name`` has been imported by its real loader."""
-
-    def __init__(self, name: str, callback) -> None:
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader, callback = spec.loader, self.callback
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_then_call(module):
-            exec_module(module)
-            callback(module)
-
-        loader.exec_module = exec_then_call
-        return spec
-
-
 def keep_process_groups() -> None:
     """Keep every process group this rank creates alive until the process ends: now if torch.distributed is
     loaded (a warm rank), else once the rank's code imports it (torch is not imported here)."""
     if _C10D in sys.modules:
         _keep_groups_of(sys.modules[_C10D])
-    elif not any(isinstance(f, _AfterImport) and f.name == _C10D for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(_C10D, _keep_groups_of))
+    elif not any(isinstance(f, AfterImport) and f.name == _C10D for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport(_C10D, _keep_groups_of))
 
 
 def call_holding_frame(fn, args: list, kwargs: dict, held: list):

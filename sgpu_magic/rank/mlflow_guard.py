@@ -12,9 +12,10 @@ here (it takes seconds): a post-import hook patches it when the rank's code impo
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import os
 import sys
+
+from sgpu_magic._util.imports import AfterImport
 
 RUN_ID_ENV = "SGPU_MAGIC_MLFLOW_RUN_ID"
 _CLIENT_MODULE = "mlflow.tracking.client"
@@ -36,36 +37,6 @@ def _patch(module, run_id: str) -> None:
     cls.set_terminated = set_terminated
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the real loader of ``mlflow.tracking.client`` to patch it once loaded."""
-
-    def __init__(self, run_id: str) -> None:
-        self.run_id = run_id
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _CLIENT_MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader, run_id = spec.loader, self.run_id
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _patch(module, run_id)
-
-        loader.exec_module = exec_and_patch
-        return spec
-
-
 def guard_job_run() -> None:
     """Keep this process from ending the job's run (``SGPU_MAGIC_MLFLOW_RUN_ID``), now or once mlflow is imported."""
     run_id = os.environ.get(RUN_ID_ENV)
@@ -74,11 +45,12 @@ def guard_job_run() -> None:
     if _CLIENT_MODULE in sys.modules:
         _patch(sys.modules[_CLIENT_MODULE], run_id)
         return
+    patch = functools.partial(_patch, run_id=run_id)
     for finder in sys.meta_path:
-        if isinstance(finder, _PatchOnImport):
-            finder.run_id = run_id
+        if isinstance(finder, AfterImport) and finder.name == _CLIENT_MODULE:
+            finder.callback = patch
             return
-    sys.meta_path.insert(0, _PatchOnImport(run_id))
+    sys.meta_path.insert(0, AfterImport(_CLIENT_MODULE, patch))
 
 
 def _tracking_store_exists() -> bool:

@@ -11,6 +11,7 @@ import pytest
 from sgpu_magic import JobState, distributed
 from sgpu_magic.errors import JobCancelledError
 from sgpu_magic.front.decorator import start
+from sgpu_magic.rundir import RunDir
 from sgpu_magic.ui.panel import HIDDEN_TAB_FLUSHES_PER_S, MAX_FLUSHES_PER_S, Panel, make_view, rank_state
 from sgpu_magic.ui.terminal import TerminalBuffer
 from sgpu_magic.ui.text import TextView
@@ -265,7 +266,7 @@ def test_log_follower_reads_a_short_tail_live_and_the_long_one_again_at_the_end(
 
 def test_a_followed_job_removes_its_status_fifo_when_it_ends():
     panel, job, _ = run_with_panel(chatty, 5)
-    assert job.state is JobState.SUCCEEDED and job._signal_fd is None
+    assert job.state is JobState.SUCCEEDED and not RunDir(job.run_dir).status_signal.exists()
     assert not (job.run_dir / "status.fifo").exists()  # nothing left that would block a copy of the run dir
 
 
@@ -298,7 +299,7 @@ def test_a_job_without_its_status_fifo_is_followed_by_polling(monkeypatch):
 
     monkeypatch.setattr(os, "mkfifo", no_fifos)
     panel, job, _ = run_with_panel(chatty, 5)
-    assert job.state is JobState.SUCCEEDED and job._signal_fd is None
+    assert job.state is JobState.SUCCEEDED and not RunDir(job.run_dir).status_signal.exists()
     assert shown(panel, 0).splitlines()[-1] == "\x1b[32mdone 0\x1b[0m"
 
 

@@ -62,9 +62,9 @@ def test_a_rank_imports_no_front_door_nor_kernel_side_library():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     loaded = ast.literal_eval(done.stdout)
-    assert loaded == ["sgpu_magic", "sgpu_magic._util", "sgpu_magic._util.fs", "sgpu_magic._util.proc",
-                      "sgpu_magic.errors", "sgpu_magic.rank", "sgpu_magic.rank.exit", "sgpu_magic.rank.mlflow_guard",
-                      "sgpu_magic.rank.worker", "sgpu_magic.rundir"]
+    assert loaded == ["sgpu_magic", "sgpu_magic._util", "sgpu_magic._util.fs", "sgpu_magic._util.imports",
+                      "sgpu_magic._util.proc", "sgpu_magic.errors", "sgpu_magic.rank", "sgpu_magic.rank.exit",
+                      "sgpu_magic.rank.mlflow_guard", "sgpu_magic.rank.worker", "sgpu_magic.rundir"]
 
 
 def test_every_public_import_path_stays_and_import_sgpu_magic_is_lazy():
