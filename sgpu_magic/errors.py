@@ -29,7 +29,7 @@ class CellSyntaxError(SgpuError, SyntaxError):
 
     Raised before anything starts. In IPython it shows as Python shows a syntax error (the cell's
     line, a caret, the message), without the sgpu_magic and IPython frames that raised it (see
-    :func:`sgpu_magic.front.magics.show_cell_syntax_errors_alone`).
+    :func:`sgpu_magic.front.cell.show_cell_syntax_errors_alone`).
     """
 
 

@@ -3,218 +3,32 @@
 from __future__ import annotations
 
 import argparse
-import ast
-import html
-import keyword
-import shlex
 from dataclasses import replace
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.utils.process import arg_split
 from traitlets import Bool, Float, Int, Unicode
 
 from sgpu_magic import capture
 from sgpu_magic._util.redact import redact
-from sgpu_magic.errors import CellSyntaxError, SpecError
+from sgpu_magic.errors import SpecError
 from sgpu_magic.front import script
+from sgpu_magic.front.cell import (
+    CELL_FILENAME,
+    check_output_name,
+    checked_source,
+    ends_quiet,
+    parse_gpu_ids,
+    parse_line,
+    parse_timeout,
+    show_cell_syntax_errors_alone,
+)
 from sgpu_magic.front.decorator import job_spec, start
-from sgpu_magic.front.magic_help import magic_help, usage_line
-from sgpu_magic.job.handle import Job, jobs
-from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec, shown
-
-
-def _parse_timeout(text: str | None, default: float | None) -> float | None:
-    if text is None:
-        return default
-    if text.strip().lower() == "none":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise UsageError(f"--timeout takes a number of seconds > 0, or 'none' for no limit; got {shown(text)}")
-    return value
-
-
-def _parse_gpu_ids(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(item) for item in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--gpu-ids takes GPU indices separated by commas, e.g. --gpu-ids 0,1; got {shown(text)}") from None
-
-
-def _parse_line(parser, line: str, magic: str = "%%distributed"):
-    """The magic's options: ``line`` split as a POSIX shell does (``--gpu-type ''`` is an empty value), then argparse.
-
-    Raises:
-        UsageError: an unclosed quote, or what argparse refuses (followed by the usage line).
-    """
-    try:
-        argv = arg_split(line, posix=True)
-    except ValueError as exc:  # shlex: "No closing quotation"
-        raise UsageError(f"cannot read the {magic} line ({exc}): {shown(line)}; close the quote") from None
-    try:
-        args, extra = parser.parse_known_args(argv)
-        if extra:  # as parse_args, but quoted: an empty or blank argument stays visible
-            parser.error(f"unrecognized arguments: {shlex.join(extra)}")
-        return args
-    except UsageError as exc:
-        raise UsageError(f"{exc}\nusage: {usage_line(parser)} ({magic}? shows the help)") from None
-
-
-def _check_output_name(name: str | None) -> None:
-    if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
-        raise UsageError(f"-o/--output takes a Python variable name such as job, to store the Job in; got {shown(name)}")
-
-
-class JobTable:
-    """``%distributed_jobs`` output: an HTML table in Jupyter, aligned text elsewhere.
-
-    The MLflow column has each tracked job's run id, linked to its run page whenever a server shows
-    it now (a tracking server, or ``%mlflow_ui`` started before or after the job); the text form
-    adds a ``run page`` column with those links.
-    """
-
-    COLUMNS = ("job", "state", "world size", "GPUs", "elapsed", "MLflow run")
-
-    def __init__(self, jobs: list[Job]) -> None:
-        self.rows, self.urls = [], []
-        for job in jobs:
-            elapsed = job.elapsed_s
-            self.rows.append((job.job_id, job.state.label, str(job.world_size),
-                              ",".join(map(str, job.gpus)) or "cpu" if not job.plan.needs_lease or job.gpus else "-",
-                              "-" if elapsed is None else f"{elapsed:.1f} s", job.mlflow_run_id or "-"))
-            self.urls.append(job.run_url)
-
-    def __repr__(self) -> str:
-        if not self.rows:
-            return "no sgpu_magic jobs in this kernel yet"
-        columns, rows = self.COLUMNS, self.rows
-        if any(self.urls):
-            columns += ("run page",)
-            rows = [(*row, url or "-") for row, url in zip(rows, self.urls)]
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [columns, *rows])
-
-    def _repr_html_(self) -> str:
-        if not self.rows:
-            return "<i>no sgpu_magic jobs in this kernel yet</i>"
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)
-        body = ""
-        for (*cells, run_id), url in zip(self.rows, self.urls):
-            run = f'<a href="{html.escape(url)}" target="_blank">{html.escape(run_id)}</a>' if url else html.escape(run_id)
-            body += "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f"<td>{run}</td></tr>"
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-CELL_FILENAME = "<%%distributed cell>"
-"""File name of the cell's code in rank tracebacks; line numbers are those of the notebook cell."""
-
-
-def _aligned_source(cell: str, transformed: str) -> str:
-    """Pad ``transformed`` so its line numbers match the notebook cell, whose line 1 is ``%%distributed``.
-
-    IPython's transforms drop the cell's leading blank lines; they are put back here.
-    """
-    lines = cell.splitlines()
-    leading = next((i for i, line in enumerate(lines) if line.strip()), len(lines))
-    return "\n" * (1 + leading) + transformed
-
-
-_OUTSIDE_FUNCTION_HINTS = {
-    "'return' outside function": "a %%distributed cell is not a function; its last expression (on rank 0) is the "
-                                 "cell's output, so end the cell with the value instead of return",
-    "'yield' outside function": "a %%distributed cell is not a function and cannot yield; collect the values in a "
-                                "list and end the cell with it",
-    "'await' outside function": "ranks run the cell as plain Python, without an event loop; put the code in "
-                                "async def main(): ... and end the cell with asyncio.run(main())",
-}
-
-
-def _compile_cell(source: str) -> ast.Module:
-    """Parse and compile the cell as the ranks will; a SyntaxError names the notebook line (and a remedy).
-
-    Raises:
-        CellSyntaxError: (a ``SyntaxError``) the cell is not Python, or not Python the ranks can run.
-    """
-    try:
-        tree = ast.parse(source, CELL_FILENAME)
-        compile(tree, CELL_FILENAME, "exec")  # 'return' / 'yield' outside a function are found here, not by parse
-    except SyntaxError as exc:
-        hint = _OUTSIDE_FUNCTION_HINTS.get(exc.msg)
-        lines = source.splitlines()
-        text = exc.text if exc.text is not None or not 0 < (exc.lineno or 0) <= len(lines) else lines[exc.lineno - 1]
-        raise CellSyntaxError(f"{exc.msg}: {hint}" if hint else exc.msg,
-                              (exc.filename, exc.lineno, exc.offset, text, exc.end_lineno, exc.end_offset)) from None
-    except (RecursionError, MemoryError):  # CPython's parser and compiler give up on very deep nesting this way
-        raise CellSyntaxError("the cell is nested too deeply for Python's compiler; split the expression into "
-                              "several statements", (CELL_FILENAME, None, None, None)) from None
-    return tree
-
-
-def _quiet(source: str) -> bool:
-    """Whether the cell ends with ``;``, so IPython would not show its value (IPython's own rule: the last token
-    that is not a newline or comment is ``;``)."""
-    from IPython.core.displayhook import DisplayHook
-
-    rule = getattr(DisplayHook, "semicolon_at_end_of_expression", None)
-    if rule is not None:
-        return bool(rule(source))
-    import io
-    import tokenize
-
-    for token in reversed(list(tokenize.generate_tokens(io.StringIO(source).readline))):
-        if token.type not in (tokenize.ENDMARKER, tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT):
-            return token.type == tokenize.OP and token.string == ";"
-    return False
-
-
-def _checked_source(cell: str, transformed: str) -> str:
-    """The cell as the ranks run it, refused before launch when it cannot run there.
-
-    Raises:
-        CellSyntaxError: (a ``SyntaxError``) the cell is not Python, or a line is IPython syntax (``%magic``,
-            ``!shell``, ``name?``), which ranks, being plain Python, cannot run; it names the line and the remedy.
-        UsageError: the cell has no code.
-    """
-    source = _aligned_source(cell, transformed)
-    tree = _compile_cell(source)
-    if not tree.body:
-        raise UsageError("the %%distributed cell has no code to run; write the code for the ranks in the cell, "
-                         "below the %%distributed line")
-    lineno = capture.ipython_syntax_line(tree)
-    if lineno is not None:
-        lines = cell.splitlines()
-        text = lines[lineno - 2] if 0 <= lineno - 2 < len(lines) else source.splitlines()[lineno - 1]
-        raise CellSyntaxError(f"line {lineno} of the cell, {shown(text.strip())}, is IPython syntax (a %magic, !shell "
-                              f"command or ? help), but ranks run plain Python without IPython; run it in a cell of "
-                              f"its own before the %%distributed cell, or use Python (e.g. subprocess.run([...]) for a "
-                              f"shell command)", (CELL_FILENAME, lineno, 1, text, lineno, len(text) + 1))
-    return source
-
-
-def show_cell_syntax_errors_alone(shell) -> None:
-    """Have IPython show a :class:`~sgpu_magic.errors.CellSyntaxError` as it shows a syntax error in a cell.
-
-    IPython prints a ``SyntaxError`` raised while a cell runs with the frames that raised it (here ten
-    of IPython's and sgpu_magic's); through its handler for chosen exception types
-    (``InteractiveShell.set_custom_exc``, with the handler its docs show) it prints the cell's line, a
-    caret and the message, as for other bad input. The shell has one such slot: one that holds
-    another handler is left alone.
-    """
-    if shell.custom_exceptions:
-        return
-
-    def show(shell, etype, value, tb, tb_offset=None) -> None:
-        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)  # a SyntaxError: shown without frames
-
-    shell.set_custom_exc((CellSyntaxError,), show)
-
+from sgpu_magic.front.job_table import JobTable
+from sgpu_magic.front.magic_help import magic_help
+from sgpu_magic.job.handle import jobs
+from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
 
 _JOB_OPTIONS = (
     argument("--gpus", type=int, required=True, help="Number of ranks, one GPU each (CPU ranks with gloo when the "
@@ -284,9 +98,9 @@ class DistributedMagics(Magics):
     def _job_spec(self, args, name: str) -> LaunchSpec:
         """The job's spec from the options both magics share; a bad one is a UsageError naming it."""
         try:
-            return job_spec(name, args.gpus, args.gpu_type, _parse_timeout(args.timeout, self.timeout_s),
+            return job_spec(name, args.gpus, args.gpu_type, parse_timeout(args.timeout, self.timeout_s),
                             port=args.port, widgets=False if args.no_widgets else self.widgets,
-                            mlflow=self.mlflow and not args.no_mlflow, gpu_ids=_parse_gpu_ids(args.gpu_ids),
+                            mlflow=self.mlflow and not args.no_mlflow, gpu_ids=parse_gpu_ids(args.gpu_ids),
                             wait=not args.no_wait, max_restarts=args.max_restarts, cluster=args.cluster,
                             teardown_grace_s=self.teardown_grace_s, remote=args.remote)
         except SpecError as exc:
@@ -323,14 +137,14 @@ class DistributedMagics(Magics):
         Python: a cell with IPython syntax (%magic, !shell, ? help) or a top-level return is
         refused with a SyntaxError before anything starts.
         """
-        args = _parse_line(self.distributed.parser, line, "%%distributed")
-        _check_output_name(args.output)
+        args = parse_line(self.distributed.parser, line, "%%distributed")
+        check_output_name(args.output)
         spec = self._job_spec(args, "%%distributed cell")
-        source = _checked_source(cell, self.shell.transform_cell(cell))  # stops bad cells before anything starts
+        source = checked_source(cell, self.shell.transform_cell(cell))  # stops bad cells before anything starts
 
         def payload(warn) -> dict:
             part = capture.capture_cell(source, self.shell.user_ns, self.max_capture_bytes, warn)
-            part.update(filename=CELL_FILENAME, quiet=_quiet(source))
+            part.update(filename=CELL_FILENAME, quiet=ends_quiet(source))
             return part
 
         job = start(spec, payload, background=args.background)
@@ -362,8 +176,8 @@ class DistributedMagics(Magics):
         code n. A missing file, a file that is not Python or an unknown module is refused before
         anything starts. Returns nothing (the Job with -o NAME, or with --background).
         """
-        args = _parse_line(self.distributed_run.parser, line, "%distributed_run")
-        _check_output_name(args.output)
+        args = parse_line(self.distributed_run.parser, line, "%distributed_run")
+        check_output_name(args.output)
         spec = self._job_spec(args, "script")
         try:
             target = script.resolve(args.script, module=args.module)
