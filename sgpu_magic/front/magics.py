@@ -271,11 +271,11 @@ class DistributedMagics(Magics):
         ends. From then on each job's run link points at it. ``%config DistributedMagics.mlflow_ui = True``
         starts it with the first tracked job instead.
         """
-        from sgpu_magic.tracking.run import run as tracking
+        from sgpu_magic.tracking import server
 
         args = parse_argstring(self.start_mlflow_ui, line)
         if args.stop:
-            print("MLflow UI stopped" if tracking.stop_ui() else "no MLflow UI was running")
+            print("MLflow UI stopped" if server.stop_ui() else "no MLflow UI was running")
             return
-        ui = tracking.start_ui(port=args.port)
+        ui = server.start_ui(port=args.port)
         print(f"MLflow UI for {redact(ui.backend_uri)}: {ui.url}")
