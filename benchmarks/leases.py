@@ -65,7 +65,9 @@ def main() -> None:
         queue.append(read_json(job._rd.status_file)["started_s"] - released)
     print("launch-to-result, trivial 2-rank warm job, with a lease (fake GPUs):", _stats(with_lease))
     print("launch-to-result, trivial 2-rank warm job, without (CPU):           ", _stats(without))
-    print(f"lease overhead (median difference): {(statistics.median(with_lease) - statistics.median(without)) * 1000:.0f} ms")
+    print(
+        f"lease overhead (median difference): {(statistics.median(with_lease) - statistics.median(without)) * 1000:.0f} ms"
+    )
     print("queued job: GPUs released -> ranks started:", _stats(queue))
 
 

@@ -43,8 +43,10 @@ def main() -> None:
     job.result()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     counts = [job.logs(r).count("\n") for r in range(2)]
-    print(f"view={args.view} lines/rank={args.lines} wall={wall:.2f} s kernel_cpu={cpu:.2f} s "
-          f"({100 * cpu / wall:.0f}% of wall) log_lines={counts}")
+    print(
+        f"view={args.view} lines/rank={args.lines} wall={wall:.2f} s kernel_cpu={cpu:.2f} s "
+        f"({100 * cpu / wall:.0f}% of wall) log_lines={counts}"
+    )
     if isinstance(view, Panel):
         print(f"frontend updates: {view.flushes} in {wall:.2f} s = {view.flushes / wall:.1f}/s")
 

@@ -35,7 +35,9 @@ def main() -> None:
         import sgpu_magic.front.decorator as deco
 
         t0 = time.perf_counter()
-        job = deco.start(fn.spec, lambda warn: fn._payload((), {}, warn), view=TextView(out=io.StringIO(), err=io.StringIO()))
+        job = deco.start(
+            fn.spec, lambda warn: fn._payload((), {}, warn), view=TextView(out=io.StringIO(), err=io.StringIO())
+        )
         job.result()
         return time.perf_counter() - t0
 

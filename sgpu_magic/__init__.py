@@ -16,9 +16,26 @@ from typing import TYPE_CHECKING
 # PEP 562: every public name is imported on first use, so that a rank, the launch host and the forkserver
 # (which import sgpu_magic.rank / sgpu_magic.launch.host) never load the front doors, the panel or MLflow
 _LAZY = {
-    "distributed": "sgpu_magic.front.decorator", "DistributedFunction": "sgpu_magic.front.decorator",
-    "run_script": "sgpu_magic.front.script", "Job": "sgpu_magic.job", "JobState": "sgpu_magic.job",
-    **dict.fromkeys(("SgpuError", "SpecError", "ResourceError", "CaptureError", "LauncherError", "RankFailedError", "JobTimeoutError", "JobCancelledError", "UnpicklableGlobalError", "CheckpointError"), "sgpu_magic.errors"),
+    "distributed": "sgpu_magic.front.decorator",
+    "DistributedFunction": "sgpu_magic.front.decorator",
+    "run_script": "sgpu_magic.front.script",
+    "Job": "sgpu_magic.job",
+    "JobState": "sgpu_magic.job",
+    **dict.fromkeys(
+        (
+            "SgpuError",
+            "SpecError",
+            "ResourceError",
+            "CaptureError",
+            "LauncherError",
+            "RankFailedError",
+            "JobTimeoutError",
+            "JobCancelledError",
+            "UnpicklableGlobalError",
+            "CheckpointError",
+        ),
+        "sgpu_magic.errors",
+    ),
 }
 _SUBMODULES = {"runtime", "errors", "data", "checkpoint"}
 
@@ -40,9 +57,25 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from sgpu_magic.front.script import run_script
     from sgpu_magic.job import Job, JobState
 
-__all__ = ["distributed", "DistributedFunction", "run_script", "Job", "JobState", "runtime", "SgpuError", "SpecError",
-           "ResourceError", "CaptureError", "LauncherError", "RankFailedError", "JobTimeoutError", "JobCancelledError",
-           "UnpicklableGlobalError", "CheckpointError", "load_ipython_extension"]
+__all__ = [
+    "distributed",
+    "DistributedFunction",
+    "run_script",
+    "Job",
+    "JobState",
+    "runtime",
+    "SgpuError",
+    "SpecError",
+    "ResourceError",
+    "CaptureError",
+    "LauncherError",
+    "RankFailedError",
+    "JobTimeoutError",
+    "JobCancelledError",
+    "UnpicklableGlobalError",
+    "CheckpointError",
+    "load_ipython_extension",
+]
 
 
 @functools.cache

@@ -14,16 +14,27 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sgpu_magic", description="sgpu_magic's command line.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     doctor = commands.add_parser(
-        "doctor", help="check what a job will use here and what is wrong (exit 1 when a check is an error)",
+        "doctor",
+        help="check what a job will use here and what is wrong (exit 1 when a check is an error)",
         description="Check what a job will use on this machine — Python, torch, GPUs and their holders, GPU leases, "
-                    "ports, the MLflow tracking URI, widgets and Jupyter, Ray, DeepSpeed — and what is wrong, "
-                    "each with the remedy. Exits 1 when a check is an error.")
+        "ports, the MLflow tracking URI, widgets and Jupyter, Ray, DeepSpeed — and what is wrong, "
+        "each with the remedy. Exits 1 when a check is an error.",
+    )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--port", type=int, default=None, help="also check that this pinned MASTER_PORT is free")
-    doctor.add_argument("--cluster", default=None, metavar="ADDRESS",
-                        help="check this Ray cluster (default: $SGPU_MAGIC_REMOTE_CLUSTER, if set)")
-    doctor.add_argument("--timeout-s", type=float, default=None, metavar="SECONDS",
-                        help="how long the MLflow server and a Ray cluster get to answer (default 2)")
+    doctor.add_argument(
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="check this Ray cluster (default: $SGPU_MAGIC_REMOTE_CLUSTER, if set)",
+    )
+    doctor.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long the MLflow server and a Ray cluster get to answer (default 2)",
+    )
     return parser
 
 

@@ -114,7 +114,7 @@ class RankFailure:
         if len(lines) > 1 and message.startswith(f"Caught {exc_type} in DataLoader worker") and ": " in lines[-1]:
             # torch re-raises a worker's error as "Caught ValueError in DataLoader worker process 0.\nOriginal
             # Traceback ...\nValueError: <message>": show the worker's own message
-            where = message[len(f"Caught {exc_type} in "):].rstrip(".")
+            where = message[len(f"Caught {exc_type} in ") :].rstrip(".")
             exc_type, message = lines[-1].split(": ", 1)[0], f"{lines[-1].split(': ', 1)[1]} (in {where})"
         message = message if len(message) <= 200 else message[:197] + "..."
         return f"{exc_type}: {message}"
@@ -163,8 +163,9 @@ def grouped_failures(root: RankFailure, others: list[RankFailure], stopped_ranks
     return [f"{'ranks' if len(ranks) > 1 else 'rank'} {rank_ranges(ranks)} {what}" for what, ranks in ordered]
 
 
-NO_GPU_HINT = ("this machine has no GPU (the ranks ran on CPU with gloo): use sgpu_magic.runtime.device() / "
-               "runtime.backend()")
+NO_GPU_HINT = (
+    "this machine has no GPU (the ranks ran on CPU with gloo): use sgpu_magic.runtime.device() / runtime.backend()"
+)
 """Shown under a root cause that came from CUDA when the job's ranks ran on CPU."""
 
 
@@ -248,5 +249,7 @@ class Unpicklable:
 
 
 def unpicklable_message(name: str, tname: str, reason: str) -> str:
-    return (f"global '{name}' ({tname}) cannot be pickled ({reason}), so it is not sent to the ranks. "
-            f"Create it inside the cell or function that runs on the ranks instead.")
+    return (
+        f"global '{name}' ({tname}) cannot be pickled ({reason}), so it is not sent to the ranks. "
+        f"Create it inside the cell or function that runs on the ranks instead."
+    )

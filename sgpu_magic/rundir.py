@@ -45,7 +45,9 @@ def make_private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = path.stat()
     if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} is owned by uid {st.st_uid}, not by you; set SGPU_MAGIC_HOME to a private directory")
+        raise PermissionError(
+            f"{path} is owned by uid {st.st_uid}, not by you; set SGPU_MAGIC_HOME to a private directory"
+        )
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
@@ -75,18 +77,22 @@ def read_private(path: Path, run_dir: Path | None = None) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise PermissionError(f"refusing to read {path}: it is a symlink; sgpu_magic reads its pickles and "
-                                  f"launch files only from private run directories") from None
+            raise PermissionError(
+                f"refusing to read {path}: it is a symlink; sgpu_magic reads its pickles and "
+                f"launch files only from private run directories"
+            ) from None
         raise
     with os.fdopen(fd, "rb") as f:
         why = _not_private(os.fstat(fd), "the file")
-        for directory in ([path.parent] + ([run_dir] if run_dir is not None and run_dir != path.parent else [])):
+        for directory in [path.parent] + ([run_dir] if run_dir is not None and run_dir != path.parent else []):
             why = why or _not_private(os.lstat(directory), "its directory")
         if why:
-            raise PermissionError(f"refusing to read {path}: {why}. sgpu_magic reads pickles and launch files only "
-                                  f"from private run directories (0700, files 0600, owned by you) so no other user "
-                                  f"can plant one; remove this run directory, or set SGPU_MAGIC_HOME to a private "
-                                  f"directory")
+            raise PermissionError(
+                f"refusing to read {path}: {why}. sgpu_magic reads pickles and launch files only "
+                f"from private run directories (0700, files 0600, owned by you) so no other user "
+                f"can plant one; remove this run directory, or set SGPU_MAGIC_HOME to a private "
+                f"directory"
+            )
         return f.read()
 
 
@@ -164,13 +170,20 @@ class HostStatus:
 
     @classmethod
     def from_dict(cls, status: dict) -> HostStatus:
-        return cls(state=status.get("state", "pending"), started_s=status.get("started_s"),
-                   ended_s=status.get("ended_s"), attempt=int(status.get("attempt", 1)),
-                   attempts=tuple(status.get("attempts", ())),
-                   exitcodes={int(k): v for k, v in (status.get("exitcodes") or {}).items()},
-                   failures=tuple(status.get("failures", ())), log_lines=dict(status.get("log_lines") or {}),
-                   teardown_ended=tuple(status.get("teardown_ended", ())), waiting=status.get("waiting"),
-                   host_lost=status.get("host_lost"), launch_error=status.get("launch_error"))
+        return cls(
+            state=status.get("state", "pending"),
+            started_s=status.get("started_s"),
+            ended_s=status.get("ended_s"),
+            attempt=int(status.get("attempt", 1)),
+            attempts=tuple(status.get("attempts", ())),
+            exitcodes={int(k): v for k, v in (status.get("exitcodes") or {}).items()},
+            failures=tuple(status.get("failures", ())),
+            log_lines=dict(status.get("log_lines") or {}),
+            teardown_ended=tuple(status.get("teardown_ended", ())),
+            waiting=status.get("waiting"),
+            host_lost=status.get("host_lost"),
+            launch_error=status.get("launch_error"),
+        )
 
     @property
     def final(self) -> bool:
@@ -308,19 +321,23 @@ class RunDir:
     launch_file = _entry("launch.json", "What the job runs: world size, backend, env, timeout (written by the kernel).")
     payload_file = _entry("payload.pkl", "The pickled cell or function and its captured globals.")
     status_file = _entry("status.json", "The launcher's report (:class:`HostStatus`), written until the final state.")
-    status_signal = _entry("status.fifo", "A FIFO the kernel makes and reads; the launch host writes a byte to it "
-                           "after each status write (see :func:`signal_status`), so a followed job wakes at once.")
+    status_signal = _entry(
+        "status.fifo",
+        "A FIFO the kernel makes and reads; the launch host writes a byte to it "
+        "after each status write (see :func:`signal_status`), so a followed job wakes at once.",
+    )
     elastic_dir = _entry("elastic", "torch elastic's own files (its error files, per attempt).")
     logs_dir = _entry("logs", "One ``rank_<r>.log`` per rank (stdout and stderr), kept after the job.")
     results_dir = _entry("results", "Each rank's pickled value (``rank_<r>.pkl``) and ``sys.exit`` note.")
     errors_dir = _entry("errors", "Each failed rank's error (``rank_<r>.json``); ``attempt_<k>/`` of earlier attempts.")
-    mlflow_ended_file = _entry("mlflow_ended", "Left by the kernel once it has ended the job's MLflow run (else "
-                               "the launch host ends it on its way out).")
+    mlflow_ended_file = _entry(
+        "mlflow_ended",
+        "Left by the kernel once it has ended the job's MLflow run (else the launch host ends it on its way out).",
+    )
 
     def attempt_errors_dir(self, attempt: int) -> Path:
         """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""
         return self.errors_dir / f"attempt_{attempt}"
-
 
     def log_file(self, rank: int) -> Path:
         return self.logs_dir / f"rank_{rank}.log"

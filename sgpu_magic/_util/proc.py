@@ -28,4 +28,3 @@ def adopt_orphans() -> bool:
     """Become the subreaper of this process's descendants: orphans are re-parented here, not to init
     (``PR_SET_CHILD_SUBREAPER``), so they can be found and reaped."""
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
-

@@ -14,8 +14,11 @@ import os
 import re
 from collections.abc import Mapping
 
-SECRET_NAME = re.compile(r"TOKEN(?!IZER)|SECRET|PASSW(OR)?D|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|"
-                         r"(^|_)AUTH(ORIZATION)?($|_)|COOKIE|(^|_)KEY$|_PWD$", re.IGNORECASE)
+SECRET_NAME = re.compile(
+    r"TOKEN(?!IZER)|SECRET|PASSW(OR)?D|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|"
+    r"(^|_)AUTH(ORIZATION)?($|_)|COOKIE|(^|_)KEY$|_PWD$",
+    re.IGNORECASE,
+)
 """Environment variable names treated as secrets (``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``,
 ``DATABRICKS_TOKEN``, ``OPENAI_API_KEY``, ``PGPASSWORD``, ``MYSQL_PWD``, ``NPM_AUTH_TOKEN`` ...).
 Not ``PWD`` / ``OLDPWD`` (directories), ``TOKENIZERS_PARALLELISM``, ``GIT_AUTHOR_NAME``, nor the

@@ -54,8 +54,10 @@ def rank_and_world() -> tuple[int, int]:
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if (rank is None) != (world is None):
         have, missing = ("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")
-        raise ValueError(f"VolumeDataset: {have} is set but {missing} is not; set both (torchrun and sgpu_magic "
-                         f"set both for every rank) or neither (one process reads every file)")
+        raise ValueError(
+            f"VolumeDataset: {have} is set but {missing} is not; set both (torchrun and sgpu_magic "
+            f"set both for every rank) or neither (one process reads every file)"
+        )
     if rank is None:
         return 0, 1
     try:
@@ -107,15 +109,26 @@ class VolumeDataset(torch.utils.data.IterableDataset):
     at the smallest count (``all_reduce`` it with ``MIN``) or give the volume a divisible number of files.
     """
 
-    def __init__(self, path: str | os.PathLike, pattern: str | None = None, cache_dir: str | os.PathLike | None = None,
-                 cache_max_bytes: int | None = None, transform: Callable[[str], Any] | None = None,
-                 storage_options: dict | None = None, prefetch_files: int = 8) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        pattern: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        cache_max_bytes: int | None = None,
+        transform: Callable[[str], Any] | None = None,
+        storage_options: dict | None = None,
+        prefetch_files: int = 8,
+    ) -> None:
         import fsspec.core
 
         if not isinstance(prefetch_files, int) or prefetch_files < 1:
-            raise ValueError(f"VolumeDataset: prefetch_files={prefetch_files!r} must be an int >= 1 (1 = fetch one file at a time)")
+            raise ValueError(
+                f"VolumeDataset: prefetch_files={prefetch_files!r} must be an int >= 1 (1 = fetch one file at a time)"
+            )
         if cache_max_bytes is not None and (not isinstance(cache_max_bytes, int) or cache_max_bytes <= 0):
-            raise ValueError(f"VolumeDataset: cache_max_bytes={cache_max_bytes!r} must be a positive int of bytes, or None")
+            raise ValueError(
+                f"VolumeDataset: cache_max_bytes={cache_max_bytes!r} must be a positive int of bytes, or None"
+            )
         self.url = os.fspath(path)
         self.pattern = pattern
         self.transform = transform
@@ -139,8 +152,9 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         except FileNotFoundError:
             found = {}
         if not found and not fs.exists(self._root):  # one listing request when the path is there
-            raise FileNotFoundError(f"VolumeDataset: {self.url} does not exist (or is not readable with the given "
-                                    f"storage_options)")
+            raise FileNotFoundError(
+                f"VolumeDataset: {self.url} does not exist (or is not readable with the given storage_options)"
+            )
         # A cache inside a local volume (cache_dir=path/"cache") fills while ranks list: never list it.
         skip = f"{os.path.realpath(cache_root)}/" if _protocol(fs) in ("file", "local") else None
         sizes: dict[str, int | None] = {}
@@ -149,7 +163,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
                 continue
             if skip is not None and os.path.realpath(name).startswith(skip):
                 continue
-            rel = name[len(self._root):].lstrip("/") if name.startswith(self._root) else name.rsplit("/", 1)[-1]
+            rel = name[len(self._root) :].lstrip("/") if name.startswith(self._root) else name.rsplit("/", 1)[-1]
             if self.pattern is None or fnmatch.fnmatch(rel, self.pattern):
                 sizes[rel] = info.get("size")
         if not sizes:
@@ -160,7 +174,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
     def slice_for(self, rank: int, world_size: int, worker_id: int = 0, num_workers: int = 1) -> list[str]:
         """The files (paths under ``path``) that one (rank, worker) reads, in order."""
         slices = max(1, num_workers)
-        return self.files[rank * slices + worker_id::world_size * slices]
+        return self.files[rank * slices + worker_id :: world_size * slices]
 
     def fetch(self, relative: str) -> str:
         """Local path of the file ``relative`` (a path under ``path``), copying it into the cache if needed."""
@@ -256,12 +270,16 @@ class VolumeDataset(torch.utils.data.IterableDataset):
                 count, listing, files = (value.decode() if isinstance(value, bytes) else value).split()
                 others[r], listings[r] = int(count), (listing, int(files))
         if any(listing != self._listing for listing, _ in listings.values()):
-            seen = ", ".join(f"rank {r}: {n} files" for r, (_, n) in sorted({**listings, rank: (self._listing, len(self.files))}.items()))
+            seen = ", ".join(
+                f"rank {r}: {n} files"
+                for r, (_, n) in sorted({**listings, rank: (self._listing, len(self.files))}.items())
+            )
             raise ValueError(
                 f"VolumeDataset({self.url!r}): ranks listed different files ({seen}; same count = different names). "
                 f"Each rank lists the volume when it builds the dataset, so files were added or removed under it while "
                 f"the job started. Finish writing the volume before the job lists it, or give a pattern that matches "
-                f"only the finished files.")
+                f"only the finished files."
+            )
         differ = {r: n for r, n in others.items() if n != slices}
         if differ:
             seen = ", ".join(f"rank {r}: {n}" for r, n in sorted({**others, rank: slices}.items()))
@@ -269,7 +287,8 @@ class VolumeDataset(torch.utils.data.IterableDataset):
                 f"VolumeDataset({self.url!r}): ranks read it with different numbers of DataLoader workers ({seen}; "
                 f"0 workers count as 1). Files are split by a stride of world_size x num_workers, so with different "
                 f"counts some files would be skipped and others read twice. Give every rank's DataLoader the same "
-                f"num_workers.")
+                f"num_workers."
+            )
 
 
 class _FileBoard:
@@ -327,9 +346,18 @@ class DataLoader(torch.utils.data.DataLoader):
     (step = pass index). Pass ``log_to_mlflow=False`` to skip that.
     """
 
-    def __init__(self, dataset, batch_size: int | None = 1, *, num_workers: int | None = None,
-                 prefetch_factor: int | None = None, pin_memory: bool | None = None,
-                 persistent_workers: bool | None = None, log_to_mlflow: bool = True, **kwargs) -> None:
+    def __init__(
+        self,
+        dataset,
+        batch_size: int | None = 1,
+        *,
+        num_workers: int | None = None,
+        prefetch_factor: int | None = None,
+        pin_memory: bool | None = None,
+        persistent_workers: bool | None = None,
+        log_to_mlflow: bool = True,
+        **kwargs,
+    ) -> None:
         if num_workers is None:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
             num_workers = max(1, min(4, (os.cpu_count() or 1) // max(1, local_world)))
@@ -337,8 +365,15 @@ class DataLoader(torch.utils.data.DataLoader):
             prefetch_factor = 4 if prefetch_factor is None else prefetch_factor
             persistent_workers = True if persistent_workers is None else persistent_workers
         pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, prefetch_factor=prefetch_factor,
-                         pin_memory=pin_memory, persistent_workers=bool(persistent_workers), **kwargs)
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            pin_memory=pin_memory,
+            persistent_workers=bool(persistent_workers),
+            **kwargs,
+        )
         self.log_to_mlflow = log_to_mlflow
         self.fetch_times_s: list[float] = []
         self.passes = 0
@@ -368,8 +403,10 @@ class DataLoader(torch.utils.data.DataLoader):
         rank, _ = rank_and_world()
         now = int(time.time() * 1000)
         metrics = [Metric(f"data/fetch_s/rank_{rank}", t, now, start + i) for i, t in enumerate(times)]
-        metrics += [Metric(f"data/fetch_s_mean/rank_{rank}", sum(times) / len(times), now, self.passes),
-                    Metric(f"data/batches/rank_{rank}", float(len(times)), now, self.passes)]
+        metrics += [
+            Metric(f"data/fetch_s_mean/rank_{rank}", sum(times) / len(times), now, self.passes),
+            Metric(f"data/batches/rank_{rank}", float(len(times)), now, self.passes),
+        ]
         client = MlflowClient()
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
-            client.log_batch(run_id, metrics=metrics[i:i + 1000])
+            client.log_batch(run_id, metrics=metrics[i : i + 1000])

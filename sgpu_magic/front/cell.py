@@ -36,7 +36,9 @@ def parse_gpu_ids(text: str | None) -> list[int] | None:
     try:
         return [int(item) for item in text.split(",")]
     except ValueError:
-        raise UsageError(f"--gpu-ids takes GPU indices separated by commas, e.g. --gpu-ids 0,1; got {shown(text)}") from None
+        raise UsageError(
+            f"--gpu-ids takes GPU indices separated by commas, e.g. --gpu-ids 0,1; got {shown(text)}"
+        ) from None
 
 
 def parse_line(parser, line: str, magic: str = "%%distributed"):
@@ -60,7 +62,9 @@ def parse_line(parser, line: str, magic: str = "%%distributed"):
 
 def check_output_name(name: str | None) -> None:
     if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
-        raise UsageError(f"-o/--output takes a Python variable name such as job, to store the Job in; got {shown(name)}")
+        raise UsageError(
+            f"-o/--output takes a Python variable name such as job, to store the Job in; got {shown(name)}"
+        )
 
 
 CELL_FILENAME = "<%%distributed cell>"
@@ -79,11 +83,11 @@ def _aligned_source(cell: str, transformed: str) -> str:
 
 _OUTSIDE_FUNCTION_HINTS = {
     "'return' outside function": "a %%distributed cell is not a function; its last expression (on rank 0) is the "
-                                 "cell's output, so end the cell with the value instead of return",
+    "cell's output, so end the cell with the value instead of return",
     "'yield' outside function": "a %%distributed cell is not a function and cannot yield; collect the values in a "
-                                "list and end the cell with it",
+    "list and end the cell with it",
     "'await' outside function": "ranks run the cell as plain Python, without an event loop; put the code in "
-                                "async def main(): ... and end the cell with asyncio.run(main())",
+    "async def main(): ... and end the cell with asyncio.run(main())",
 }
 
 
@@ -100,11 +104,15 @@ def _compile_cell(source: str) -> ast.Module:
         hint = _OUTSIDE_FUNCTION_HINTS.get(exc.msg)
         lines = source.splitlines()
         text = exc.text if exc.text is not None or not 0 < (exc.lineno or 0) <= len(lines) else lines[exc.lineno - 1]
-        raise CellSyntaxError(f"{exc.msg}: {hint}" if hint else exc.msg,
-                              (exc.filename, exc.lineno, exc.offset, text, exc.end_lineno, exc.end_offset)) from None
+        raise CellSyntaxError(
+            f"{exc.msg}: {hint}" if hint else exc.msg,
+            (exc.filename, exc.lineno, exc.offset, text, exc.end_lineno, exc.end_offset),
+        ) from None
     except (RecursionError, MemoryError):  # CPython's parser and compiler give up on very deep nesting this way
-        raise CellSyntaxError("the cell is nested too deeply for Python's compiler; split the expression into "
-                              "several statements", (CELL_FILENAME, None, None, None)) from None
+        raise CellSyntaxError(
+            "the cell is nested too deeply for Python's compiler; split the expression into several statements",
+            (CELL_FILENAME, None, None, None),
+        ) from None
     return tree
 
 
@@ -136,16 +144,21 @@ def checked_source(cell: str, transformed: str) -> str:
     source = _aligned_source(cell, transformed)
     tree = _compile_cell(source)
     if not tree.body:
-        raise UsageError("the %%distributed cell has no code to run; write the code for the ranks in the cell, "
-                         "below the %%distributed line")
+        raise UsageError(
+            "the %%distributed cell has no code to run; write the code for the ranks in the cell, "
+            "below the %%distributed line"
+        )
     lineno = capture.ipython_syntax_line(tree)
     if lineno is not None:
         lines = cell.splitlines()
         text = lines[lineno - 2] if 0 <= lineno - 2 < len(lines) else source.splitlines()[lineno - 1]
-        raise CellSyntaxError(f"line {lineno} of the cell, {shown(text.strip())}, is IPython syntax (a %magic, !shell "
-                              f"command or ? help), but ranks run plain Python without IPython; run it in a cell of "
-                              f"its own before the %%distributed cell, or use Python (e.g. subprocess.run([...]) for a "
-                              f"shell command)", (CELL_FILENAME, lineno, 1, text, lineno, len(text) + 1))
+        raise CellSyntaxError(
+            f"line {lineno} of the cell, {shown(text.strip())}, is IPython syntax (a %magic, !shell "
+            f"command or ? help), but ranks run plain Python without IPython; run it in a cell of "
+            f"its own before the %%distributed cell, or use Python (e.g. subprocess.run([...]) for a "
+            f"shell command)",
+            (CELL_FILENAME, lineno, 1, text, lineno, len(text) + 1),
+        )
     return source
 
 

@@ -51,14 +51,22 @@ def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:
     if spec.mlflow:
         from sgpu_magic.tracking.run import DEFAULT_EXPERIMENT, MlflowTracking
 
-        sinks.append(MlflowTracking(default_experiment=resolve_config(FromConfig("mlflow_experiment", DEFAULT_EXPERIMENT)),
-                                    ui=resolve_config(FromConfig("mlflow_ui", False))))
+        sinks.append(
+            MlflowTracking(
+                default_experiment=resolve_config(FromConfig("mlflow_experiment", DEFAULT_EXPERIMENT)),
+                ui=resolve_config(FromConfig("mlflow_ui", False)),
+            )
+        )
     sinks.append(view or make_view(spec.widgets, resolve_config(FromConfig("max_log_lines", DEFAULT_MAX_LINES))))
     return sinks
 
 
-def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dict], view: TextView | None = None,
-          background: bool = False) -> Job:
+def start(
+    spec: LaunchSpec,
+    build_payload: Callable[[Callable[[str], None]], dict],
+    view: TextView | None = None,
+    background: bool = False,
+) -> Job:
     """The front doors' start: the job's sinks and lease directory from the configuration, cell labels as
     IPython names them, then :func:`sgpu_magic.job.start.start` (the shared pipeline).
 
@@ -70,8 +78,13 @@ def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dic
         payload["display_names"] = _cell_labels(payload.get("sources", {}))
         return payload
 
-    return start_job(spec, build, _sinks(spec, view), background=background,
-                     lease_dir=resolve_config(FromConfig("lease_dir", "")) or None)
+    return start_job(
+        spec,
+        build,
+        _sinks(spec, view),
+        background=background,
+        lease_dir=resolve_config(FromConfig("lease_dir", "")) or None,
+    )
 
 
 def _cell_labels(filenames) -> dict[str, str]:
@@ -153,8 +166,8 @@ class DistributedFunction:
         return f"<distributed function {self.__qualname__} gpus={self.spec.gpus}>"
 
 
-
 DistributedFunction.__module__ = "sgpu_magic"  # its public home (type names in messages, pickles by reference)
+
 
 class FromConfig:
     """Default that follows ``%config DistributedMagics.<trait>`` when the extension is loaded."""
@@ -201,24 +214,31 @@ def _cluster_for(remote: object, cluster: object) -> object:
         return cluster
     configured = remote_cluster()
     if configured is None:
-        raise SpecError(f"remote=True runs the job on this kernel's remote cluster, and none is configured: set "
-                        f"%config DistributedMagics.remote_cluster = 'ray://head:10001' (or {REMOTE_CLUSTER_ENV} in "
-                        f"the kernel's environment), pass cluster='ray://head:10001', or use remote=False to run on "
-                        f"this machine")
+        raise SpecError(
+            f"remote=True runs the job on this kernel's remote cluster, and none is configured: set "
+            f"%config DistributedMagics.remote_cluster = 'ray://head:10001' (or {REMOTE_CLUSTER_ENV} in "
+            f"the kernel's environment), pass cluster='ray://head:10001', or use remote=False to run on "
+            f"this machine"
+        )
     if cluster is not None and cluster != configured:
-        raise SpecError(f"remote=True runs on the configured remote cluster {configured!r} but "
-                        f"cluster={shown(cluster)} names another; give one of them")
+        raise SpecError(
+            f"remote=True runs on the configured remote cluster {configured!r} but "
+            f"cluster={shown(cluster)} names another; give one of them"
+        )
     return configured
 
 
 def _same(old: str, new: str, old_value: object, new_value: object) -> None:
     if old_value is not None and new_value is not None and old_value != new_value:
-        raise SpecError(f"{old}={shown(old_value)} and {new}={shown(new_value)} disagree: {new} is the current "
-                        f"serverless GPU API's name for {old}; give one of them")
+        raise SpecError(
+            f"{old}={shown(old_value)} and {new}={shown(new_value)} disagree: {new} is the current "
+            f"serverless GPU API's name for {old}; give one of them"
+        )
 
 
-def _ranks_and_type(gpus: object, gpu_type: object, num_accelerators: object,
-                    accelerator_type: object) -> tuple[object, object]:
+def _ranks_and_type(
+    gpus: object, gpu_type: object, num_accelerators: object, accelerator_type: object
+) -> tuple[object, object]:
     """``(gpus, gpu_type)`` from either generation's names: ``gpus`` / ``gpu_type`` (serverless_gpu) or
     ``num_accelerators`` / ``accelerator_type="GPU_<n>x<model>"`` (databricks.air). ``gpus`` stays ``None``
     when neither gives a count (the caller then takes every GPU of the machine)."""
@@ -227,8 +247,10 @@ def _ranks_and_type(gpus: object, gpu_type: object, num_accelerators: object,
         check_gpus(num_accelerators, "num_accelerators")
     _same("gpus", "num_accelerators", gpus, num_accelerators)
     if isinstance(gpu_type, str) and model is not None and gpu_type.strip().lower() != model.lower():
-        raise SpecError(f"gpu_type={gpu_type!r} and accelerator_type={accelerator_type!r} name different GPU models; "
-                        f"give one of them")
+        raise SpecError(
+            f"gpu_type={gpu_type!r} and accelerator_type={accelerator_type!r} name different GPU models; "
+            f"give one of them"
+        )
     count = next((c for c in (gpus, num_accelerators, per_node) if c is not None), None)
     return count, gpu_type if gpu_type is not None else model
 
@@ -237,19 +259,34 @@ def _every_gpu(gpu_type: object, cluster: object) -> int:
     """The default world size: every GPU of this machine (matching ``gpu_type``), as ``databricks.air``'s
     ``@distributed()`` uses every GPU of its node; 1 CPU rank on a machine without GPUs."""
     if cluster is not None:
-        raise SpecError("a job on a Ray cluster needs its number of ranks: give gpus=N (or num_accelerators=N, or "
-                        "accelerator_type='GPU_<n>x<model>')")
+        raise SpecError(
+            "a job on a Ray cluster needs its number of ranks: give gpus=N (or num_accelerators=N, or "
+            "accelerator_type='GPU_<n>x<model>')"
+        )
     gpus = list_gpus()
     if isinstance(gpu_type, str) and gpu_type.strip():
         gpus = [g for g in gpus if gpu_type.strip().lower() in g.name.lower()] or gpus
     return max(1, len(gpus))
 
 
-def job_spec(name: str, gpus: object = None, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S, *,
-             port: object = None, widgets: object = None, mlflow: object = True, gpu_ids: object = None,
-             wait: object = True, max_restarts: object = 0, cluster: object = None,
-             teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S, remote: object = False,
-             num_accelerators: object = None, accelerator_type: object = None) -> LaunchSpec:
+def job_spec(
+    name: str,
+    gpus: object = None,
+    gpu_type: object = None,
+    timeout: object = DEFAULT_TIMEOUT_S,
+    *,
+    port: object = None,
+    widgets: object = None,
+    mlflow: object = True,
+    gpu_ids: object = None,
+    wait: object = True,
+    max_restarts: object = 0,
+    cluster: object = None,
+    teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S,
+    remote: object = False,
+    num_accelerators: object = None,
+    accelerator_type: object = None,
+) -> LaunchSpec:
     """The :class:`LaunchSpec` for the decorator's and :func:`~sgpu_magic.run_script`'s options (both
     generations of the serverless GPU API's names, ``remote=``), validated before anything starts.
 
@@ -262,19 +299,41 @@ def job_spec(name: str, gpus: object = None, gpu_type: object = None, timeout: o
         count = len(gpu_ids)  # one rank per GPU named
     if count is None:
         count = _every_gpu(gpu_type, cluster)
-    return make_spec(count, gpu_type, timeout, port, name=name, widgets=widgets, mlflow=mlflow, gpu_ids=gpu_ids,
-                     wait=wait, max_restarts=max_restarts, cluster=cluster, teardown_grace_s=teardown_grace_s)
+    return make_spec(
+        count,
+        gpu_type,
+        timeout,
+        port,
+        name=name,
+        widgets=widgets,
+        mlflow=mlflow,
+        gpu_ids=gpu_ids,
+        wait=wait,
+        max_restarts=max_restarts,
+        cluster=cluster,
+        teardown_grace_s=teardown_grace_s,
+    )
 
 
-def distributed(gpus: int | None = None, gpu_type: str | None = None,
-                timeout: float | None = FromConfig("timeout_s", DEFAULT_TIMEOUT_S), *, port: int | None = None,
-                widgets: bool | None = FromConfig("widgets", None),
-                max_capture_bytes: int = FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
-                mlflow: bool = FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
-                max_restarts: int = 0, cluster: str | None = None,
-                teardown_grace_s: float = FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
-                remote: bool = False, num_accelerators: int | None = None, accelerator_type: str | None = None,
-                **unknown: Any) -> Callable[[Callable], DistributedFunction]:
+def distributed(
+    gpus: int | None = None,
+    gpu_type: str | None = None,
+    timeout: float | None = FromConfig("timeout_s", DEFAULT_TIMEOUT_S),
+    *,
+    port: int | None = None,
+    widgets: bool | None = FromConfig("widgets", None),
+    max_capture_bytes: int = FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
+    mlflow: bool = FromConfig("mlflow", True),
+    gpu_ids: list[int] | None = None,
+    wait: bool = True,
+    max_restarts: int = 0,
+    cluster: str | None = None,
+    teardown_grace_s: float = FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
+    remote: bool = False,
+    num_accelerators: int | None = None,
+    accelerator_type: str | None = None,
+    **unknown: Any,
+) -> Callable[[Callable], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
     Call-compatible with both generations of the Databricks serverless GPU API's decorator (their public
@@ -341,12 +400,29 @@ def distributed(gpus: int | None = None, gpu_type: str | None = None,
         raise TypeError(_unknown_arguments_message(unknown))
     if callable(gpus):
         raise SpecError("@distributed needs the number of GPUs: write @distributed(gpus=N)")
-    timeout, max_capture_bytes, widgets = resolve_config(timeout), resolve_config(max_capture_bytes), resolve_config(widgets)
+    timeout, max_capture_bytes, widgets = (
+        resolve_config(timeout),
+        resolve_config(max_capture_bytes),
+        resolve_config(widgets),
+    )
     # fail at the decorator line
-    spec = job_spec("function", gpus, gpu_type, timeout, port=port, widgets=widgets, mlflow=resolve_config(mlflow),
-                    gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts, cluster=cluster,
-                    teardown_grace_s=resolve_config(teardown_grace_s), remote=remote,
-                    num_accelerators=num_accelerators, accelerator_type=accelerator_type)
+    spec = job_spec(
+        "function",
+        gpus,
+        gpu_type,
+        timeout,
+        port=port,
+        widgets=widgets,
+        mlflow=resolve_config(mlflow),
+        gpu_ids=gpu_ids,
+        wait=wait,
+        max_restarts=max_restarts,
+        cluster=cluster,
+        teardown_grace_s=resolve_config(teardown_grace_s),
+        remote=remote,
+        num_accelerators=num_accelerators,
+        accelerator_type=accelerator_type,
+    )
     max_capture_bytes = check_max_capture_bytes(max_capture_bytes)
 
     def wrap(fn: Callable) -> DistributedFunction:
@@ -365,5 +441,7 @@ def _unknown_arguments_message(unknown: dict[str, Any]) -> str:
     for name in unknown:
         close = difflib.get_close_matches(name, accepted, n=1)
         parts.append(shown(name) + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return (f"@distributed got unknown argument(s) {', '.join(parts)}; it takes {', '.join(accepted)} "
-            f"(see help(distributed))")
+    return (
+        f"@distributed got unknown argument(s) {', '.join(parts)}; it takes {', '.join(accepted)} "
+        f"(see help(distributed))"
+    )

@@ -21,9 +21,16 @@ class JobTable:
         self.rows, self.urls = [], []
         for job in jobs:
             elapsed = job.elapsed_s
-            self.rows.append((job.job_id, job.state.label, str(job.world_size),
-                              ",".join(map(str, job.gpus)) or "cpu" if not job.plan.needs_lease or job.gpus else "-",
-                              "-" if elapsed is None else f"{elapsed:.1f} s", job.mlflow_run_id or "-"))
+            self.rows.append(
+                (
+                    job.job_id,
+                    job.state.label,
+                    str(job.world_size),
+                    ",".join(map(str, job.gpus)) or "cpu" if not job.plan.needs_lease or job.gpus else "-",
+                    "-" if elapsed is None else f"{elapsed:.1f} s",
+                    job.mlflow_run_id or "-",
+                )
+            )
             self.urls.append(job.run_url)
 
     def __repr__(self) -> str:
@@ -42,6 +49,10 @@ class JobTable:
         head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)
         body = ""
         for (*cells, run_id), url in zip(self.rows, self.urls):
-            run = f'<a href="{html.escape(url)}" target="_blank">{html.escape(run_id)}</a>' if url else html.escape(run_id)
+            run = (
+                f'<a href="{html.escape(url)}" target="_blank">{html.escape(run_id)}</a>'
+                if url
+                else html.escape(run_id)
+            )
             body += "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f"<td>{run}</td></tr>"
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

@@ -33,7 +33,9 @@ MAGICS = {
 }
 """Every magic sgpu_magic adds, with one line each for the ``See also`` sections."""
 
-SEE_ALSO_EXTRA = "%config DistributedMagics : the defaults (timeout_s, widgets, mlflow, max_log_lines, ...) and their help"
+SEE_ALSO_EXTRA = (
+    "%config DistributedMagics : the defaults (timeout_s, widgets, mlflow, max_log_lines, ...) and their help"
+)
 
 
 def magic_help(name: str, examples: str) -> Callable:
@@ -48,6 +50,7 @@ def magic_help(name: str, examples: str) -> Callable:
             ``See also``.
         examples: one or more examples, blank-line separated.
     """
+
     def decorate(fn: Callable) -> Callable:
         fn.__doc__ = help_text(fn.__doc__ or "", name, examples)
         return fn
@@ -59,8 +62,10 @@ def help_text(doc: str, name: str, examples: str) -> str:
     """``doc`` (cleaned of its indentation) with the ``Examples`` and ``See also`` sections of :func:`magic_help`."""
     code = textwrap.indent(textwrap.dedent(examples).strip("\n"), "  ")
     others = [f"{magic} : {what}" for magic, what in MAGICS.items() if magic != name] + [SEE_ALSO_EXTRA]
-    return (f"{inspect.cleandoc(doc)}\n\nExamples\n--------\n::\n\n{code}\n\n"
-            f"See also\n--------\n" + "\n".join(others) + "\n")
+    return (
+        f"{inspect.cleandoc(doc)}\n\nExamples\n--------\n::\n\n{code}\n\n"
+        f"See also\n--------\n" + "\n".join(others) + "\n"
+    )
 
 
 def usage_line(parser) -> str:

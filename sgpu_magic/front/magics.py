@@ -31,27 +31,64 @@ from sgpu_magic.job.handle import jobs
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
 
 _JOB_OPTIONS = (
-    argument("--gpus", type=int, required=True, help="Number of ranks, one GPU each (CPU ranks with gloo when the "
-             "machine has no GPU)."),
-    argument("--gpu-type", default=None, help="GPU model to require, e.g. H100 (case-insensitive match of the device name)."),
-    argument("--timeout", default=None, help="Seconds before every rank is stopped, or 'none'. Default: "
-             "DistributedMagics.timeout_s (3 h)."),
+    argument(
+        "--gpus",
+        type=int,
+        required=True,
+        help="Number of ranks, one GPU each (CPU ranks with gloo when the machine has no GPU).",
+    ),
+    argument(
+        "--gpu-type", default=None, help="GPU model to require, e.g. H100 (case-insensitive match of the device name)."
+    ),
+    argument(
+        "--timeout",
+        default=None,
+        help="Seconds before every rank is stopped, or 'none'. Default: DistributedMagics.timeout_s (3 h).",
+    ),
     argument("--port", type=int, default=None, help="MASTER_PORT for the rendezvous; default: a free port."),
     argument("--no-widgets", action="store_true", help="Plain [rank N] text instead of the widget panel."),
     argument("--no-mlflow", action="store_true", help="Do not track this job as an MLflow run."),
     argument("--gpu-ids", default=None, metavar="I,J", help="Physical GPU indices to run on, one per rank, e.g. 0,1."),
-    argument("--background", action="store_true", help="Return the Job at once; the cell ends and the job's "
-             "output keeps coming here. Interrupting the kernel does not stop it (%%distributed_stop does)."),
-    argument("--no-wait", action="store_true", help="Fail at once, naming who holds them, when the GPUs are "
-             "leased by other jobs (default: wait in the queue)."),
-    argument("--cluster", default=None, metavar="ADDRESS", help="Run on a Ray cluster: 'auto', 'ray://host:10001' "
-             "or 'host:6379' (needs sgpu_magic[ray]); one placement group of --gpus bundles, one actor per rank."),
-    argument("--remote", action="store_true", help="Run on the kernel's remote cluster (DistributedMagics."
-             "remote_cluster, else $SGPU_MAGIC_REMOTE_CLUSTER), as the serverless GPU API's remote=True."),
-    argument("--max-restarts", type=int, default=0, metavar="N", help="Restart all ranks up to N times after a "
-             "rank fails (torchrun's --max-restarts; ranks read TORCHELASTIC_RESTART_COUNT). Default 0."),
-    argument("-o", "--output", default=None, metavar="NAME", help="Store the Job handle (per-rank results, log "
-             "paths) in this variable."),
+    argument(
+        "--background",
+        action="store_true",
+        help="Return the Job at once; the cell ends and the job's "
+        "output keeps coming here. Interrupting the kernel does not stop it (%%distributed_stop does).",
+    ),
+    argument(
+        "--no-wait",
+        action="store_true",
+        help="Fail at once, naming who holds them, when the GPUs are "
+        "leased by other jobs (default: wait in the queue).",
+    ),
+    argument(
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="Run on a Ray cluster: 'auto', 'ray://host:10001' "
+        "or 'host:6379' (needs sgpu_magic[ray]); one placement group of --gpus bundles, one actor per rank.",
+    ),
+    argument(
+        "--remote",
+        action="store_true",
+        help="Run on the kernel's remote cluster (DistributedMagics."
+        "remote_cluster, else $SGPU_MAGIC_REMOTE_CLUSTER), as the serverless GPU API's remote=True.",
+    ),
+    argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Restart all ranks up to N times after a "
+        "rank fails (torchrun's --max-restarts; ranks read TORCHELASTIC_RESTART_COUNT). Default 0.",
+    ),
+    argument(
+        "-o",
+        "--output",
+        default=None,
+        metavar="NAME",
+        help="Store the Job handle (per-rank results, log paths) in this variable.",
+    ),
 )
 
 
@@ -71,44 +108,82 @@ class DistributedMagics(Magics):
         if shell is not None:
             show_cell_syntax_errors_alone(shell)
 
-    timeout_s = Float(DEFAULT_TIMEOUT_S, allow_none=True,
-                      help="Default job timeout in seconds when --timeout is not given; None = no limit.").tag(config=True)
-    max_capture_bytes = Int(capture.DEFAULT_MAX_BYTES, min=0,
-                            help="Captured globals larger than this many bytes get a warning before launch.").tag(config=True)
-    max_log_lines = Int(2000, help="Lines each rank's log view in the panel keeps; earlier ones stay in the "
-                                   "log file.").tag(config=True)
-    widgets = Bool(None, allow_none=True,
-                   help="Show the ipywidgets panel (True), plain [rank N] text (False), or decide (None: the panel "
-                        "in a Jupyter kernel, unless SGPU_MAGIC_WIDGETS=0).").tag(config=True)
-    mlflow = Bool(True, help="Track each job as one MLflow run (--no-mlflow / mlflow=False turn it off for one job)."
-                  ).tag(config=True)
-    mlflow_ui = Bool(False, help="Start the local MLflow UI server (as %mlflow_ui does) with the first tracked job, "
-                                 "so run links work.").tag(config=True)
-    lease_dir = Unicode("", help="Directory of the GPU lease registry shared by the kernels that must not share "
-                        "GPUs (default: $SGPU_MAGIC_LEASE_DIR, else <sgpu_magic home>/leases).").tag(config=True)
-    mlflow_experiment = Unicode("sgpu_magic", help="MLflow experiment for jobs when neither mlflow.set_experiment, "
-                                "MLFLOW_EXPERIMENT_NAME/ID nor a notebook name gives one.").tag(config=True)
-    teardown_grace_s = Float(DEFAULT_TEARDOWN_GRACE_S, min=0.0, help="Seconds a rank may take to exit (destructors, "
-                             "atexit handlers) after its value or error is written; a rank still running then is "
-                             "ended and the job keeps its outcome, noting which rank needed it.").tag(config=True)
+    timeout_s = Float(
+        DEFAULT_TIMEOUT_S,
+        allow_none=True,
+        help="Default job timeout in seconds when --timeout is not given; None = no limit.",
+    ).tag(config=True)
+    max_capture_bytes = Int(
+        capture.DEFAULT_MAX_BYTES,
+        min=0,
+        help="Captured globals larger than this many bytes get a warning before launch.",
+    ).tag(config=True)
+    max_log_lines = Int(
+        2000, help="Lines each rank's log view in the panel keeps; earlier ones stay in the log file."
+    ).tag(config=True)
+    widgets = Bool(
+        None,
+        allow_none=True,
+        help="Show the ipywidgets panel (True), plain [rank N] text (False), or decide (None: the panel "
+        "in a Jupyter kernel, unless SGPU_MAGIC_WIDGETS=0).",
+    ).tag(config=True)
+    mlflow = Bool(
+        True, help="Track each job as one MLflow run (--no-mlflow / mlflow=False turn it off for one job)."
+    ).tag(config=True)
+    mlflow_ui = Bool(
+        False,
+        help="Start the local MLflow UI server (as %mlflow_ui does) with the first tracked job, so run links work.",
+    ).tag(config=True)
+    lease_dir = Unicode(
+        "",
+        help="Directory of the GPU lease registry shared by the kernels that must not share "
+        "GPUs (default: $SGPU_MAGIC_LEASE_DIR, else <sgpu_magic home>/leases).",
+    ).tag(config=True)
+    mlflow_experiment = Unicode(
+        "sgpu_magic",
+        help="MLflow experiment for jobs when neither mlflow.set_experiment, "
+        "MLFLOW_EXPERIMENT_NAME/ID nor a notebook name gives one.",
+    ).tag(config=True)
+    teardown_grace_s = Float(
+        DEFAULT_TEARDOWN_GRACE_S,
+        min=0.0,
+        help="Seconds a rank may take to exit (destructors, "
+        "atexit handlers) after its value or error is written; a rank still running then is "
+        "ended and the job keeps its outcome, noting which rank needed it.",
+    ).tag(config=True)
 
-    remote_cluster = Unicode("", help="The cluster remote=True / --remote runs on, e.g. 'ray://head:10001' (a Ray "
-                             "address, as cluster=); default: $SGPU_MAGIC_REMOTE_CLUSTER.").tag(config=True)
+    remote_cluster = Unicode(
+        "",
+        help="The cluster remote=True / --remote runs on, e.g. 'ray://head:10001' (a Ray "
+        "address, as cluster=); default: $SGPU_MAGIC_REMOTE_CLUSTER.",
+    ).tag(config=True)
 
     def _job_spec(self, args, name: str) -> LaunchSpec:
         """The job's spec from the options both magics share; a bad one is a UsageError naming it."""
         try:
-            return job_spec(name, args.gpus, args.gpu_type, parse_timeout(args.timeout, self.timeout_s),
-                            port=args.port, widgets=False if args.no_widgets else self.widgets,
-                            mlflow=self.mlflow and not args.no_mlflow, gpu_ids=parse_gpu_ids(args.gpu_ids),
-                            wait=not args.no_wait, max_restarts=args.max_restarts, cluster=args.cluster,
-                            teardown_grace_s=self.teardown_grace_s, remote=args.remote)
+            return job_spec(
+                name,
+                args.gpus,
+                args.gpu_type,
+                parse_timeout(args.timeout, self.timeout_s),
+                port=args.port,
+                widgets=False if args.no_widgets else self.widgets,
+                mlflow=self.mlflow and not args.no_mlflow,
+                gpu_ids=parse_gpu_ids(args.gpu_ids),
+                wait=not args.no_wait,
+                max_restarts=args.max_restarts,
+                cluster=args.cluster,
+                teardown_grace_s=self.teardown_grace_s,
+                remote=args.remote,
+            )
         except SpecError as exc:
             raise UsageError(str(exc)) from None
 
     @magic_arguments(name="%distributed")  # a cell magic: the usage line reads %%distributed
     @_job_options
-    @magic_help("%%distributed", examples="""
+    @magic_help(
+        "%%distributed",
+        examples="""
         %%distributed --gpus 2
         import torch, torch.distributed as dist
         from sgpu_magic import runtime
@@ -122,7 +197,8 @@ class DistributedMagics(Magics):
 
         %%distributed --gpus 2 --background -o job
         train(epochs=30)                                # returns at once: job.state, job.result() later
-        """)
+        """,
+    )
     @cell_magic
     def distributed(self, line: str, cell: str):
         """Run the cell on N ranks; its last expression's value on rank 0 is the cell's output (a ``;`` at the
@@ -157,16 +233,27 @@ class DistributedMagics(Magics):
 
     @magic_arguments(name="distributed_run")
     @_job_options
-    @argument("-m", "--module", action="store_true", help="Run a module as `python -m` does (sys.path[0] is the "
-              "current directory) instead of a script file.")
-    @argument("script", metavar="script.py | module", help="The script file (or with -m, the module) each rank runs "
-              "as torchrun does: __name__ == '__main__', sys.argv = [script, *args], its folder first on sys.path.")
+    @argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="Run a module as `python -m` does (sys.path[0] is the current directory) instead of a script file.",
+    )
+    @argument(
+        "script",
+        metavar="script.py | module",
+        help="The script file (or with -m, the module) each rank runs "
+        "as torchrun does: __name__ == '__main__', sys.argv = [script, *args], its folder first on sys.path.",
+    )
     @argument("args", nargs=argparse.REMAINDER, help="Arguments for the script, passed on untouched.")
-    @magic_help("%distributed_run", examples="""
+    @magic_help(
+        "%distributed_run",
+        examples="""
         %distributed_run --gpus 2 train.py --epochs 3 data/     # each rank: sys.argv = ['train.py', '--epochs', '3', 'data/']
         %distributed_run --gpus 2 -m mypkg.train --lr 0.1       # as python -m mypkg.train --lr 0.1
         %distributed_run --gpus 8 --background -o job train.py  # returns at once; job.result() later
-        """)
+        """,
+    )
     @line_magic
     def distributed_run(self, line: str):
         """Run a script (or ``-m module``) on every rank as torchrun does: ``%distributed_run --gpus 2 train.py 3``.
@@ -192,11 +279,14 @@ class DistributedMagics(Magics):
         job.result()
         return None
 
-    @magic_help("%distributed_jobs", examples="""
+    @magic_help(
+        "%distributed_jobs",
+        examples="""
         %distributed_jobs
         job                     state      world size  GPUs  elapsed  MLflow run
         20261201-101500-a1b2c3  succeeded  2           cpu   3.2 s    3f1c0e...
-        """)
+        """,
+    )
     @line_magic
     def distributed_jobs(self, line: str) -> JobTable:
         """Show this kernel's jobs: id, state, world size, GPUs, elapsed time and MLflow run.
@@ -211,10 +301,13 @@ class DistributedMagics(Magics):
     @magic_arguments(name="distributed_stop")
     @argument("job_id", nargs="?", default=None, help="Job id (or a unique part of it), as %%distributed_jobs shows.")
     @argument("--all", action="store_true", help="Stop every job of this kernel that has not ended.")
-    @magic_help("%distributed_stop", examples="""
+    @magic_help(
+        "%distributed_stop",
+        examples="""
         %distributed_stop a1b2c3          # any unique part of the id %distributed_jobs shows
         %distributed_stop --all
-        """)
+        """,
+    )
     @line_magic
     def distributed_stop(self, line: str) -> None:
         """Cancel a job of this kernel (every rank stopped, state cancelled), or all of them with --all."""
@@ -240,11 +333,16 @@ class DistributedMagics(Magics):
 
     @magic_arguments(name="distributed_doctor")
     @argument("--port", type=int, default=None, help="Also check that this pinned MASTER_PORT is free.")
-    @argument("--cluster", default=None, metavar="ADDRESS", help="Check this Ray cluster (default: the configured one).")
-    @magic_help("%distributed_doctor", examples="""
+    @argument(
+        "--cluster", default=None, metavar="ADDRESS", help="Check this Ray cluster (default: the configured one)."
+    )
+    @magic_help(
+        "%distributed_doctor",
+        examples="""
         %distributed_doctor
         %distributed_doctor --port 29500 --cluster ray://head:10001
-        """)
+        """,
+    )
     @line_magic
     def distributed_doctor(self, line: str):
         """Check what a job of this kernel will use and what is wrong: one row per check (Python, torch, GPUs and
@@ -258,11 +356,14 @@ class DistributedMagics(Magics):
     @magic_arguments(name="mlflow_ui")
     @argument("--port", type=int, default=None, help="Port on 127.0.0.1; default: a free port.")
     @argument("--stop", action="store_true", help="Stop the server.")
-    @magic_help("%mlflow_ui", examples="""
+    @magic_help(
+        "%mlflow_ui",
+        examples="""
         %mlflow_ui                        # MLflow UI for sqlite:////home/me/proj/mlflow.db: http://127.0.0.1:40123
         %mlflow_ui --port 5000
         %mlflow_ui --stop
-        """)
+        """,
+    )
     @line_magic("mlflow_ui")
     def start_mlflow_ui(self, line: str) -> None:
         """Start a local MLflow UI server for the kernel's tracking URI and print its URL.

@@ -62,18 +62,29 @@ class ScriptTarget:
         """The payload for the ranks: ``sys.argv`` is ``[script, *args]`` (for a module, its file, as
         ``python -m`` sets it)."""
         argv0 = self.path if self.path is not None else self.module
-        return {"kind": "script", "script": self.path, "module": self.module, "argv": [argv0, *args],
-                "globals": {}, "warnings": [], "sources": {}}
+        return {
+            "kind": "script",
+            "script": self.path,
+            "module": self.module,
+            "argv": [argv0, *args],
+            "globals": {},
+            "warnings": [],
+            "sources": {},
+        }
 
 
 def _check_args(args: object) -> list[str]:
     if isinstance(args, (str, bytes)) or not isinstance(args, (list, tuple)):
-        raise SpecError(f"args must be a list of strings (the script's command-line arguments, e.g. ['--epochs', '3']), "
-                        f"got {shown(args)}")
+        raise SpecError(
+            f"args must be a list of strings (the script's command-line arguments, e.g. ['--epochs', '3']), "
+            f"got {shown(args)}"
+        )
     bad = [a for a in args if not isinstance(a, str)]
     if bad:
-        raise SpecError(f"args must be strings, as on a command line; {shown(bad[0])} is a {type(bad[0]).__name__} "
-                        f"(write str(...) or an f-string)")
+        raise SpecError(
+            f"args must be strings, as on a command line; {shown(bad[0])} is a {type(bad[0]).__name__} "
+            f"(write str(...) or an f-string)"
+        )
     return list(args)
 
 
@@ -81,8 +92,10 @@ def _resolve_file(text: str) -> ScriptTarget:
     """An existing Python file (or a folder / zip with ``__main__.py``, as ``python path`` runs)."""
     path = os.path.abspath(os.path.expanduser(text))
     if not os.path.exists(path):
-        raise FileNotFoundError(f"script {text!r} not found (looked for {path}; the kernel's current directory is "
-                                f"{os.getcwd()}); give the path of a Python file, or -m / module=True for a module")
+        raise FileNotFoundError(
+            f"script {text!r} not found (looked for {path}; the kernel's current directory is "
+            f"{os.getcwd()}); give the path of a Python file, or -m / module=True for a module"
+        )
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "__main__.py")):
             raise ValueError(f"script {text!r} is a folder without a __main__.py; give the Python file to run")
@@ -106,8 +119,10 @@ def _check_python(text: str, path: str, source: bytes) -> None:
     except (SyntaxError, ValueError) as exc:  # ValueError: NUL bytes
         if path.endswith((".py", ".pyw")) and isinstance(exc, SyntaxError):
             raise
-        raise ValueError(f"script {text!r} is not a Python file ({type(exc).__name__}: {exc}); %distributed_run and "
-                         f"run_script run Python scripts, as torchrun does") from None
+        raise ValueError(
+            f"script {text!r} is not a Python file ({type(exc).__name__}: {exc}); %distributed_run and "
+            f"run_script run Python scripts, as torchrun does"
+        ) from None
 
 
 def _find_module(name: str) -> importlib.machinery.ModuleSpec | None:
@@ -130,13 +145,17 @@ def _resolve_module(name: str) -> ScriptTarget:
         raise ValueError(f"module {name!r} is not a dotted module name such as 'mypkg.train'")
     spec = _find_module(name)
     if spec is None:
-        raise ModuleNotFoundError(f"no module named {name!r} (searched the kernel's current directory {os.getcwd()} "
-                                  f"and sys.path); check the name, or give a script path without -m / module=True")
+        raise ModuleNotFoundError(
+            f"no module named {name!r} (searched the kernel's current directory {os.getcwd()} "
+            f"and sys.path); check the name, or give a script path without -m / module=True"
+        )
     if spec.submodule_search_locations is not None:  # a package: python -m runs its __main__
         main = importlib.machinery.PathFinder.find_spec("__main__", list(spec.submodule_search_locations))
         if main is None:
-            raise ModuleNotFoundError(f"{name!r} is a package without a __main__ module, so it cannot be run "
-                                      f"(python -m {name} fails the same way); name a module inside it")
+            raise ModuleNotFoundError(
+                f"{name!r} is a package without a __main__ module, so it cannot be run "
+                f"(python -m {name} fails the same way); name a module inside it"
+            )
         return ScriptTarget(main.origin, name)
     return ScriptTarget(spec.origin if spec.has_location else None, name)
 
@@ -155,14 +174,27 @@ def resolve(script: str, module: bool = False) -> ScriptTarget:
     return _resolve_module(script.strip()) if module else _resolve_file(script)
 
 
-def run_script(path_or_module: str, args: Sequence[str] = (), *, module: bool = False, gpus: int | None = None,
-               gpu_type: str | None = None, timeout: float | None = FromConfig("timeout_s", DEFAULT_TIMEOUT_S),
-               port: int | None = None, widgets: bool | None = FromConfig("widgets", None),
-               mlflow: bool = FromConfig("mlflow", True), gpu_ids: list[int] | None = None, wait: bool = True,
-               max_restarts: int = 0, cluster: str | None = None,
-               teardown_grace_s: float = FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
-               remote: bool = False, num_accelerators: int | None = None, accelerator_type: str | None = None,
-               background: bool = False) -> Any:
+def run_script(
+    path_or_module: str,
+    args: Sequence[str] = (),
+    *,
+    module: bool = False,
+    gpus: int | None = None,
+    gpu_type: str | None = None,
+    timeout: float | None = FromConfig("timeout_s", DEFAULT_TIMEOUT_S),
+    port: int | None = None,
+    widgets: bool | None = FromConfig("widgets", None),
+    mlflow: bool = FromConfig("mlflow", True),
+    gpu_ids: list[int] | None = None,
+    wait: bool = True,
+    max_restarts: int = 0,
+    cluster: str | None = None,
+    teardown_grace_s: float = FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
+    remote: bool = False,
+    num_accelerators: int | None = None,
+    accelerator_type: str | None = None,
+    background: bool = False,
+) -> Any:
     """Run a script (or with ``module=True`` a module) on every rank, as ``torchrun`` does.
 
     Args:
@@ -189,10 +221,23 @@ def run_script(path_or_module: str, args: Sequence[str] = (), *, module: bool = 
     args = _check_args(args)
     module = check_switch("module", module, "run a module, as python -m, instead of a script file")
     background = check_switch("background", background, "return the Job at once, or wait for the results")
-    spec = job_spec("script", gpus, gpu_type, resolve_config(timeout), port=port, widgets=resolve_config(widgets),
-                    mlflow=resolve_config(mlflow), gpu_ids=gpu_ids, wait=wait, max_restarts=max_restarts, cluster=cluster,
-                    teardown_grace_s=resolve_config(teardown_grace_s), remote=remote, num_accelerators=num_accelerators,
-                    accelerator_type=accelerator_type)
+    spec = job_spec(
+        "script",
+        gpus,
+        gpu_type,
+        resolve_config(timeout),
+        port=port,
+        widgets=resolve_config(widgets),
+        mlflow=resolve_config(mlflow),
+        gpu_ids=gpu_ids,
+        wait=wait,
+        max_restarts=max_restarts,
+        cluster=cluster,
+        teardown_grace_s=resolve_config(teardown_grace_s),
+        remote=remote,
+        num_accelerators=num_accelerators,
+        accelerator_type=accelerator_type,
+    )
     target = resolve(path_or_module, module=module)
     job: Job = start(replace(spec, name=target.name), lambda warn: target.payload(args), background=background)
     if background:

@@ -109,7 +109,7 @@ class LogFollower:
                 self.skipped_total += skipped
                 self.offset = start + len(chunk)
                 self._decoder.reset()  # the skipped bytes end at a newline: no character is cut
-                return skipped, self._decoder.decode(chunk[cut + 1:], final=final)
+                return skipped, self._decoder.decode(chunk[cut + 1 :], final=final)
             if start == self.offset:
                 self.offset += len(chunk)
                 return 0, self._decoder.decode(chunk, final=final)
@@ -268,8 +268,9 @@ class LogPump:
         self._sinks, self._emit = sinks, emit
         # every line to each sink, or (when no sink needs them all) only the last tail_lines lines
         self._tail_lines = None if any(s.needs_every_line for s in sinks) else max([s.tail_lines for s in sinks] + [1])
-        self._live_tail_lines = None if self._tail_lines is None else max(
-            [s.live_tail_lines or s.tail_lines for s in sinks] + [1])
+        self._live_tail_lines = (
+            None if self._tail_lines is None else max([s.live_tail_lines or s.tail_lines for s in sinks] + [1])
+        )
         self._read_at = [0.0] * len(paths)
 
     def pump(self, final: bool = False) -> None:

@@ -62,8 +62,15 @@ class Job:
         waited_s: seconds the job waited in the queue for its GPUs.
     """
 
-    def __init__(self, run_dir: RunDir, spec: LaunchSpec, plan: DevicePlan, get_host: Callable[[], Launcher],
-                 sinks: list[JobSink] = (), registry: LeaseRegistry | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: RunDir,
+        spec: LaunchSpec,
+        plan: DevicePlan,
+        get_host: Callable[[], Launcher],
+        sinks: list[JobSink] = (),
+        registry: LeaseRegistry | None = None,
+    ) -> None:
         self._rd = run_dir
         self._feed = StatusFeed(run_dir)
         self.spec = spec
@@ -147,8 +154,10 @@ class Job:
     def attempts(self) -> list[dict]:
         """The failed attempts before the current one: ``[{"attempt": 1, "failures": [{"rank", "exitcode",
         "time_s"}], "ended_s", "exitcodes"}]``; their error files are in ``<run_dir>/errors/attempt_<k>/``."""
-        return [{**a, "exitcodes": {int(r): code for r, code in a.get("exitcodes", {}).items()}}
-                for a in self._status().get("attempts", [])]
+        return [
+            {**a, "exitcodes": {int(r): code for r, code in a.get("exitcodes", {}).items()}}
+            for a in self._status().get("attempts", [])
+        ]
 
     @property
     def notes(self) -> list[str]:
@@ -223,12 +232,19 @@ class Job:
         """One attempt at the GPUs (no queueing unless the job may wait). True when the job may launch."""
         if not self.plan.needs_lease or self._lease is not None:
             return True
-        lease, why = self._registry.try_acquire(self.job_id, self.world_size, list(self.plan.candidates),
-                                                explicit=self.plan.explicit, skip=self._skip, enqueue=self.spec.wait)
+        lease, why = self._registry.try_acquire(
+            self.job_id,
+            self.world_size,
+            list(self.plan.candidates),
+            explicit=self.plan.explicit,
+            skip=self._skip,
+            enqueue=self.spec.wait,
+        )
         if lease is None:
             if not self.spec.wait:
-                self._error = ResourceError(f"job {self.job_id} cannot start now: {why}. Leave out --no-wait / "
-                                            f"wait=False to queue for the GPUs")
+                self._error = ResourceError(
+                    f"job {self.job_id} cannot start now: {why}. Leave out --no-wait / wait=False to queue for the GPUs"
+                )
                 self._write_final("failed", launch_error=why)
                 with _JOBS_LOCK:  # refused before anything started: not one of the kernel's jobs
                     _JOBS.remove(self)
@@ -248,9 +264,17 @@ class Job:
         self._emit("pending", self, why)
 
     def _wait_for_lease(self) -> None:
-        self._got_lease(self._registry.acquire(
-            self.job_id, self.world_size, list(self.plan.candidates), explicit=self.plan.explicit, skip=self._skip,
-            on_wait=lambda why: why != self.pending_reason and self._set_pending(why), cancelled=self._cancel))
+        self._got_lease(
+            self._registry.acquire(
+                self.job_id,
+                self.world_size,
+                list(self.plan.candidates),
+                explicit=self.plan.explicit,
+                skip=self._skip,
+                on_wait=lambda why: why != self.pending_reason and self._set_pending(why),
+                cancelled=self._cancel,
+            )
+        )
 
     def _got_lease(self, lease: Lease) -> None:
         self._lease = lease
@@ -260,16 +284,28 @@ class Job:
         by_uuid = {g.uuid: g for g in self.plan.candidates}
         for uuid, reason in self._skipped.items():
             if hasattr(self._sinks[-1], "warn"):
-                self._sinks[-1].warn(f"GPU {by_uuid[uuid].index} skipped: it runs processes outside sgpu_magic "
-                                     f"({reason}); pass gpu_ids=[...] / --gpu-ids to use it anyway")
+                self._sinks[-1].warn(
+                    f"GPU {by_uuid[uuid].index} skipped: it runs processes outside sgpu_magic "
+                    f"({reason}); pass gpu_ids=[...] / --gpu-ids to use it anyway"
+                )
 
     def _launch(self) -> None:
         """Write launch.json (with what the sinks prepare) and hand the run dir to the launch host."""
         rd, plan, spec = self._rd, self.plan, self.spec
-        launch = {"job_id": rd.job_id, "name": spec.name, "world_size": plan.world_size, "backend": plan.backend,
-                  "cuda_visible_devices": plan.cuda_visible_devices, "timeout_s": spec.timeout_s, "port": spec.port,
-                  "max_restarts": spec.max_restarts, "cwd": self._cwd, "sys_path": self._sys_path, "env": {},
-                  "teardown_grace_s": spec.teardown_grace_s}
+        launch = {
+            "job_id": rd.job_id,
+            "name": spec.name,
+            "world_size": plan.world_size,
+            "backend": plan.backend,
+            "cuda_visible_devices": plan.cuda_visible_devices,
+            "timeout_s": spec.timeout_s,
+            "port": spec.port,
+            "max_restarts": spec.max_restarts,
+            "cwd": self._cwd,
+            "sys_path": self._sys_path,
+            "env": {},
+            "teardown_grace_s": spec.teardown_grace_s,
+        }
         if plan.gpus:
             launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
         if self._lease is not None:  # the launch host gives the GPUs back as soon as the ranks are gone
@@ -359,8 +395,10 @@ class Job:
             self._emit("state_changed", self, state)
         self._emit("tick", self)
         if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
-            message = (f"the launch host died while job {self.job_id} ran; see {self._host.where()} "
-                       f"and the rank logs in {self._rd.logs_dir}")
+            message = (
+                f"the launch host died while job {self.job_id} ran; see {self._host.where()} "
+                f"and the rank logs in {self._rd.logs_dir}"
+            )
             self._pump(final=True)
             self._end({**status, "state": "failed", "host_lost": message, "ended_s": time.time()})
             raise LauncherError(message)
@@ -404,8 +442,11 @@ class Job:
         except JobCancelledError:
             self._end_unstarted("cancelled")
         except BaseException as exc:  # noqa: BLE001 - recorded on the job, shown by its view
-            self._error = exc if isinstance(exc, SgpuError) else LauncherError(
-                f"job {self.job_id} could not run: {type(exc).__name__}: {exc}")
+            self._error = (
+                exc
+                if isinstance(exc, SgpuError)
+                else LauncherError(f"job {self.job_id} could not run: {type(exc).__name__}: {exc}")
+            )
             if self._final_status is None:
                 self._write_final("failed", launch_error=str(self._error))
         finally:
@@ -416,8 +457,9 @@ class Job:
         that the text view writes after the cell ended still goes to the cell that started the job."""
         self.background = True
         context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._follow_background,),
-                                        name=f"sgpu_magic job {self.job_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=context.run, args=(self._follow_background,), name=f"sgpu_magic job {self.job_id}", daemon=True
+        )
         self._thread.start()
 
     def _drain(self, timeout_s: float) -> None:
@@ -517,5 +559,6 @@ class Job:
 
     def __repr__(self) -> str:
         gpus = f" gpus={self.gpus}" if self.gpus else ""
-        return (f"<Job {self.job_id} {self.state.label} world_size={self.world_size}{gpus} "
-                f"run_dir={str(self.run_dir)!r}>")
+        return (
+            f"<Job {self.job_id} {self.state.label} world_size={self.world_size}{gpus} run_dir={str(self.run_dir)!r}>"
+        )

@@ -27,9 +27,11 @@ def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:
     for entry in status.get("teardown_ended", []):
         what = "returned its value" if entry.get("outcome") == "value" else "raised"
         kept = "; its value is kept" if entry.get("outcome") == "value" else ""
-        notes.append(f"rank {entry['rank']} needed the teardown grace: it {what} but had not exited "
-                     f"{entry.get('grace_s', 0):g} s later (teardown_grace_s), so sgpu_magic ended it "
-                     f"({entry.get('signal', 'SIGTERM')}){kept}")
+        notes.append(
+            f"rank {entry['rank']} needed the teardown grace: it {what} but had not exited "
+            f"{entry.get('grace_s', 0):g} s later (teardown_grace_s), so sgpu_magic ended it "
+            f"({entry.get('signal', 'SIGTERM')}){kept}"
+        )
     for rank in range(world_size):
         ended = read_json(rd.exit_file(rank))
         if ended and ended.get("kind") != "script":  # a script's sys.exit(0) is its normal end
@@ -52,11 +54,18 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
         if rank not in observed and err is None:
             continue
         seen = observed.get(rank, {})
-        failures.append(RankFailure(
-            rank=rank, exitcode=seen.get("exitcode", exitcodes.get(rank)),
-            exc_type=err and err["exc_type"], message=(err or {}).get("message", ""),
-            traceback=(err or {}).get("traceback", ""), log_path=str(rd.log_file(rank)),
-            time_s=err["time_s"] if err else seen.get("time_s", float("inf")), cuda=bool((err or {}).get("cuda"))))
+        failures.append(
+            RankFailure(
+                rank=rank,
+                exitcode=seen.get("exitcode", exitcodes.get(rank)),
+                exc_type=err and err["exc_type"],
+                message=(err or {}).get("message", ""),
+                traceback=(err or {}).get("traceback", ""),
+                log_path=str(rd.log_file(rank)),
+                time_s=err["time_s"] if err else seen.get("time_s", float("inf")),
+                cuda=bool((err or {}).get("cuda")),
+            )
+        )
     if not failures:
         failures.append(RankFailure(rank=0, exitcode=exitcodes.get(0), log_path=str(rd.log_file(0))))
     failures.sort(key=lambda f: (f.rank not in observed, f.time_s, f.rank))
@@ -85,8 +94,10 @@ def load_result(rd: RunDir, rank: int) -> Any:
     try:
         return pickle.loads(data)
     except Exception as exc:
-        raise SgpuError(f"the result of rank {rank} cannot be unpickled in the kernel "
-                        f"({type(exc).__name__}: {exc}); return plain Python, numpy or torch values") from exc
+        raise SgpuError(
+            f"the result of rank {rank} cannot be unpickled in the kernel "
+            f"({type(exc).__name__}: {exc}); return plain Python, numpy or torch values"
+        ) from exc
 
 
 def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) -> BaseException:
@@ -94,8 +105,10 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
     interrupt), a lost launcher, a launch that failed, or the :class:`RankFailedError` naming the root cause."""
     state, job_id = state_from_status(status), rd.job_id
     if state is JobState.TIMED_OUT:
-        return JobTimeoutError(f"job {job_id} ran longer than its timeout of {spec.timeout_s:g} s; "
-                               f"every rank was stopped. Logs: {rd.logs_dir}")
+        return JobTimeoutError(
+            f"job {job_id} ran longer than its timeout of {spec.timeout_s:g} s; "
+            f"every rank was stopped. Logs: {rd.logs_dir}"
+        )
     if state is JobState.CANCELLED:
         how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
         if "started_s" not in status:
@@ -109,6 +122,8 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
     if error.root_cause.cuda and plan.backend == "gloo" and plan.cluster is None:
         error.hint = NO_GPU_HINT
     if status.get("attempts"):
-        error.attempt_note = (f"attempt {status.get('attempt', 1)} of {spec.max_restarts + 1} failed, after "
-                              f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures")
+        error.attempt_note = (
+            f"attempt {status.get('attempt', 1)} of {spec.max_restarts + 1} failed, after "
+            f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures"
+        )
     return error

@@ -20,8 +20,13 @@ from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.spec import LaunchSpec
 
 
-def start(spec: LaunchSpec, build_payload: Callable[[Callable[[str], None]], dict], sinks: list[JobSink],
-          background: bool = False, lease_dir: str | None = None) -> Job:
+def start(
+    spec: LaunchSpec,
+    build_payload: Callable[[Callable[[str], None]], dict],
+    sinks: list[JobSink],
+    background: bool = False,
+    lease_dir: str | None = None,
+) -> Job:
     """Plan the devices (locally, or on the Ray cluster ``spec.cluster``), build the payload (its warnings go to
     the last sink, the view, as capture finds them), say the plan's note, then lease GPUs (in ``lease_dir``,
     default :func:`sgpu_magic.launch.leases.default_lease_dir`) and hand the job to its launcher.
@@ -67,9 +72,16 @@ def _say_note(view: JobSink, plan: DevicePlan, spec: LaunchSpec) -> None:
     view.note(plan.note)
 
 
-def submit(spec: LaunchSpec, plan: DevicePlan, payload: dict, get_host: Callable[[], Launcher],
-           sinks: list[JobSink] = (), root: Path | None = None, background: bool = False,
-           registry: LeaseRegistry | None = None) -> Job:
+def submit(
+    spec: LaunchSpec,
+    plan: DevicePlan,
+    payload: dict,
+    get_host: Callable[[], Launcher],
+    sinks: list[JobSink] = (),
+    root: Path | None = None,
+    background: bool = False,
+    registry: LeaseRegistry | None = None,
+) -> Job:
     """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
 
     The first try for the GPUs happens in the calling thread, so ``wait=False`` refusals raise

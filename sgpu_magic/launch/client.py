@@ -40,8 +40,13 @@ class LaunchHost:
         self.log_path = hosts / f"host-{os.getpid()}-{os.urandom(3).hex()}.log"
         proc = subprocess.Popen(
             [sys.executable, "-c", _HOST_MAIN, str(self.log_path), str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            start_new_session=True, cwd=os.getcwd(), env=_host_env())
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=os.getcwd(),
+            env=_host_env(),
+        )
         self.pid = self._handshake(proc)
         self._proc: psutil.Process | None = None  # for alive(), made on first use
         self._stdin = proc.stdin
@@ -94,8 +99,9 @@ class LaunchHost:
                 self._stdin.flush()
             except (BrokenPipeError, ValueError, OSError) as exc:
                 _close_quietly(self._stdin)
-                raise LauncherError(f"the sgpu_magic launch host (pid {self.pid}) is gone: {exc}; "
-                                    f"see {self.log_path}") from None
+                raise LauncherError(
+                    f"the sgpu_magic launch host (pid {self.pid}) is gone: {exc}; see {self.log_path}"
+                ) from None
 
     def launch(self, run_dir: RunDir) -> None:
         """Ask the host to start the ranks of ``run_dir`` with the kernel's current environment."""

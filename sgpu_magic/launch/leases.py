@@ -100,8 +100,10 @@ class LeaseRegistry:
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as exc:
-            raise ResourceError(f"cannot create the GPU lease directory {self.dir} ({exc.strerror}); set "
-                                f"{LEASE_DIR_ENV} (or DistributedMagics.lease_dir) to a writable directory") from None
+            raise ResourceError(
+                f"cannot create the GPU lease directory {self.dir} ({exc.strerror}); set "
+                f"{LEASE_DIR_ENV} (or DistributedMagics.lease_dir) to a writable directory"
+            ) from None
         self._mode = self.dir.stat().st_mode & 0o666
         self.file = self.dir / "registry.json"
         self._lock = FileLock(str(self.dir / "registry.lock"), mode=self._mode)
@@ -114,8 +116,9 @@ class LeaseRegistry:
         except FileNotFoundError:
             data = {}
         except (OSError, ValueError) as exc:
-            raise ResourceError(f"the GPU lease registry {self.file} cannot be read ({exc}); remove it when no "
-                                f"sgpu_magic job runs") from None
+            raise ResourceError(
+                f"the GPU lease registry {self.file} cannot be read ({exc}); remove it when no sgpu_magic job runs"
+            ) from None
         data.setdefault("holders", [])
         data.setdefault("queue", [])
         data["holders"] = [h for h in data["holders"] if _alive(h["pids"])]
@@ -140,9 +143,16 @@ class LeaseRegistry:
 
     # -- leasing
 
-    def try_acquire(self, job_id: str, count: int, candidates: list[Gpu], *, explicit: bool = False,
-                    skip: Callable[[list[Gpu]], dict[str, str]] = lambda gpus: {}, enqueue: bool = True,
-                    ) -> tuple[Lease | None, str]:
+    def try_acquire(
+        self,
+        job_id: str,
+        count: int,
+        candidates: list[Gpu],
+        *,
+        explicit: bool = False,
+        skip: Callable[[list[Gpu]], dict[str, str]] = lambda gpus: {},
+        enqueue: bool = True,
+    ) -> tuple[Lease | None, str]:
         """One attempt: lease ``count`` of ``candidates`` (all of them when ``explicit``) if this job is
         first in the queue and they are free.
 
@@ -167,9 +177,16 @@ class LeaseRegistry:
             ahead = queue[: queue.index(mine)]
             if not ahead and len(usable) >= count:
                 chosen = usable if explicit else usable[:count]
-                data["holders"].append({"job_id": job_id, "pids": mine["pids"], "gpus": [g.uuid for g in chosen],
-                                        "indices": [g.index for g in chosen], "user": mine["user"],
-                                        "since_s": time.time()})
+                data["holders"].append(
+                    {
+                        "job_id": job_id,
+                        "pids": mine["pids"],
+                        "gpus": [g.uuid for g in chosen],
+                        "indices": [g.index for g in chosen],
+                        "user": mine["user"],
+                        "since_s": time.time(),
+                    }
+                )
                 queue.remove(mine)
                 self._save(data)
                 return Lease(self, job_id, chosen), ""
@@ -178,10 +195,18 @@ class LeaseRegistry:
             self._save(data)
             return None, _why(count, candidates, usable, held, skipped, ahead, explicit)
 
-    def acquire(self, job_id: str, count: int, candidates: list[Gpu], *, explicit: bool = False, wait: bool = True,
-                skip: Callable[[list[Gpu]], dict[str, str]] = lambda gpus: {},
-                on_wait: Callable[[str], None] = lambda why: None,
-                cancelled: threading.Event | None = None) -> Lease:
+    def acquire(
+        self,
+        job_id: str,
+        count: int,
+        candidates: list[Gpu],
+        *,
+        explicit: bool = False,
+        wait: bool = True,
+        skip: Callable[[list[Gpu]], dict[str, str]] = lambda gpus: {},
+        on_wait: Callable[[str], None] = lambda why: None,
+        cancelled: threading.Event | None = None,
+    ) -> Lease:
         """Lease ``count`` GPUs for ``job_id``, waiting in the queue for them when ``wait``.
 
         ``on_wait(why)`` is called when the job starts waiting and whenever the reason changes.
@@ -201,8 +226,9 @@ class LeaseRegistry:
                     lease.waited_s = time.monotonic() - started
                     return lease
                 if not wait:
-                    raise ResourceError(f"job {job_id} cannot start now: {why}. Leave out --no-wait / wait=False "
-                                        f"to queue for the GPUs")
+                    raise ResourceError(
+                        f"job {job_id} cannot start now: {why}. Leave out --no-wait / wait=False to queue for the GPUs"
+                    )
                 if why != last_why:
                     on_wait(why)
                     last_why = why
@@ -230,8 +256,15 @@ def _indices(gpus) -> str:
     return ",".join(str(i) for i in gpus)
 
 
-def _why(count: int, candidates: list[Gpu], usable: list[Gpu], held: dict, skipped: dict[str, str],
-         ahead: list[dict], explicit: bool) -> str:
+def _why(
+    count: int,
+    candidates: list[Gpu],
+    usable: list[Gpu],
+    held: dict,
+    skipped: dict[str, str],
+    ahead: list[dict],
+    explicit: bool,
+) -> str:
     """``waiting for 6 GPU(s): 2 of 8 free; GPUs 0,1,2,3,4,5 held by job J (kernel pid 12, user u) since 04:58:12``."""
     wanted = f"GPUs {_indices(g.index for g in candidates)}" if explicit else f"{count} GPU(s)"
     parts = [f"waiting for {wanted}: {len(usable)} of {len(candidates)} free"]
@@ -242,8 +275,10 @@ def _why(count: int, candidates: list[Gpu], usable: list[Gpu], held: dict, skipp
             by_holder.setdefault(holder["job_id"], (holder, []))[1].append(index_of[uuid])
     for holder, indices in by_holder.values():
         since = time.strftime("%H:%M:%S", time.localtime(holder["since_s"]))
-        parts.append(f"GPUs {_indices(sorted(indices))} held by job {holder['job_id']} "
-                     f"(kernel pid {holder['pids'][0][0]}, user {holder['user']}) since {since}")
+        parts.append(
+            f"GPUs {_indices(sorted(indices))} held by job {holder['job_id']} "
+            f"(kernel pid {holder['pids'][0][0]}, user {holder['user']}) since {since}"
+        )
     for uuid, reason in skipped.items():
         if uuid in index_of:
             parts.append(f"GPU {index_of[uuid]} busy outside sgpu_magic: {reason}")

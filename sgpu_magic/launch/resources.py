@@ -132,8 +132,9 @@ def fake_gpus(text: str) -> list[Gpu]:
     """
     match = re.fullmatch(r"\s*(\d+)\s*(?:[xX*]\s*(\S.*?))?\s*", text)
     if not match or int(match.group(1)) < 1:
-        raise ResourceError(f"{FAKE_GPUS_ENV}={text!r} is not a GPU inventory; write it as '8 x H100' "
-                            f"(count x name) or unset it")
+        raise ResourceError(
+            f"{FAKE_GPUS_ENV}={text!r} is not a GPU inventory; write it as '8 x H100' (count x name) or unset it"
+        )
     name = f"{match.group(2) or 'GPU'} (fake)"
     return [Gpu(i, name, f"FAKE-GPU-{i}", fake=True) for i in range(int(match.group(1)))]
 
@@ -175,8 +176,14 @@ def list_gpus() -> list[Gpu]:
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             name, uuid = pynvml.nvmlDeviceGetName(h), pynvml.nvmlDeviceGetUUID(h)
-            gpus.append(Gpu(i, name.decode() if isinstance(name, bytes) else name,
-                            uuid.decode() if isinstance(uuid, bytes) else uuid, _processes(pynvml, h)))
+            gpus.append(
+                Gpu(
+                    i,
+                    name.decode() if isinstance(name, bytes) else name,
+                    uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    _processes(pynvml, h),
+                )
+            )
         return _visible_filter(gpus)
     finally:
         pynvml.nvmlShutdown()
@@ -192,33 +199,51 @@ def plan_devices(spec: LaunchSpec, gpus: list[Gpu] | None = None) -> DevicePlan:
     gpus = list_gpus() if gpus is None else gpus
     if not gpus:
         if spec.gpu_ids is not None:
-            raise ResourceError(f"gpu_ids={list(spec.gpu_ids)} asked for, but no GPU is visible here; "
-                                f"leave gpu_ids out to run {spec.gpus} CPU rank(s)")
+            raise ResourceError(
+                f"gpu_ids={list(spec.gpu_ids)} asked for, but no GPU is visible here; "
+                f"leave gpu_ids out to run {spec.gpus} CPU rank(s)"
+            )
         asked = f" (gpu_type {spec.gpu_type!r} ignored)" if spec.gpu_type else ""
-        return DevicePlan(spec.gpus, "gloo", (), f"sgpu_magic: no GPU found; running {spec.gpus} CPU rank(s) with gloo{asked}")
+        return DevicePlan(
+            spec.gpus, "gloo", (), f"sgpu_magic: no GPU found; running {spec.gpus} CPU rank(s) with gloo{asked}"
+        )
     if spec.gpu_type:
         names = sorted({g.name for g in gpus})
         gpus = [g for g in gpus if spec.gpu_type.lower() in g.name.lower()]
         if not gpus:
-            raise ResourceError(f"gpu_type {spec.gpu_type!r} matches none of the attached GPUs ({', '.join(names)}); "
-                                f"use one of those names, or leave gpu_type out to take any GPU")
+            raise ResourceError(
+                f"gpu_type {spec.gpu_type!r} matches none of the attached GPUs ({', '.join(names)}); "
+                f"use one of those names, or leave gpu_type out to take any GPU"
+            )
     if spec.gpu_ids is not None:
         by_index = {g.index: g for g in gpus}
         missing = [i for i in spec.gpu_ids if i not in by_index]
         if missing:
-            raise ResourceError(f"gpu_ids {missing} are not among the visible GPUs (indices "
-                                f"{sorted(by_index)}{', of gpu_type ' + repr(spec.gpu_type) if spec.gpu_type else ''}); "
-                                f"pick from those")
+            raise ResourceError(
+                f"gpu_ids {missing} are not among the visible GPUs (indices "
+                f"{sorted(by_index)}{', of gpu_type ' + repr(spec.gpu_type) if spec.gpu_type else ''}); "
+                f"pick from those"
+            )
         gpus = [by_index[i] for i in spec.gpu_ids]
     if spec.gpus > len(gpus):
-        raise ResourceError(f"gpus={spec.gpus} asked for, but only {len(gpus)} GPU(s) are visible here "
-                            f"({', '.join(g.name for g in gpus)}); ask for at most {len(gpus)}")
+        raise ResourceError(
+            f"gpus={spec.gpus} asked for, but only {len(gpus)} GPU(s) are visible here "
+            f"({', '.join(g.name for g in gpus)}); ask for at most {len(gpus)}"
+        )
     note = ""
     if gpus[0].fake:
-        note = (f"sgpu_magic: fake GPU inventory ({FAKE_GPUS_ENV}); the job leases {spec.gpus} of them and its "
-                f"ranks run on CPU with gloo")
-    return DevicePlan(spec.gpus, "gloo" if gpus[0].fake else "nccl", (), note, candidates=tuple(gpus),
-                      explicit=spec.gpu_ids is not None)
+        note = (
+            f"sgpu_magic: fake GPU inventory ({FAKE_GPUS_ENV}); the job leases {spec.gpus} of them and its "
+            f"ranks run on CPU with gloo"
+        )
+    return DevicePlan(
+        spec.gpus,
+        "gloo" if gpus[0].fake else "nccl",
+        (),
+        note,
+        candidates=tuple(gpus),
+        explicit=spec.gpu_ids is not None,
+    )
 
 
 def check_port_free(port: int) -> None:
@@ -228,8 +253,9 @@ def check_port_free(port: int) -> None:
         try:
             s.bind(("", port))
         except OSError as exc:
-            raise ResourceError(f"port {port} is in use ({exc.strerror}); leave port out to pick a free one, "
-                                f"or choose another port") from None
+            raise ResourceError(
+                f"port {port} is in use ({exc.strerror}); leave port out to pick a free one, or choose another port"
+            ) from None
 
 
 def free_port() -> int:

@@ -107,8 +107,9 @@ def _outcome(run_dir: RunDir, rank: int) -> str | None:
     return "value" if run_dir.result_file(rank).exists() else None
 
 
-def wait_with_grace(proc: subprocess.Popen, run_dir: RunDir, rank: int, grace_s: float,
-                    kill_after_s: float) -> tuple[int, dict | None]:
+def wait_with_grace(
+    proc: subprocess.Popen, run_dir: RunDir, rank: int, grace_s: float, kill_after_s: float
+) -> tuple[int, dict | None]:
     """Wait for one rank's process (the Ray agent's rank, a session leader) with the same grace, per rank:
     once its outcome is written it has ``grace_s`` to exit, then its session gets SIGTERM, SIGKILL
     ``kill_after_s`` later.
@@ -128,8 +129,13 @@ def wait_with_grace(proc: subprocess.Popen, run_dir: RunDir, rank: int, grace_s:
             seen = None if kind is None else time.monotonic()
         elif time.monotonic() - seen >= grace_s:
             break
-    ended = {"rank": rank, "outcome": kind, "after_s": round(time.monotonic() - seen, 1), "signal": "SIGTERM",
-             "grace_s": grace_s}
+    ended = {
+        "rank": rank,
+        "outcome": kind,
+        "after_s": round(time.monotonic() - seen, 1),
+        "signal": "SIGTERM",
+        "grace_s": grace_s,
+    }
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)

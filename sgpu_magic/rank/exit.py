@@ -156,8 +156,10 @@ def involves_cuda(exc: BaseException) -> bool:
         seen.add(id(exc))
         if _CUDA_WORD.search(str(exc)):
             return True
-        if cuda_dir and any(os.path.abspath(frame.f_code.co_filename).startswith(cuda_dir)
-                            for frame, _ in traceback.walk_tb(exc.__traceback__)):
+        if cuda_dir and any(
+            os.path.abspath(frame.f_code.co_filename).startswith(cuda_dir)
+            for frame, _ in traceback.walk_tb(exc.__traceback__)
+        ):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

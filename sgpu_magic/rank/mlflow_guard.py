@@ -84,8 +84,12 @@ def flush_async_logging() -> None:
         mlflow.flush_async_logging()
     except Exception as exc:  # noqa: BLE001
         try:
-            print(f"sgpu_magic: MLflow's async logging could not be flushed ({type(exc).__name__}: {exc}); "
-                  f"metrics logged last may be missing from the run", file=sys.stderr, flush=True)
+            print(
+                f"sgpu_magic: MLflow's async logging could not be flushed ({type(exc).__name__}: {exc}); "
+                f"metrics logged last may be missing from the run",
+                file=sys.stderr,
+                flush=True,
+            )
         except OSError:
             pass
 
@@ -106,6 +110,9 @@ def settled_value(value):
     try:
         value.wait()
     except Exception as exc:  # noqa: BLE001 - the points' fate is MLflow's; the value is None either way
-        print(f"sgpu_magic: MLflow could not log the points of the last call ({type(exc).__name__}: {exc})",
-              file=sys.stderr, flush=True)
+        print(
+            f"sgpu_magic: MLflow could not log the points of the last call ({type(exc).__name__}: {exc})",
+            file=sys.stderr,
+            flush=True,
+        )
     return None

@@ -190,9 +190,11 @@ def _dump_result(value, rank: int) -> bytes:
     try:
         _ResultPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     except Exception as exc:  # noqa: BLE001 - any pickling failure of a return value is the user's to fix
-        raise TypeError(f"the return value of rank {rank} ({type(value).__module__}.{type(value).__qualname__}) "
-                        f"cannot be sent back to the kernel ({type(exc).__name__}: {exc}); return plain Python, "
-                        f"numpy or torch values") from None
+        raise TypeError(
+            f"the return value of rank {rank} ({type(value).__module__}.{type(value).__qualname__}) "
+            f"cannot be sent back to the kernel ({type(exc).__name__}: {exc}); return plain Python, "
+            f"numpy or torch values"
+        ) from None
     return buf.getvalue()
 
 
@@ -210,9 +212,17 @@ def _user_traceback(exc: BaseException, labels: dict[str, str]) -> str:
 def _write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[str, str] | None = None) -> None:
     text = _user_traceback(exc, labels or {})
     # the error file first: on a full disk it takes the run dir's reserve, and the log may not take a line
-    atomic_write_json(run_dir.error_file(rank), {
-        "rank": rank, "exc_type": type(exc).__name__, "message": str(exc), "traceback": text, "time_s": time.time(),
-        "cuda": rank_exit.involves_cuda(exc)})
+    atomic_write_json(
+        run_dir.error_file(rank),
+        {
+            "rank": rank,
+            "exc_type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": text,
+            "time_s": time.time(),
+            "cuda": rank_exit.involves_cuda(exc),
+        },
+    )
     try:
         sys.stderr.write(traceback_marker(rank, type(exc).__name__) + "\n" + text)
         sys.stderr.flush()
@@ -257,8 +267,10 @@ def _system_exit(run_dir: RunDir, rank: int, exc: SystemExit, payload: dict) -> 
     if code:
         _write_error(run_dir, rank, exc, payload.get("display_names"))
         return code
-    atomic_write_json(run_dir.exit_file(rank), {"code": 0, "where": rank_exit.raise_site(
-        exc, payload.get("display_names") or {}), "kind": payload["kind"]})
+    atomic_write_json(
+        run_dir.exit_file(rank),
+        {"code": 0, "where": rank_exit.raise_site(exc, payload.get("display_names") or {}), "kind": payload["kind"]},
+    )
     atomic_write_bytes(run_dir.result_file(rank), _dump_result(None, rank))
     return 0
 

@@ -82,6 +82,7 @@ def warm_up(after: Path | None = None, max_wait_s: float = 30.0) -> None:
     """
     global _warm_thread
     if _warm_thread is None and "mlflow" not in sys.modules:
+
         def _import() -> None:
             deadline = time.monotonic() + max_wait_s
             while after is not None and not after.exists() and time.monotonic() < deadline:
@@ -167,14 +168,21 @@ class MlflowTracking(JobSink):
         except BaseException:  # interrupted while the run was being set up: the job does not start
             self._terminate("KILLED", time.time())
             raise
-        env = {"MLFLOW_TRACKING_URI": self.tracking_uri, "MLFLOW_RUN_ID": self.run_id,
-               "MLFLOW_EXPERIMENT_ID": self.experiment_id, "MLFLOW_EXPERIMENT_NAME": self._experiment_name,
-               RUN_ID_ENV: self.run_id,
-               # the kernel records system metrics for the job; a rank adopting the run must not too
-               "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", **rank_logging_env(os.environ),
-               **self._registry_env()}
-        return {"env": env, "mlflow": {"tracking_uri": self.tracking_uri, "run_id": self.run_id,
-                                       "experiment_id": self.experiment_id}}
+        env = {
+            "MLFLOW_TRACKING_URI": self.tracking_uri,
+            "MLFLOW_RUN_ID": self.run_id,
+            "MLFLOW_EXPERIMENT_ID": self.experiment_id,
+            "MLFLOW_EXPERIMENT_NAME": self._experiment_name,
+            RUN_ID_ENV: self.run_id,
+            # the kernel records system metrics for the job; a rank adopting the run must not too
+            "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+            **rank_logging_env(os.environ),
+            **self._registry_env(),
+        }
+        return {
+            "env": env,
+            "mlflow": {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "experiment_id": self.experiment_id},
+        }
 
     def _registry_env(self) -> dict[str, str]:
         """``MLFLOW_REGISTRY_URI`` for the ranks: the kernel's registry URI (MLflow's default: the tracking URI).
@@ -216,10 +224,16 @@ class MlflowTracking(JobSink):
         run = client.create_run(experiment_id, run_name=spec.name, tags=tags)
         self._client, self.tracking_uri, self.run_id = client, uri, run.info.run_id
         self.experiment_id, self._experiment_name = experiment_id, name
-        params = {"gpus": spec.gpus, "gpu_type": spec.gpu_type or "any",
-                  "device": plan.gpus[0].name if plan.gpus else "cpu", "world_size": plan.world_size,
-                  "backend": plan.backend, "timeout_s": "none" if spec.timeout_s is None else f"{spec.timeout_s:g}",
-                  "name": spec.name, "max_restarts": spec.max_restarts}
+        params = {
+            "gpus": spec.gpus,
+            "gpu_type": spec.gpu_type or "any",
+            "device": plan.gpus[0].name if plan.gpus else "cpu",
+            "world_size": plan.world_size,
+            "backend": plan.backend,
+            "timeout_s": "none" if spec.timeout_s is None else f"{spec.timeout_s:g}",
+            "name": spec.name,
+            "max_restarts": spec.max_restarts,
+        }
         client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
 
     def _experiment(self, client, uri: str, parent) -> tuple[str, str]:
@@ -254,9 +268,11 @@ class MlflowTracking(JobSink):
                 if experiment is None:
                     raise
         if experiment.lifecycle_stage != "active":
-            raise SgpuError(f"the MLflow experiment {name!r} is deleted; restore it with "
-                            f"MlflowClient().restore_experiment({experiment.experiment_id!r}) or pick another "
-                            f"with mlflow.set_experiment(...)")
+            raise SgpuError(
+                f"the MLflow experiment {name!r} is deleted; restore it with "
+                f"MlflowClient().restore_experiment({experiment.experiment_id!r}) or pick another "
+                f"with mlflow.set_experiment(...)"
+            )
         return experiment.experiment_id
 
     # -- while the job runs
@@ -293,8 +309,10 @@ class MlflowTracking(JobSink):
             self._client.set_tag(self.run_id, "sgpu_magic.state", raw)
             self._log_artifacts(RunDir(job.run_dir))
         except Exception as exc:  # noqa: BLE001 - the job's result matters more than its artifacts
-            _warn(f"could not attach the logs of job {job.job_id} to MLflow run {self.run_id}: "
-                  f"{type(exc).__name__}: {exc}")
+            _warn(
+                f"could not attach the logs of job {job.job_id} to MLflow run {self.run_id}: "
+                f"{type(exc).__name__}: {exc}"
+            )
         finally:
             self._terminate(status, ended_s)
             # tells the launch host this run needs nothing from it when it exits (no mlflow import there)

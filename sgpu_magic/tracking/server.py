@@ -48,23 +48,44 @@ class MlflowUI:
                 try:
                     s.bind(("127.0.0.1", port))
                 except OSError:
-                    raise MlflowUIError(f"port {port} on 127.0.0.1 is in use; pick another with --port, "
-                                        f"or leave it out for a free one") from None
+                    raise MlflowUIError(
+                        f"port {port} on 127.0.0.1 is in use; pick another with --port, or leave it out for a free one"
+                    ) from None
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         folder = make_private_dir(default_root() / "mlflow-ui")
         self.log_path = folder / f"server-{os.getpid()}-{self.port}.log"
-        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_uri,
-               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            backend_uri,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+        ]
         # no job runner (2 processes instead of 15); no usage telemetry, whose flush held up the server's exit ~4 s
         env = {"MLFLOW_DISABLE_TELEMETRY": "true", **os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         # the watchdog (python -m sgpu_magic.tracking.watchdog) runs in the store's folder: sgpu_magic must import there
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
         cwd = sqlite_dir(backend_uri) or folder
         with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
-            self._proc = subprocess.Popen([sys.executable, "-m", "sgpu_magic.tracking.watchdog", str(os.getpid()), *cmd],
-                                          stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True, env=env, cwd=str(cwd))
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "sgpu_magic.tracking.watchdog", str(os.getpid()), *cmd],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                cwd=str(cwd),
+            )
         self.pid = self._proc.pid
         """The watchdog's pid; the server runs in its process group (``os.killpg(pid, ...)``)."""
 
@@ -84,11 +105,14 @@ class MlflowUI:
         deadline = time.monotonic() + timeout_s
         while not self.answers():
             if not self.alive():
-                raise MlflowUIError(f"the MLflow UI server exited with code {self._proc.returncode}; "
-                                    f"see {self.log_path}:\n{_tail(self.log_path)}")
+                raise MlflowUIError(
+                    f"the MLflow UI server exited with code {self._proc.returncode}; "
+                    f"see {self.log_path}:\n{_tail(self.log_path)}"
+                )
             if time.monotonic() > deadline:
-                raise MlflowUIError(f"the MLflow UI server did not answer on {self.url} within {timeout_s:g} s; "
-                                    f"see {self.log_path}")
+                raise MlflowUIError(
+                    f"the MLflow UI server did not answer on {self.url} within {timeout_s:g} s; see {self.log_path}"
+                )
             time.sleep(0.2)
 
     def stop(self) -> None:
@@ -120,8 +144,9 @@ _ui: MlflowUI | None = None
 _ui_lock = threading.Lock()
 
 
-def start_ui(tracking_uri: str | None = None, port: int | None = None, wait: bool = True,
-             timeout_s: float = UI_READY_TIMEOUT_S) -> MlflowUI:
+def start_ui(
+    tracking_uri: str | None = None, port: int | None = None, wait: bool = True, timeout_s: float = UI_READY_TIMEOUT_S
+) -> MlflowUI:
     """Start (or reuse) the local MLflow UI server for ``tracking_uri`` (default: the kernel's) on ``port``
     of 127.0.0.1 (default: a free one).
 

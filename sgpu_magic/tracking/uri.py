@@ -14,7 +14,7 @@ def absolute_tracking_uri(uri: str) -> str:
     ``file:mlruns`` -> ``file:///<cwd>/mlruns``; server and database URIs are returned as they are.
     """
     if uri.startswith("sqlite:///"):
-        path, sep, query = uri[len("sqlite:///"):].partition("?")
+        path, sep, query = uri[len("sqlite:///") :].partition("?")
         if path and not path.startswith("/") and path != ":memory:":
             path = quote(os.path.abspath(unquote(path)))
             return "sqlite:///" + path + sep + query
@@ -31,7 +31,7 @@ def sqlite_dir(uri: str) -> Path | None:
     """The directory of a local sqlite store's database file, else ``None``."""
     if not uri.startswith("sqlite:////"):
         return None
-    path = unquote(uri[len("sqlite:///"):].partition("?")[0])
+    path = unquote(uri[len("sqlite:///") :].partition("?")[0])
     return Path(path).parent
 
 

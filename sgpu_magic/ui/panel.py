@@ -40,9 +40,15 @@ widget messages to kernel subshells (JupyterLab 4.4+); elsewhere this is how a t
 blocking cell catches up."""
 
 
-_BADGE_COLOURS = {JobState.PENDING: "#777", JobState.STARTING: "#1f6feb", JobState.RUNNING: "#1f6feb",
-                  JobState.SUCCEEDED: "#1a7f37", JobState.FAILED: "#cf222e", JobState.CANCELLED: "#bf8700",
-                  JobState.TIMED_OUT: "#bf8700"}
+_BADGE_COLOURS = {
+    JobState.PENDING: "#777",
+    JobState.STARTING: "#1f6feb",
+    JobState.RUNNING: "#1f6feb",
+    JobState.SUCCEEDED: "#1a7f37",
+    JobState.FAILED: "#cf222e",
+    JobState.CANCELLED: "#bf8700",
+    JobState.TIMED_OUT: "#bf8700",
+}
 
 
 _TEXT_STYLE = "line-height: 1.4"
@@ -50,8 +56,10 @@ _TEXT_STYLE = "line-height: 1.4"
 spreads text that wraps or has a second line."""
 
 
-STOP_TOOLTIP = ("Cancel the job: every rank is stopped. If this button does not respond while the cell runs (a "
-                "frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too.")
+STOP_TOOLTIP = (
+    "Cancel the job: every rank is stopped. If this button does not respond while the cell runs (a "
+    "frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too."
+)
 """The Stop button's tooltip; the panel itself shows the job's state, and README's "The panel" the rest."""
 
 
@@ -121,8 +129,9 @@ class Panel(TextView):
         self.header = w.HTML(layout=layout, style=style)
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", tooltip=STOP_TOOLTIP)
         self.tabs = w.Tab(layout=layout)
-        self.widget = _panel_box_class()([w.HBox([self.header, self.stop_button], layout=layout), self.tabs],
-                                         layout=layout)
+        self.widget = _panel_box_class()(
+            [w.HBox([self.header, self.stop_button], layout=layout), self.tabs], layout=layout
+        )
         self._job: Job | None = None
 
     def created(self, job: Job) -> None:
@@ -138,8 +147,9 @@ class Panel(TextView):
         self._counted: dict[str, int] | None = None
         self._grace_ended: dict[int, dict] = {}  # ranks the host ended after their teardown grace
         log_layout = w.Layout(max_height="30em", overflow="auto")
-        self.outputs = [w.Output(layout=log_layout, outputs=self._tab_outputs(rank, ""))
-                        for rank in range(job.world_size)]
+        self.outputs = [
+            w.Output(layout=log_layout, outputs=self._tab_outputs(rank, "")) for rank in range(job.world_size)
+        ]
         self.tabs.children = self.outputs
         self.tabs.titles = [f"rank {r}" for r in range(job.world_size)]
         self.stop_button.on_click(lambda _: self._stop())
@@ -259,9 +269,14 @@ class Panel(TextView):
     def _tab_outputs(self, rank: int, text: str) -> tuple[dict, dict]:
         """A tab's content, in nbformat output form: the footer line (HTML), then the log text (a stream)."""
         footer = self._render_footer(rank, text.count("\n"))  # complete lines shown (each ends with a newline)
-        return ({"output_type": "display_data", "metadata": {},
-                 "data": {"text/html": footer, "text/plain": html.unescape(re.sub(r"<[^>]+>", "", footer))}},
-                {"output_type": "stream", "name": "stdout", "text": text})
+        return (
+            {
+                "output_type": "display_data",
+                "metadata": {},
+                "data": {"text/html": footer, "text/plain": html.unescape(re.sub(r"<[^>]+>", "", footer))},
+            },
+            {"output_type": "stream", "name": "stdout", "text": text},
+        )
 
     def _final_footers(self, job: Job) -> None:
         """Once the job has ended: each rank's exit state, and its line count from the launch host."""
@@ -297,8 +312,7 @@ class Panel(TextView):
         elapsed = f"{job.elapsed_s:.{digits}f} s" if job.elapsed_s is not None else "&ndash;"
         url = getattr(job, "run_url", None)
         link = f' &middot; <a href="{html.escape(url)}" target="_blank">MLflow run</a>' if url else ""
-        badge = (f'<span style="background:{colour};color:white;border-radius:4px;padding:1px 6px">'
-                 f"{state.label}</span>")
+        badge = f'<span style="background:{colour};color:white;border-radius:4px;padding:1px 6px">{state.label}</span>'
         problem = f"<br><code>{html.escape(str(error).splitlines()[0])}</code>" if error else ""
         if state is JobState.PENDING and job.pending_reason:
             problem = f"<br><small>{html.escape(job.pending_reason)}</small>"
@@ -309,10 +323,12 @@ class Panel(TextView):
             badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"
             if not problem:
                 problem = f"<br><small>{html.escape(restart_reason(job))}; all ranks restarted</small>"
-        self.header.value = (f'<div style="{_TEXT_STYLE}">'
-                             f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
-                             f"{html.escape(job.plan.device_kind)}{_NO_GPU if job.plan.no_gpu else ''} &middot; "
-                             f"{elapsed}{link}{problem}</div>")
+        self.header.value = (
+            f'<div style="{_TEXT_STYLE}">'
+            f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
+            f"{html.escape(job.plan.device_kind)}{_NO_GPU if job.plan.no_gpu else ''} &middot; "
+            f"{elapsed}{link}{problem}</div>"
+        )
 
 
 def _forget_reply_route(widget) -> None:

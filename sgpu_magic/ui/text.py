@@ -17,8 +17,10 @@ def summary_line(job: Job) -> str:
     """``sgpu_magic: job <id> succeeded in 3.2 s on 2 x cpu (gloo); logs: <dir>[; MLflow run: <url>]``."""
     elapsed = f" in {job.elapsed_s:.1f} s" if job.elapsed_s is not None else ""
     link = f"; MLflow run: {job.run_url}" if getattr(job, "run_url", None) else ""
-    return (f"sgpu_magic: job {job.job_id} {job.state.label}{elapsed} on {job.plan.device_kind}; "
-            f"logs: {RunDir(job.run_dir).logs_dir}{link}")
+    return (
+        f"sgpu_magic: job {job.job_id} {job.state.label}{elapsed} on {job.plan.device_kind}; "
+        f"logs: {RunDir(job.run_dir).logs_dir}{link}"
+    )
 
 
 def summary_lines(job: Job) -> list[str]:
@@ -33,9 +35,10 @@ def restart_reason(job: Job) -> str:
     return ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failures) or "a rank failed"
 
 
-_TRACEBACK_SHOWN = {False: "the error below shows the root cause's traceback (every rank's is in its log file)",
-                    True: "job.result() raises the error with the root cause's traceback (every rank's is in its "
-                          "log file)"}
+_TRACEBACK_SHOWN = {
+    False: "the error below shows the root cause's traceback (every rank's is in its log file)",
+    True: "job.result() raises the error with the root cause's traceback (every rank's is in its log file)",
+}
 """What the text view says instead of a rank's traceback, for a blocking and a background job."""
 
 
@@ -63,8 +66,9 @@ class TextView(JobSink):
 
     def lines(self, rank: int, lines: list[str]) -> None:
         """Write complete lines of rank ``rank``."""
-        if rank not in self._failed_ranks and not any("\r" in line or line.startswith("[sgpu_magic] rank ")
-                                                      for line in lines):
+        if rank not in self._failed_ranks and not any(
+            "\r" in line or line.startswith("[sgpu_magic] rank ") for line in lines
+        ):
             if lines:  # fast path: no carriage return, no traceback marker
                 out = self._out or sys.stdout
                 prefix = f"[rank {rank}] "
@@ -91,8 +95,10 @@ class TextView(JobSink):
 
     def restarted(self, job: Job, attempt: int) -> None:
         self._failed_ranks.clear()  # the new attempt's lines are shown again
-        self.note(f"sgpu_magic: job {job.job_id}: {restart_reason(job)}; attempt {attempt} of "
-                  f"{job.spec.max_restarts + 1} started")
+        self.note(
+            f"sgpu_magic: job {job.job_id}: {restart_reason(job)}; attempt {attempt} of "
+            f"{job.spec.max_restarts + 1} started"
+        )
 
     def finished(self, job: Job) -> None:
         for rank, rest in sorted(self._partial.items()):

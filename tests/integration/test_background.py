@@ -5,7 +5,7 @@ import pytest
 
 from helpers import wait_for
 
-WAITER = '''
+WAITER = """
 from sgpu_magic import distributed
 
 @distributed(gpus=2, timeout=120)
@@ -16,7 +16,7 @@ def wait_for_go(go, tag):
         time.sleep(0.02)
     print(f"{tag} done on rank {os.environ['RANK']}", flush=True)
     return int(os.environ["RANK"]) * 10
-'''
+"""
 
 
 @pytest.fixture
@@ -73,24 +73,30 @@ def test_cancel_stops_a_background_job_and_its_error_says_so(ip, run_cell, go):
 
 
 def test_a_failing_background_job_says_job_result_raises_its_traceback(ip, run_cell, capsys):
-    run_cell("from sgpu_magic import distributed\n"
-             "@distributed(gpus=1, timeout=120, widgets=False, mlflow=False)\n"
-             "def breaks():\n    raise ValueError('bad input')\n"
-             "bg_fail = breaks.submit()")
+    run_cell(
+        "from sgpu_magic import distributed\n"
+        "@distributed(gpus=1, timeout=120, widgets=False, mlflow=False)\n"
+        "def breaks():\n    raise ValueError('bad input')\n"
+        "bg_fail = breaks.submit()"
+    )
     job = ip.user_ns["bg_fail"]
     job.wait(120)
     out, err = capsys.readouterr()
-    assert "[rank 0] [sgpu_magic] rank 0 raised ValueError; job.result() raises the error with the root cause's " \
-           "traceback (every rank's is in its log file)\n" in out, out
+    assert (
+        "[rank 0] [sgpu_magic] rank 0 raised ValueError; job.result() raises the error with the root cause's "
+        "traceback (every rank's is in its log file)\n" in out
+    ), out
     assert "Traceback" not in out
     with pytest.raises(Exception, match=r"^rank 0 failed \(root cause\): ValueError: bad input"):
         job.result()
 
 
 def test_background_magic_and_the_jobs_table_and_stop(ip, run_cell, go):
-    result, out, err = run_cell("%%distributed --gpus 2 --background -o bgjob\n"
-                                "import os, time\nprint('magic started', flush=True)\n"
-                                "while not os.path.exists(go):\n    time.sleep(0.02)\n")
+    result, out, err = run_cell(
+        "%%distributed --gpus 2 --background -o bgjob\n"
+        "import os, time\nprint('magic started', flush=True)\n"
+        "while not os.path.exists(go):\n    time.sleep(0.02)\n"
+    )
     assert result.error_in_exec is None, err
     job = ip.user_ns["bgjob"]
     assert result.result is job
@@ -121,13 +127,19 @@ def test_stop_all_cancels_every_running_job(ip, run_cell, go):
     assert s1.state.value == s2.state.value == "cancelled"
 
 
-@pytest.mark.parametrize("line, message", [
-    ("%distributed_stop", r"give one job id \(see %distributed_jobs\) or --all"),
-    ("%distributed_stop nosuchjob", r"'nosuchjob' matches no job of this kernel \(jobs: .*\); give more of the id"),
-    ("%distributed_jobs now", r"%distributed_jobs takes no arguments, got 'now'"),
-    ("%%distributed --gpus 2 --gpu-ids zero\npass", r"--gpu-ids takes GPU indices separated by commas, e.g. "
-                                                    r"--gpu-ids 0,1; got 'zero'"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("%distributed_stop", r"give one job id \(see %distributed_jobs\) or --all"),
+        ("%distributed_stop nosuchjob", r"'nosuchjob' matches no job of this kernel \(jobs: .*\); give more of the id"),
+        ("%distributed_jobs now", r"%distributed_jobs takes no arguments, got 'now'"),
+        (
+            "%%distributed --gpus 2 --gpu-ids zero\npass",
+            r"--gpu-ids takes GPU indices separated by commas, e.g. "
+            r"--gpu-ids 0,1; got 'zero'",
+        ),
+    ],
+)
 def test_job_magics_refuse_bad_input(run_cell, line, message):
     import re
 
@@ -147,8 +159,9 @@ def fake_gpus(monkeypatch, tmp_path):
 
 
 def test_leased_fake_gpus_reach_the_ranks_and_are_released(ip, run_cell, fake_gpus):
-    result, out, err = run_cell("%%distributed --gpus 3 -o leased\nimport os\n"
-                                "os.environ['SGPU_MAGIC_GPUS'], os.environ['CUDA_VISIBLE_DEVICES']")
+    result, out, err = run_cell(
+        "%%distributed --gpus 3 -o leased\nimport os\nos.environ['SGPU_MAGIC_GPUS'], os.environ['CUDA_VISIBLE_DEVICES']"
+    )
     assert result.error_in_exec is None, err
     assert result.result == ("0,1,2", "")
     assert ip.user_ns["leased"].gpus == [0, 1, 2]
@@ -167,8 +180,12 @@ def test_no_wait_fails_naming_the_holder_and_a_queued_job_starts_when_gpus_free(
     assert len(jobs()) == before  # a refused job never started: %distributed_jobs does not list it
     error = str(result.error_in_exec)
     assert type(result.error_in_exec).__name__ == "ResourceError"
-    assert "cannot start now: waiting for 2 GPU(s): 1 of 8 free; GPUs 0,1,2,3,4,5,6 held by job other-job " \
-           f"(kernel pid {os.getpid()}" in error and "Leave out --no-wait / wait=False to queue" in error
+    assert (
+        "cannot start now: waiting for 2 GPU(s): 1 of 8 free; GPUs 0,1,2,3,4,5,6 held by job other-job "
+        f"(kernel pid {os.getpid()}"
+        in error
+        and "Leave out --no-wait / wait=False to queue" in error
+    )
     run_cell(WAITER)
     run_cell("queued = wait_for_go.submit(go, 'q')")
     job = ip.user_ns["queued"]

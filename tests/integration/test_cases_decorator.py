@@ -34,8 +34,6 @@ def cell(run_cell, code: str):
     return result.result, out, err
 
 
-
-
 def read_pids(piddir) -> list[int]:
     return sorted(int(p.name) for p in piddir.iterdir())
 
@@ -50,17 +48,14 @@ def rank_pids(job, piddir) -> list[int]:
     return sorted(set(read_pids(piddir)) | {int(p) for p in status["pids"].values()})
 
 
-
-
-
-
-
 # --- C01 -----------------------------------------------------------------------------------
 
 
 def test_c01_notebook_function_helper_class_and_global_reach_the_ranks(ip, run_cell):
     cell(run_cell, C01_CELL1)
-    value, out, err = cell(run_cell, """
+    value, out, err = cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         @distributed(gpus=2)
         def work(base):
@@ -69,7 +64,8 @@ def test_c01_notebook_function_helper_class_and_global_reach_the_ranks(ip, run_c
             return Box(helper(base + r)).v
         res = work.distributed(16)
         res
-        """)
+        """,
+    )
     assert value == [40.0, 41.23105625617661]
     assert "Can't get attribute" not in out + err
     # they really are notebook (__main__) objects, shipped by value
@@ -83,15 +79,20 @@ def test_c03_ranks_are_fresh_interpreters_not_forks_of_the_kernel(ip, run_cell):
     import sys
 
     try:
-        cell(run_cell, """
+        cell(
+            run_cell,
+            """
             import sys, torch
             a = torch.randn(512, 512); float((a @ a).sum())   # torch's intra-op thread pool in the kernel
             sys.sgpu_case_kernel_only = True                   # exists only in the kernel process
             if torch.cuda.is_available():
                 torch.zeros(1, device="cuda")
-            """)
+            """,
+        )
         t0 = time.monotonic()
-        value, out, err = cell(run_cell, """
+        value, out, err = cell(
+            run_cell,
+            """
             from sgpu_magic import distributed
             @distributed(gpus=2)
             def probe():
@@ -100,7 +101,8 @@ def test_c03_ranks_are_fresh_interpreters_not_forks_of_the_kernel(ip, run_cell):
                 cuda_ok = (torch.zeros(1, device="cuda").device.type == "cuda") if torch.cuda.is_available() else True
                 return (hasattr(sys, "sgpu_case_kernel_only"), bool((x @ x.T).trace() > 0), cuda_ok)
             probe.distributed()
-            """)
+            """,
+        )
         assert value == [(False, True, True), (False, True, True)]
         assert time.monotonic() - t0 < 60
         assert "re-initialize CUDA" not in out + err
@@ -113,7 +115,9 @@ def test_c03_ranks_are_fresh_interpreters_not_forks_of_the_kernel(ip, run_cell):
 
 
 def test_c04_lambdas_closures_nested_functions_incl_rank_dataloader_workers(ip, run_cell):
-    value, out, err = cell(run_cell, """
+    value, out, err = cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         import torch
         def make_collate(scale):
@@ -133,7 +137,8 @@ def test_c04_lambdas_closures_nested_functions_incl_rank_dataloader_workers(ip, 
 
         c04 = (run.distributed(make_collate(2.0), 0), run.distributed(make_collate(2.0), 2))
         c04
-        """)
+        """,
+    )
     assert value == ([2.0, 104.0], [2.0, 104.0])
     assert "Can't pickle local object" not in out + err
     assert "PicklingError" not in out + err
@@ -143,17 +148,22 @@ def test_c04_lambdas_closures_nested_functions_incl_rank_dataloader_workers(ip, 
 
 
 def test_c05_unpicklable_argument_refused_before_launch_naming_argument_0(ip, run_cell, sgpu_home):
-    cell(run_cell, """
+    cell(
+        run_cell,
+        """
         import threading
         stats_lock = threading.Lock()
         from sgpu_magic import distributed
         @distributed(gpus=2)
         def g(lock):
             return 1
-        """)
+        """,
+    )
     kids_before, runs_before = kids(), run_dirs(sgpu_home)
     t0 = time.monotonic()
-    with pytest.raises(CaptureError, match=r"argument 0 of g\.distributed is a _thread\.lock\b.*cannot be sent to the ranks") as info:
+    with pytest.raises(
+        CaptureError, match=r"argument 0 of g\.distributed is a _thread\.lock\b.*cannot be sent to the ranks"
+    ) as info:
         ip.user_ns["g"].distributed(ip.user_ns["stats_lock"])
     assert time.monotonic() - t0 < 2.0
     assert "Nothing was started" in str(info.value)
@@ -167,18 +177,24 @@ def test_c05_unpicklable_argument_refused_before_launch_naming_argument_0(ip, ru
 
 
 def test_c06_generator_argument_refused_clearly_and_not_consumed(ip, run_cell, sgpu_home):
-    cell(run_cell, """
+    cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         batches = (i * i for i in range(10))
 
         @distributed(gpus=2)
         def consume(it):
             return sum(it)
-        """)
+        """,
+    )
     runs_before = run_dirs(sgpu_home)
     t0 = time.monotonic()
-    with pytest.raises(CaptureError, match=r"argument 0 of consume\.distributed is a generator\b.*"
-                                           r"cannot be sent to the ranks.*pass a list.*build the generator inside the function"):
+    with pytest.raises(
+        CaptureError,
+        match=r"argument 0 of consume\.distributed is a generator\b.*"
+        r"cannot be sent to the ranks.*pass a list.*build the generator inside the function",
+    ):
         ip.user_ns["consume"].distributed(ip.user_ns["batches"])
     assert time.monotonic() - t0 < 2.0
     assert run_dirs(sgpu_home) == runs_before  # raised before any rank started
@@ -190,7 +206,9 @@ def test_c06_generator_argument_refused_clearly_and_not_consumed(ip, run_cell, s
 
 
 def test_c08_rank_that_never_reaches_rendezvous_does_not_leave_the_other_waiting(ip, run_cell, piddir):
-    cell(run_cell, """
+    cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         @distributed(gpus=2)
         def lonely():
@@ -203,10 +221,14 @@ def test_c08_rank_that_never_reaches_rendezvous_does_not_leave_the_other_waiting
                 dist.init_process_group("gloo")
             dist.barrier()
             return "unreachable"
-        """)
+        """,
+    )
     t0 = time.monotonic()
-    with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): exited without a Python exception "
-                                              r"\(exit code 3\)") as info:
+    with pytest.raises(
+        RankFailedError,
+        match=r"rank 1 failed \(root cause\): exited without a Python exception "
+        r"\(exit code 3\)",
+    ) as info:
         ip.user_ns["lonely"].distributed()
     assert time.monotonic() - t0 < 60
     err = info.value
@@ -217,7 +239,9 @@ def test_c08_rank_that_never_reaches_rendezvous_does_not_leave_the_other_waiting
     assert len(pids) == 2
     assert wait_gone(pids) == []
     # the port was released: the next job rendezvouses and runs normally
-    value, _, _ = cell(run_cell, """
+    value, _, _ = cell(
+        run_cell,
+        """
         @distributed(gpus=2)
         def after_lonely():
             import torch, torch.distributed as dist
@@ -227,7 +251,8 @@ def test_c08_rank_that_never_reaches_rendezvous_does_not_leave_the_other_waiting
             dist.all_reduce(t)
             return float(t)
         after_lonely.distributed()
-        """)
+        """,
+    )
     assert value == [2.0, 2.0]
 
 
@@ -235,7 +260,9 @@ def test_c08_rank_that_never_reaches_rendezvous_does_not_leave_the_other_waiting
 
 
 def test_c13_normal_finish_leaves_no_process_pipe_or_socket(ip, run_cell):
-    cell(run_cell, """
+    cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         @distributed(gpus=2)
         def quick():
@@ -245,7 +272,8 @@ def test_c13_normal_finish_leaves_no_process_pipe_or_socket(ip, run_cell):
             t = torch.tensor([float(dist.get_rank() + 1)])
             dist.all_reduce(t)
             return os.getpid(), float(t)
-        """)
+        """,
+    )
     quick = ip.user_ns["quick"]
     me = psutil.Process()
     fds0 = me.num_fds()
@@ -271,15 +299,19 @@ def blocker_29500():
         blocker.bind(("0.0.0.0", 29500))
     except OSError as exc:
         blocker.close()
-        pytest.skip(f"C15 needs to hold port 29500 itself, but it cannot be bound here ({errno.errorcode.get(exc.errno, exc)}: "
-                    f"{exc.strerror}); another process is using it")
+        pytest.skip(
+            f"C15 needs to hold port 29500 itself, but it cannot be bound here ({errno.errorcode.get(exc.errno, exc)}: "
+            f"{exc.strerror}); another process is using it"
+        )
     blocker.listen()
     yield blocker
     blocker.close()
 
 
 def test_c15_busy_default_port_avoided_and_pinned_busy_port_fails_fast(ip, run_cell, sgpu_home, blocker_29500):
-    value, _, _ = cell(run_cell, """
+    value, _, _ = cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         @distributed(gpus=2)
         def where():
@@ -287,15 +319,19 @@ def test_c15_busy_default_port_avoided_and_pinned_busy_port_fails_fast(ip, run_c
             return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         a = where.distributed(); b = where.distributed()
         (a[0] == a[1], b[0] == b[1], a[0][1] != 29500, b[0][1] != 29500)
-        """)
+        """,
+    )
     assert value == (True, True, True, True)
 
     # pinning the busy port: through the decorator...
-    cell(run_cell, """
+    cell(
+        run_cell,
+        """
         @distributed(gpus=2, port=29500)
         def pinned():
             return "should not start"
-        """)
+        """,
+    )
     runs_before, kids_before = run_dirs(sgpu_home), kids()
     t0 = time.monotonic()
     with pytest.raises(ResourceError, match=r"port 29500 is in use"):
@@ -320,7 +356,9 @@ def test_c15_busy_default_port_avoided_and_pinned_busy_port_fails_fast(ip, run_c
 def test_c23_per_rank_return_values_in_rank_order_with_none_kept(ip, run_cell):
     import torch
 
-    value, _, _ = cell(run_cell, """
+    value, _, _ = cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         @distributed(gpus=2)
         def evaluate(offset):
@@ -335,7 +373,8 @@ def test_c23_per_rank_return_values_in_rank_order_with_none_kept(ip, run_cell):
             return {"rank": r, "acc": acc, "world": dist.get_world_size()}
         res = evaluate.distributed(0.125)
         res
-        """)
+        """,
+    )
     assert isinstance(value, list) and len(value) == 2
     first, second = value
     assert second is None
@@ -348,7 +387,9 @@ def test_c23_per_rank_return_values_in_rank_order_with_none_kept(ip, run_cell):
 def test_tensors_returned_from_ranks_come_back_on_cpu_and_usable(ip, run_cell):
     import torch
 
-    value, _, _ = cell(run_cell, """
+    value, _, _ = cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         @distributed(gpus=2)
         def tensors():
@@ -357,7 +398,8 @@ def test_tensors_returned_from_ranks_come_back_on_cpu_and_usable(ip, run_cell):
             dev = "cuda" if torch.cuda.is_available() else "cpu"
             return {"t": torch.arange(3, device=dev) + r, "nested": [torch.full((2,), float(r), device=dev)]}
         tensors.distributed()
-        """)
+        """,
+    )
     assert [v["t"].device.type for v in value] == ["cpu", "cpu"]
     assert [v["nested"][0].device.type for v in value] == ["cpu", "cpu"]
     assert torch.equal(value[0]["t"] + value[1]["t"], torch.tensor([1, 3, 5]))
@@ -368,7 +410,9 @@ def test_tensors_returned_from_ranks_come_back_on_cpu_and_usable(ip, run_cell):
 
 
 def test_c25_repeated_failed_launches_do_not_pile_up_processes(ip, run_cell, piddir):
-    cell(run_cell, """
+    cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         @distributed(gpus=2)
         def flaky(attempt):
@@ -380,13 +424,16 @@ def test_c25_repeated_failed_launches_do_not_pile_up_processes(ip, run_cell, pid
             if dist.get_rank() == 0:
                 raise RuntimeError(f"attempt {attempt} failed")
             dist.barrier()                 # rank 1 waits for rank 0, which has gone
-        """)
+        """,
+    )
     flaky = ip.user_ns["flaky"]
     me = psutil.Process()
     errors, fds = [], []
     for attempt in range(3):
         t0 = time.monotonic()
-        with pytest.raises(RankFailedError, match=rf"rank 0 failed \(root cause\): RuntimeError: attempt {attempt} failed") as info:
+        with pytest.raises(
+            RankFailedError, match=rf"rank 0 failed \(root cause\): RuntimeError: attempt {attempt} failed"
+        ) as info:
             flaky.distributed(attempt)
         assert time.monotonic() - t0 < 60
         assert info.value.root_cause.rank == 0 and info.value.root_cause.exc_type == "RuntimeError"
@@ -405,14 +452,17 @@ def test_c25_repeated_failed_launches_do_not_pile_up_processes(ip, run_cell, pid
 
 
 def test_timeout_stops_every_rank_and_raises_timeout_error(ip, run_cell, piddir, capsys):
-    cell(run_cell, """
+    cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         @distributed(gpus=2, timeout=2)
         def sleepy():
             import os, time
             open(os.path.join(piddir, str(os.getpid())), "w").close()
             time.sleep(600)
-        """)
+        """,
+    )
     sleepy = ip.user_ns["sleepy"]
     capsys.readouterr()
     t0 = time.monotonic()
@@ -436,14 +486,17 @@ def test_timeout_stops_every_rank_and_raises_timeout_error(ip, run_cell, piddir,
 
 def test_plain_call_still_runs_locally_in_the_kernel(ip, run_cell, sgpu_home):
     runs_before = run_dirs(sgpu_home)
-    value, _, _ = cell(run_cell, """
+    value, _, _ = cell(
+        run_cell,
+        """
         import os
         from sgpu_magic import distributed
         @distributed(gpus=2)
         def local_add(a, b=1):
             return os.getpid(), os.environ.get("RANK"), a + b
         local_add(2, b=5)
-        """)
+        """,
+    )
     assert value == (os.getpid(), os.environ.get("RANK"), 7)
     assert run_dirs(sgpu_home) == runs_before  # no job was started
     assert ip.user_ns["local_add"].last_job is None
@@ -455,21 +508,29 @@ def test_plain_call_still_runs_locally_in_the_kernel(ip, run_cell, sgpu_home):
 def test_eight_ranks_failing_the_same_way_are_reported_in_a_few_lines_in_rank_order(ip, run_cell):
     """Every rank of 8 raises the same AttributeError: the root cause, then one line per kind of what the
     other ranks did (failed the same way on their own, or stopped by sgpu_magic), ranks folded and sorted."""
-    cell(run_cell, """
+    cell(
+        run_cell,
+        """
         from sgpu_magic import distributed
         @distributed(gpus=8, mlflow=False)
         def same_bug():
             model = None
             return model.weight
-        """)
-    with pytest.raises(RankFailedError, match=r"^rank \d failed \(root cause\): AttributeError: 'NoneType' object "
-                                              r"has no attribute 'weight' \(exit code 1\)\n") as info:
+        """,
+    )
+    with pytest.raises(
+        RankFailedError,
+        match=r"^rank \d failed \(root cause\): AttributeError: 'NoneType' object "
+        r"has no attribute 'weight' \(exit code 1\)\n",
+    ) as info:
         ip.user_ns["same_bug"].distributed()
     err = info.value
     root = err.root_cause.rank
     what = re.escape("AttributeError: 'NoneType' object has no attribute 'weight'")
-    kinds = [rf"failed with the same {what} \(exit code 1\)",
-             rf"stopped by sgpu_magic because rank {root} failed( \(after raising the same {what}\))?"]
+    kinds = [
+        rf"failed with the same {what} \(exit code 1\)",
+        rf"stopped by sgpu_magic because rank {root} failed( \(after raising the same {what}\))?",
+    ]
     lines = str(err).splitlines()[1:-1]  # between the root cause and its log path
     assert 1 <= len(lines) <= 3, lines  # one line per kind, not one per rank
     seen = []

@@ -45,14 +45,7 @@ def run_cell_merged(ip, code: str):
 def streamed(out: str, rank: int) -> list[str]:
     """The lines rank ``rank`` streamed to the cell's stdout, without their ``[rank N] `` prefix."""
     prefix = f"[rank {rank}] "
-    return [line[len(prefix):] for line in out.splitlines() if line.startswith(prefix)]
-
-
-
-
-
-
-
+    return [line[len(prefix) :] for line in out.splitlines() if line.startswith(prefix)]
 
 
 # --- C01 cell 3 ----------------------------------------------------------------------------
@@ -60,11 +53,14 @@ def streamed(out: str, rank: int) -> list[str]:
 
 def test_c01_cell_magic_ships_notebook_helper_class_and_global(ip, run_cell):
     cell(run_cell, C01_CELL1)
-    _, out, err = cell(run_cell, """
+    _, out, err = cell(
+        run_cell,
+        """
         %%distributed --gpus 2 -o job_c01
         import os
         print("value", Box(helper(16 + int(os.environ["RANK"]))).v)
-        """)
+        """,
+    )
     job = ip.user_ns["job_c01"]
     assert job.state.value == "succeeded"
     assert "value 40.0" in job.logs(0).splitlines()
@@ -79,39 +75,56 @@ def test_c01_cell_magic_ships_notebook_helper_class_and_global(ip, run_cell):
 
 
 def test_c05_unpicklable_global_warned_before_launch_then_fails_once_with_explanation(ip, run_cell, sgpu_home):
-    cell(run_cell, """
+    cell(
+        run_cell,
+        """
         import threading
         stats_lock = threading.Lock()
         stats = {"steps": 0}
-        """)
+        """,
+    )
     kids_before = kids()
     t0 = time.monotonic()
-    result, text = run_cell_merged(ip, """
+    result, text = run_cell_merged(
+        ip,
+        """
         %%distributed --gpus 2 -o job_c05
         with stats_lock:
             stats["steps"] += 1
         print(stats)
-        """)
+        """,
+    )
     assert time.monotonic() - t0 < 60
 
     # the warning, before any rank output
-    warning = re.search(r"sgpu_magic warning: global 'stats_lock' \(_thread\.lock\) cannot be pickled "
-                        r"\(TypeError: cannot pickle '_thread\.lock' object\), so it is not sent to the ranks\. "
-                        r"Create it inside the cell or function that runs on the ranks instead\.", text)
+    warning = re.search(
+        r"sgpu_magic warning: global 'stats_lock' \(_thread\.lock\) cannot be pickled "
+        r"\(TypeError: cannot pickle '_thread\.lock' object\), so it is not sent to the ranks\. "
+        r"Create it inside the cell or function that runs on the ranks instead\.",
+        text,
+    )
     assert warning, text
-    assert "[rank" not in text[:warning.start()]
+    assert "[rank" not in text[: warning.start()]
     assert text.count("sgpu_magic warning:") == 1  # stats (a dict) is sent without a warning
 
     # the job ran, and the first use of stats_lock failed with the same explanation
     err = result.error_in_exec
     assert isinstance(err, RankFailedError), text
-    with pytest.raises(RankFailedError, match=r"failed \(root cause\): UnpicklableGlobalError: global 'stats_lock' "
-                                              r"\(_thread\.lock\) cannot be pickled"):
+    with pytest.raises(
+        RankFailedError,
+        match=r"failed \(root cause\): UnpicklableGlobalError: global 'stats_lock' "
+        r"\(_thread\.lock\) cannot be pickled",
+    ):
         result.raise_error()
     rc = err.root_cause
     assert rc.exc_type == "UnpicklableGlobalError"
-    for needle in ("stats_lock", "_thread.lock", "cannot be pickled", "not sent to the ranks",
-                   "Create it inside the cell or function that runs on the ranks instead"):
+    for needle in (
+        "stats_lock",
+        "_thread.lock",
+        "cannot be pickled",
+        "not sent to the ranks",
+        "Create it inside the cell or function that runs on the ranks instead",
+    ):
         assert needle in rc.message
     assert "with stats_lock:" in rc.traceback  # the user's line, from the notebook cell
 
@@ -133,22 +146,32 @@ def test_c05_unpicklable_global_warned_before_launch_then_fails_once_with_explan
 
 
 def test_c05_cell_output_shows_the_traceback_once(ip, run_cell):
-    cell(run_cell, """
+    cell(
+        run_cell,
+        """
         import threading
         stats_lock = threading.Lock()
         stats = {"steps": 0}
-        """)
-    result, text = run_cell_merged(ip, """
+        """,
+    )
+    result, text = run_cell_merged(
+        ip,
+        """
         %%distributed --gpus 2
         with stats_lock:
             stats["steps"] += 1
         print(stats)
-        """)
+        """,
+    )
     assert isinstance(result.error_in_exec, RankFailedError)
     assert text.count("Traceback (most recent call last)") == 1, text
     # the failing rank's line says where its traceback is (issue 18: it said "only in its log file")
-    assert re.search(r"^\[rank \d\] \[sgpu_magic\] rank \d raised UnpicklableGlobalError; the error below shows the "
-                     r"root cause's traceback \(every rank's is in its log file\)$", text, re.MULTILINE), text
+    assert re.search(
+        r"^\[rank \d\] \[sgpu_magic\] rank \d raised UnpicklableGlobalError; the error below shows the "
+        r"root cause's traceback \(every rank's is in its log file\)$",
+        text,
+        re.MULTILINE,
+    ), text
 
 
 # --- C09 -----------------------------------------------------------------------------------
@@ -174,7 +197,9 @@ def test_c09_rank_crash_mid_training_stops_the_job_and_keeps_logs(ip, run_cell, 
     t0 = time.monotonic()
     result, out, _ = run_cell(C09_CELL.lstrip("\n"))
     assert time.monotonic() - t0 < 60
-    with pytest.raises(RankFailedError, match=r"^rank 1 failed \(root cause\): ValueError: bad batch at step 2 on rank 1"):
+    with pytest.raises(
+        RankFailedError, match=r"^rank 1 failed \(root cause\): ValueError: bad batch at step 2 on rank 1"
+    ):
         result.raise_error()
     err = result.error_in_exec
     assert err.root_cause.rank == 1 and err.root_cause.exc_type == "ValueError"
@@ -214,7 +239,9 @@ def test_c09_rank_crash_mid_training_stops_the_job_and_keeps_logs(ip, run_cell, 
 
 
 def test_c16_everything_a_rank_writes_lands_in_its_own_log(ip, run_cell):
-    _, out, _ = cell(run_cell, """
+    _, out, _ = cell(
+        run_cell,
+        """
         %%distributed --gpus 2 -o job_c16
         import os, sys, logging
         r = os.environ["RANK"]
@@ -225,7 +252,8 @@ def test_c16_everything_a_rank_writes_lands_in_its_own_log(ip, run_cell):
         os.write(2, f"fd2 rank={r}\\n".encode())
         os.system(f"echo shell rank={r}")                 # a child process of the rank
         print(f"final unflushed rank={r}", end="")        # no newline, no flush, the rank then exits
-        """)
+        """,
+    )
     job = ip.user_ns["job_c16"]
     for r in (0, 1):
         log = job.logs(r)
@@ -245,14 +273,17 @@ def test_c16_everything_a_rank_writes_lands_in_its_own_log(ip, run_cell):
 
 def test_c17_progress_bars_stay_readable(ip, run_cell):
     pytest.importorskip("tqdm")
-    _, out, _ = cell(run_cell, """
+    _, out, _ = cell(
+        run_cell,
+        """
         %%distributed --gpus 2 -o job_c17
         import os, time
         from tqdm import tqdm
         for _ in tqdm(range(200), desc=f"rank{os.environ['RANK']}", mininterval=0):
             time.sleep(0.01)
         print("done", os.environ["RANK"])
-        """)
+        """,
+    )
     job = ip.user_ns["job_c17"]
     for r in (0, 1):
         log = job.logs(r)
@@ -275,13 +306,16 @@ def test_c17_progress_bars_stay_readable(ip, run_cell):
 
 
 def test_c19_bursts_of_output_are_neither_interleaved_split_nor_dropped(ip, run_cell):
-    _, out, _ = cell(run_cell, """
+    _, out, _ = cell(
+        run_cell,
+        """
         %%distributed --gpus 2 -o job_c19
         import os, sys
         r = os.environ["RANK"]
         for i in range(2000):
             sys.stdout.write(f"r{r}-line{i:04d}-" + "x" * 100 + "\\n")
-        """)
+        """,
+    )
     job = ip.user_ns["job_c19"]
     for r in (0, 1):
         expected = [f"r{r}-line{i:04d}-" + "x" * 100 for i in range(2000)]
@@ -295,12 +329,15 @@ def test_c19_bursts_of_output_are_neither_interleaved_split_nor_dropped(ip, run_
 
 
 def test_last_expression_of_the_cell_is_its_result_from_rank_0(ip, run_cell):
-    result, out, _ = cell(run_cell, """
+    result, out, _ = cell(
+        run_cell,
+        """
         %%distributed --gpus 2 -o job_value
         import os
         r = int(os.environ["RANK"])
         {"rank": r, "value": r + 100}
-        """)
+        """,
+    )
     assert result.result == {"rank": 0, "value": 100}
     assert ip.user_ns["job_value"].results == [{"rank": 0, "value": 100}, {"rank": 1, "value": 101}]
     assert ip.user_ns["_"] == {"rank": 0, "value": 100}
@@ -315,7 +352,13 @@ def test_magic_help_lists_every_option(ip, capsys):
     ip.run_line_magic("pinfo", "%%distributed")
     shown = capsys.readouterr().out
     for text in (doc, shown):
-        for option in ("--gpus GPUS", "--gpu-type GPU_TYPE", "--timeout TIMEOUT", "--port PORT", "-o NAME, --output NAME"):
+        for option in (
+            "--gpus GPUS",
+            "--gpu-type GPU_TYPE",
+            "--timeout TIMEOUT",
+            "--port PORT",
+            "-o NAME, --output NAME",
+        ):
             assert option in text, option
         assert "Run the cell on N ranks" in text
         assert "'none'" in text
@@ -338,8 +381,11 @@ def test_magic_help_has_one_usage_examples_and_the_other_magics(ip, capsys):
     with pytest.raises(UsageError) as info:
         ip.run_cell_magic("distributed", "--gpus 2 --bogus 3", "1")
     assert str(info.value).splitlines()[1] == f"usage: {usage} (%%distributed? shows the help)"
-    for line_magic, other in (("distributed_jobs", "%%distributed : "), ("distributed_stop", "%distributed_jobs : "),
-                              ("mlflow_ui", "%distributed_stop : ")):
+    for line_magic, other in (
+        ("distributed_jobs", "%%distributed : "),
+        ("distributed_stop", "%distributed_jobs : "),
+        ("mlflow_ui", "%distributed_stop : "),
+    ):
         ip.run_line_magic("pinfo", f"%{line_magic}")
         text = capsys.readouterr().out
         assert "Examples\n--------" in re.sub(r"\x1b\[[0-9;]*m", "", text) and other in text, line_magic
@@ -349,15 +395,19 @@ def test_magic_help_has_one_usage_examples_and_the_other_magics(ip, capsys):
 # --- bad input: refused before anything starts ---------------------------------------------
 
 
-@pytest.mark.parametrize("line, message", [
-    ("--gpus abc", r"argument --gpus: invalid int value: 'abc'"),
-    ("--gpus 0", r"gpus must be between 1 and 1024, got 0"),
-    ("--gpus 2 --timeout -1", r"--timeout takes a number of seconds > 0, or 'none' for no limit; got '-1'"),
-    ("--gpus 2 --timeout soon", r"--timeout takes a number of seconds > 0, or 'none' for no limit; got 'soon'"),
-    ("--gpus 2 --port 70000", r"port must be an int between 1 and 65535"),
-    ("--gpus 2 --bogus 3", r"unrecognized arguments: --bogus 3"),
-    ("", r"the following arguments are required: --gpus"),
-], ids=["gpus-abc", "gpus-0", "timeout-negative", "timeout-word", "port-range", "unknown-flag", "no-gpus"])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("--gpus abc", r"argument --gpus: invalid int value: 'abc'"),
+        ("--gpus 0", r"gpus must be between 1 and 1024, got 0"),
+        ("--gpus 2 --timeout -1", r"--timeout takes a number of seconds > 0, or 'none' for no limit; got '-1'"),
+        ("--gpus 2 --timeout soon", r"--timeout takes a number of seconds > 0, or 'none' for no limit; got 'soon'"),
+        ("--gpus 2 --port 70000", r"port must be an int between 1 and 65535"),
+        ("--gpus 2 --bogus 3", r"unrecognized arguments: --bogus 3"),
+        ("", r"the following arguments are required: --gpus"),
+    ],
+    ids=["gpus-abc", "gpus-0", "timeout-negative", "timeout-word", "port-range", "unknown-flag", "no-gpus"],
+)
 def test_bad_magic_options_raise_usage_error_before_anything_starts(ip, run_cell, sgpu_home, line, message):
     kids_before, runs_before = kids(), run_dirs(sgpu_home)
     result, out, _ = run_cell(f"%%distributed {line}".rstrip() + "\nprint('should not run')\n")
@@ -397,6 +447,7 @@ def test_bare_decorator_is_refused_with_the_remedy():
     from sgpu_magic.errors import SpecError
 
     with pytest.raises(SpecError, match=r"@distributed needs the number of GPUs: write @distributed\(gpus=N\)"):
+
         @distributed
         def f():
             pass

@@ -91,7 +91,7 @@ def test_two_ranks_save_and_the_checkpoint_loads_on_one_and_on_four_ranks(tmp_pa
     assert torch.equal(one["w"], expected_weight()) and torch.equal(one["b"], torch.ones(3) * 2) and one["step"] == 7
     four = load_on_four.distributed(path)
     for rank, got in enumerate(four):
-        assert torch.equal(got["local"], expected_weight()[3 * rank:3 * rank + 3])  # 12 rows / 4 ranks
+        assert torch.equal(got["local"], expected_weight()[3 * rank : 3 * rank + 3])  # 12 rows / 4 ranks
         assert torch.equal(got["full"], expected_weight())
         assert torch.equal(got["b"], torch.ones(3) * 2) and got["step"] == 7
 
@@ -105,14 +105,20 @@ def test_a_save_killed_before_metadata_is_refused_and_never_looks_complete(tmp_p
         save_sharded.distributed(path, False, False, True)
     assert sorted(os.listdir(path)) == ["__0_0.distcp", "__1_0.distcp"]  # the old .metadata went first
     assert not is_complete(path)
-    incomplete = (r"checkpoint at .*ckpt is incomplete: 2 shard file\(s\) but no \.metadata, so the save that wrote "
-                  r"it did not finish \(a rank failed or was stopped mid-save\); load an earlier checkpoint")
+    incomplete = (
+        r"checkpoint at .*ckpt is incomplete: 2 shard file\(s\) but no \.metadata, so the save that wrote "
+        r"it did not finish \(a rank failed or was stopped mid-save\); load an earlier checkpoint"
+    )
     with pytest.raises(CheckpointError, match=incomplete):
         VolumeReader(path)
     # through dcp.load with a checkpoint_id that differs from the reader's path: DCP wraps the reader's error
     with pytest.raises(BaseException, match=incomplete):  # DCP's CheckpointException is a BaseException
-        dcp.load({"w": torch.zeros(ROWS, COLS)}, checkpoint_id=path,
-                 storage_reader=VolumeReader(_complete_copy(tmp_path)), no_dist=True)
+        dcp.load(
+            {"w": torch.zeros(ROWS, COLS)},
+            checkpoint_id=path,
+            storage_reader=VolumeReader(_complete_copy(tmp_path)),
+            no_dist=True,
+        )
 
 
 def _complete_copy(tmp_path) -> str:
@@ -125,8 +131,10 @@ def test_a_missing_shard_or_directory_is_named(tmp_path):
     path = _complete_copy(tmp_path)
     reader = VolumeReader(path)  # made while the checkpoint was whole
     os.remove(os.path.join(path, "__0_0.distcp"))
-    damaged = r"checkpoint at .*other is damaged: shard file '__0_0.distcp' named in its \.metadata is missing; " \
-              r"load another checkpoint"
+    damaged = (
+        r"checkpoint at .*other is damaged: shard file '__0_0.distcp' named in its \.metadata is missing; "
+        r"load another checkpoint"
+    )
     with pytest.raises(CheckpointError, match=damaged):
         VolumeReader(path)
     with pytest.raises(BaseException, match=damaged):  # found while reading: wrapped by DCP
@@ -153,7 +161,10 @@ def test_a_checkpoint_is_read_over_http_through_local_staging(tmp_path):
 
 
 def test_http_is_refused_for_writing(tmp_path):
-    with pytest.raises(CheckpointError, match=r"VolumeWriter: cannot write a checkpoint to http://127.0.0.1:9/x: "
-                                              r"http\(s\) URLs are read-only here; save to a local directory or an "
-                                              r"object store URL"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"VolumeWriter: cannot write a checkpoint to http://127.0.0.1:9/x: "
+        r"http\(s\) URLs are read-only here; save to a local directory or an "
+        r"object store URL",
+    ):
         VolumeWriter("http://127.0.0.1:9/x")

@@ -44,24 +44,39 @@ def no_remote(ip, monkeypatch):
 
 # ----------------------------------------------------------------------------- accelerator_type / num_accelerators
 
-@pytest.mark.parametrize("text, parsed", [("GPU_8xH100", (8, "H100")), ("GPU_1xA10", (1, "A10")),
-                                          ("gpu_2XA100", (2, "A100")), (" GPU_16xH200 ", (16, "H200"))])
+
+@pytest.mark.parametrize(
+    "text, parsed",
+    [
+        ("GPU_8xH100", (8, "H100")),
+        ("GPU_1xA10", (1, "A10")),
+        ("gpu_2XA100", (2, "A100")),
+        (" GPU_16xH200 ", (16, "H200")),
+    ],
+)
 def test_accelerator_types_are_parsed(text, parsed):
     assert parse_accelerator_type(text) == parsed
 
 
-@pytest.mark.parametrize("value, tail", [
-    ("H100", r"got 'H100' \(for a GPU model alone, write gpu_type='H100'\)$"),
-    ("GPU_0xH100", r"got 'GPU_0xH100'$"),
-    ("GPU_8x", r"got 'GPU_8x'$"),
-    ("8xH100", r"got '8xH100' \(write 'GPU_8xH100'\)$"),
-    ("GPU_8xH100 extra", r"got 'GPU_8xH100 extra'$"),
-    (8, r"got 8$"),
-    ("", r"got ''$"),
-], ids=["model-only", "zero", "no-model", "no-prefix", "trailing", "int", "empty"])
+@pytest.mark.parametrize(
+    "value, tail",
+    [
+        ("H100", r"got 'H100' \(for a GPU model alone, write gpu_type='H100'\)$"),
+        ("GPU_0xH100", r"got 'GPU_0xH100'$"),
+        ("GPU_8x", r"got 'GPU_8x'$"),
+        ("8xH100", r"got '8xH100' \(write 'GPU_8xH100'\)$"),
+        ("GPU_8xH100 extra", r"got 'GPU_8xH100 extra'$"),
+        (8, r"got 8$"),
+        ("", r"got ''$"),
+    ],
+    ids=["model-only", "zero", "no-model", "no-prefix", "trailing", "int", "empty"],
+)
 def test_bad_accelerator_types_are_refused_with_the_form(value, tail):
-    with pytest.raises(SpecError, match=r"^accelerator_type takes the serverless GPU API's form 'GPU_<n>x<model>' with "
-                                        r"n >= 1, such as 'GPU_8xH100' or 'GPU_1xA10'; " + tail):
+    with pytest.raises(
+        SpecError,
+        match=r"^accelerator_type takes the serverless GPU API's form 'GPU_<n>x<model>' with "
+        r"n >= 1, such as 'GPU_8xH100' or 'GPU_1xA10'; " + tail,
+    ):
         distributed(accelerator_type=value)
 
 
@@ -76,16 +91,25 @@ def test_the_current_names_mean_gpus_and_gpu_type():
 
 
 def test_a_conflicting_pair_is_a_spec_error():
-    with pytest.raises(SpecError, match=r"^gpus=4 and num_accelerators=8 disagree: num_accelerators is the current "
-                                        r"serverless GPU API's name for gpus; give one of them$"):
+    with pytest.raises(
+        SpecError,
+        match=r"^gpus=4 and num_accelerators=8 disagree: num_accelerators is the current "
+        r"serverless GPU API's name for gpus; give one of them$",
+    ):
         distributed(gpus=4, num_accelerators=8)
-    with pytest.raises(SpecError, match=r"^gpu_type='A10' and accelerator_type='GPU_8xH100' name different GPU "
-                                        r"models; give one of them$"):
+    with pytest.raises(
+        SpecError,
+        match=r"^gpu_type='A10' and accelerator_type='GPU_8xH100' name different GPU "
+        r"models; give one of them$",
+    ):
         distributed(gpu_type="A10", accelerator_type="GPU_8xH100")
     with pytest.raises(SpecError, match=r"^num_accelerators must be between 1 and 1024, got 0$"):
         distributed(num_accelerators=0)
-    with pytest.raises(SpecError, match=r"^num_accelerators must be an int >= 1 \(the number of ranks\), got '2' of "
-                                        r"type str$"):
+    with pytest.raises(
+        SpecError,
+        match=r"^num_accelerators must be an int >= 1 \(the number of ranks\), got '2' of "
+        r"type str$",
+    ):
         distributed(num_accelerators="2")
 
 
@@ -100,14 +124,17 @@ def test_no_count_is_every_gpu_of_the_machine(monkeypatch):
 
 # ----------------------------------------------------------------------------- remote=
 
+
 def test_remote_false_is_this_machine(no_remote):
     assert distributed(gpus=2, remote=False)(f).spec.cluster is None
 
 
 def test_remote_true_without_a_configured_cluster_says_how_to_configure_one(settled, ip, no_remote, tmp_path):
-    message = (r"^remote=True runs the job on this kernel's remote cluster, and none is configured: set %config "
-               r"DistributedMagics\.remote_cluster = 'ray://head:10001' \(or SGPU_MAGIC_REMOTE_CLUSTER in the kernel's "
-               r"environment\), pass cluster='ray://head:10001', or use remote=False to run on this machine$")
+    message = (
+        r"^remote=True runs the job on this kernel's remote cluster, and none is configured: set %config "
+        r"DistributedMagics\.remote_cluster = 'ray://head:10001' \(or SGPU_MAGIC_REMOTE_CLUSTER in the kernel's "
+        r"environment\), pass cluster='ray://head:10001', or use remote=False to run on this machine$"
+    )
     script = tmp_path / "s.py"
     script.write_text("pass\n")
     with settled():
@@ -129,11 +156,17 @@ def test_remote_true_takes_the_configured_cluster_trait_first(ip, no_remote, mon
     spec = distributed(gpus=2, remote=True)(f).spec
     assert spec.cluster == "ray://head:10001"
     assert distributed(gpus=2, remote=True, cluster="ray://head:10001")(f).spec.cluster == "ray://head:10001"
-    with pytest.raises(SpecError, match=r"^remote=True runs on the configured remote cluster 'ray://head:10001' but "
-                                        r"cluster='auto' names another; give one of them$"):
+    with pytest.raises(
+        SpecError,
+        match=r"^remote=True runs on the configured remote cluster 'ray://head:10001' but "
+        r"cluster='auto' names another; give one of them$",
+    ):
         distributed(gpus=2, remote=True, cluster="auto")
-    with pytest.raises(SpecError, match=r"^a job on a Ray cluster needs its number of ranks: give gpus=N \(or "
-                                        r"num_accelerators=N, or accelerator_type='GPU_<n>x<model>'\)$"):
+    with pytest.raises(
+        SpecError,
+        match=r"^a job on a Ray cluster needs its number of ranks: give gpus=N \(or "
+        r"num_accelerators=N, or accelerator_type='GPU_<n>x<model>'\)$",
+    ):
         distributed(remote=True)
     with pytest.raises(SpecError, match=r"^gpu_ids cannot be used with cluster="):
         distributed(gpus=2, remote=True, gpu_ids=[0, 1])
@@ -147,13 +180,26 @@ def test_a_bad_configured_remote_cluster_is_named(ip, no_remote):
 
 # ----------------------------------------------------------------------------- runtime helpers
 
+
 def test_every_runtime_helper_the_api_lists_is_here_with_its_signature():
     """The serverless GPU runtime reference lists get_global_rank([group]), get_local_rank(), get_local_world_size(),
     get_node_rank(), get_replica_rank(), get_world_size(); outside a job they describe one process."""
-    assert (runtime.get_global_rank(), runtime.get_local_rank(), runtime.get_world_size(), runtime.get_local_world_size(),
-            runtime.get_node_rank(), runtime.get_replica_rank()) == (0, 0, 1, 1, 0, 0)
-    for name in ("get_global_rank", "get_local_rank", "get_world_size", "get_local_world_size", "get_node_rank",
-                 "get_replica_rank"):
+    assert (
+        runtime.get_global_rank(),
+        runtime.get_local_rank(),
+        runtime.get_world_size(),
+        runtime.get_local_world_size(),
+        runtime.get_node_rank(),
+        runtime.get_replica_rank(),
+    ) == (0, 0, 1, 1, 0, 0)
+    for name in (
+        "get_global_rank",
+        "get_local_rank",
+        "get_world_size",
+        "get_local_world_size",
+        "get_node_rank",
+        "get_replica_rank",
+    ):
         assert name in runtime.__all__ and getattr(runtime, name).__doc__
 
 
@@ -166,9 +212,16 @@ def test_runtime_helpers_inside_ranks_with_a_process_group():
 
         dist.init_process_group("gloo")
         sub = dist.new_group([1])
-        seen = (rt.get_global_rank(), rt.get_global_rank(dist.group.WORLD), rt.get_local_rank(), rt.get_world_size(),
-                rt.get_local_world_size(), rt.get_node_rank(), rt.get_replica_rank(),
-                rt.get_global_rank(sub) if dist.get_rank() == 1 else None)
+        seen = (
+            rt.get_global_rank(),
+            rt.get_global_rank(dist.group.WORLD),
+            rt.get_local_rank(),
+            rt.get_world_size(),
+            rt.get_local_world_size(),
+            rt.get_node_rank(),
+            rt.get_replica_rank(),
+            rt.get_global_rank(sub) if dist.get_rank() == 1 else None,
+        )
         dist.destroy_process_group()
         return seen
 
@@ -178,9 +231,10 @@ def test_runtime_helpers_inside_ranks_with_a_process_group():
 # ----------------------------------------------------------------------------- the notebooks in the API's style
 
 COMPAT_NOTEBOOKS = {
-    "serverless_gpu_api.ipynb": {"from sgpu_magic import distributed": "from serverless_gpu import distributed",
-                                 "from sgpu_magic.runtime import get_global_rank, get_local_rank, get_world_size":
-                                     "from serverless_gpu.runtime import get_global_rank, get_local_rank, get_world_size"},
+    "serverless_gpu_api.ipynb": {
+        "from sgpu_magic import distributed": "from serverless_gpu import distributed",
+        "from sgpu_magic.runtime import get_global_rank, get_local_rank, get_world_size": "from serverless_gpu.runtime import get_global_rank, get_local_rank, get_world_size",
+    },
     "databricks_air_api.ipynb": {"from sgpu_magic import distributed": "from databricks.air import distributed"},
 }
 

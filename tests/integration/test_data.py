@@ -48,7 +48,9 @@ class CountingServer:
                     counter[("HEAD", self.path)] += 1
                 super().do_HEAD()
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(directory)))
+        self.server = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), functools.partial(Handler, directory=str(directory))
+        )
         self.url = f"http://127.0.0.1:{self.server.server_port}/"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -118,12 +120,18 @@ def test_two_ranks_two_workers_read_every_file_once_per_epoch_and_the_second_epo
 
 def test_ranks_with_different_worker_counts_are_told_so(volume, tmp_path):
     server, _ = volume
-    with pytest.raises(RankFailedError, match=r"failed \(root cause\): ValueError: VolumeDataset\('http://127"
-                                              r".*\.\.\. \(exit code 1\)") as caught:
+    with pytest.raises(
+        RankFailedError,
+        match=r"failed \(root cause\): ValueError: VolumeDataset\('http://127"
+        r".*\.\.\. \(exit code 1\)",
+    ) as caught:
         read_epochs.distributed(server.url, str(tmp_path / "cache"), [2, 1], 1)
-    assert re.search(r"ranks read it with different numbers of DataLoader workers \(rank 0: 2, rank 1: 1; 0 workers "
-                     r"count as 1\)\..*Give every rank's DataLoader the same num_workers\.",
-                     caught.value.root_cause.message, re.S)
+    assert re.search(
+        r"ranks read it with different numbers of DataLoader workers \(rank 0: 2, rank 1: 1; 0 workers "
+        r"count as 1\)\..*Give every rank's DataLoader the same num_workers\.",
+        caught.value.root_cause.message,
+        re.S,
+    )
 
 
 @distributed(gpus=2, timeout=180, mlflow=False)
@@ -133,8 +141,9 @@ def read_without_a_group(path, cache_dir, num_workers):
 
     from sgpu_magic.data import DataLoader, VolumeDataset
 
-    loader = DataLoader(VolumeDataset(path, cache_dir=cache_dir), batch_size=None,
-                        num_workers=num_workers[int(os.environ["RANK"])])
+    loader = DataLoader(
+        VolumeDataset(path, cache_dir=cache_dir), batch_size=None, num_workers=num_workers[int(os.environ["RANK"])]
+    )
     return len(list(loader))
 
 
@@ -142,9 +151,15 @@ def test_different_worker_counts_are_found_without_a_process_group(volume, tmp_p
     _, data = volume
     with pytest.raises(RankFailedError) as caught:
         read_without_a_group.distributed(str(data), str(tmp_path / "cache"), [1, 2])
-    assert re.search(r"ranks read it with different numbers of DataLoader workers \(rank 0: 1, rank 1: 2; 0 workers "
-                     r"count as 1\)", caught.value.root_cause.message)
-    assert read_without_a_group.distributed(str(data), str(tmp_path / "cache"), [2, 2]) == [20, 18]  # 38 files, 4 slices
+    assert re.search(
+        r"ranks read it with different numbers of DataLoader workers \(rank 0: 1, rank 1: 2; 0 workers "
+        r"count as 1\)",
+        caught.value.root_cause.message,
+    )
+    assert read_without_a_group.distributed(str(data), str(tmp_path / "cache"), [2, 2]) == [
+        20,
+        18,
+    ]  # 38 files, 4 slices
 
 
 @distributed(gpus=2, timeout=180, mlflow=False)
@@ -174,9 +189,12 @@ def test_ranks_that_listed_different_files_are_told_so(volume, tmp_path):
     n = len(VolumeDataset(data, cache_dir=tmp_path / "cache").files)
     with pytest.raises(RankFailedError) as caught:
         list_while_written.distributed(str(data), str(tmp_path / "cache"))
-    assert re.search(rf"ranks listed different files \(rank 0: {n} files, rank 1: {n + 1} files; same count = different "
-                     r"names\)\. .*files were added or removed under it while the job started\.",
-                     caught.value.root_cause.message, re.S)
+    assert re.search(
+        rf"ranks listed different files \(rank 0: {n} files, rank 1: {n + 1} files; same count = different "
+        r"names\)\. .*files were added or removed under it while the job started\.",
+        caught.value.root_cause.message,
+        re.S,
+    )
 
 
 def test_a_cache_inside_a_local_volume_is_never_listed(tmp_path):
@@ -208,8 +226,15 @@ print(json.dumps([local, fetched]))
 
 def test_a_concurrent_first_touch_fetches_once(volume, tmp_path):
     server, data = volume
-    procs = [subprocess.Popen([sys.executable, "-c", _TOUCH_FIRST, server.url, str(tmp_path / "cache")],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TOUCH_FIRST, server.url, str(tmp_path / "cache")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     assert [p.stdout.readline() for p in procs] == ["ready\n"] * 4
     for p in procs:
         p.stdin.write("x")
@@ -249,7 +274,9 @@ def test_cache_bound_evicts_least_recently_served(tmp_path):
     list(ds)
     assert ds.fetches > 10  # evicted files were fetched again
     # with files fetched 8 ahead, a bound above those 8 files keeps every yielded file readable
-    ds = VolumeDataset(root, cache_dir=tmp_path / "cache8", cache_max_bytes=9500, transform=lambda p: Path(p).read_bytes())
+    ds = VolumeDataset(
+        root, cache_dir=tmp_path / "cache8", cache_max_bytes=9500, transform=lambda p: Path(p).read_bytes()
+    )
     assert list(ds) == [bytes(1000)] * 10 and list(ds) == [bytes(1000)] * 10
     assert sum(p.stat().st_size for p in ds.cache.directory.iterdir() if not p.name.startswith(".")) <= 9500
 

@@ -28,6 +28,7 @@ def status(job) -> dict:
 
 def wait_warm(timeout_s: float = 180.0) -> None:
     """Launch until the host's forkserver has finished preloading, so the next launches fork from it."""
+
     @distributed(gpus=1, mlflow=False)
     def nothing():
         return None
@@ -146,8 +147,10 @@ def test_a_rank_that_wedges_after_returning_succeeds_with_its_value_and_is_named
     job = returns_then_wedges.last_job
     assert [v["rank"] for v in values] == [0, 1] and job.state.value == "succeeded"
     for rank in (0, 1):
-        assert (f"rank {rank} needed the teardown grace: it returned its value but had not exited 1 s later "
-                f"(teardown_grace_s), so sgpu_magic ended it (SIGKILL); its value is kept") in job.notes
+        assert (
+            f"rank {rank} needed the teardown grace: it returned its value but had not exited 1 s later "
+            f"(teardown_grace_s), so sgpu_magic ended it (SIGKILL); its value is kept"
+        ) in job.notes
     summary = capsys.readouterr().out
     assert "sgpu_magic: rank 1 needed the teardown grace" in summary, summary
     assert [e["signal"] for e in status(job)["teardown_ended"]] == ["SIGKILL", "SIGKILL"]
@@ -352,8 +355,10 @@ def test_cuda_code_on_a_machine_without_gpu_gets_a_hint_under_the_root_cause(cod
         runs.distributed(code)
     first, hint = str(info.value).splitlines()[:2]
     assert first.startswith("rank 0 failed (root cause): ")
-    assert hint == ("  hint: this machine has no GPU (the ranks ran on CPU with gloo): use "
-                    "sgpu_magic.runtime.device() / runtime.backend()")
+    assert hint == (
+        "  hint: this machine has no GPU (the ranks ran on CPU with gloo): use "
+        "sgpu_magic.runtime.device() / runtime.backend()"
+    )
 
 
 def test_an_error_unrelated_to_cuda_gets_no_hint():
@@ -365,13 +370,17 @@ def test_an_error_unrelated_to_cuda_gets_no_hint():
 # --- the first launch waits for the warming forkserver when that is sooner ---------------------------
 
 
-@pytest.mark.parametrize("ready, remaining_s, cold_s, expected", [
-    (True, None, 5.0, 0.0),  # ready: warm now
-    (False, 1.0, 5.0, 5.0),  # ready in 1 s, cold ranks in 5 s: wait, at most as long as a cold start
-    (False, 5.0, 5.0, 5.0),
-    (False, 9.0, 5.0, None),  # cold ranks would start sooner: cold now
-    (False, -3.0, 5.0, 5.0),  # later than expected: still wait, up to the cold start time
-])
-def test_a_launch_waits_for_the_forkserver_only_when_it_will_be_ready_before_cold_ranks(ready, remaining_s, cold_s,
-                                                                                          expected):
+@pytest.mark.parametrize(
+    "ready, remaining_s, cold_s, expected",
+    [
+        (True, None, 5.0, 0.0),  # ready: warm now
+        (False, 1.0, 5.0, 5.0),  # ready in 1 s, cold ranks in 5 s: wait, at most as long as a cold start
+        (False, 5.0, 5.0, 5.0),
+        (False, 9.0, 5.0, None),  # cold ranks would start sooner: cold now
+        (False, -3.0, 5.0, 5.0),  # later than expected: still wait, up to the cold start time
+    ],
+)
+def test_a_launch_waits_for_the_forkserver_only_when_it_will_be_ready_before_cold_ranks(
+    ready, remaining_s, cold_s, expected
+):
     assert warm_wait_s(ready, remaining_s, cold_s) == expected

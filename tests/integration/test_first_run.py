@@ -40,8 +40,14 @@ def test_a_first_notebook_in_a_new_store_shows_only_what_the_user_needs(tmp_path
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS]), notebook)
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}/mlflow.db"}
     env.pop("MLFLOW_EXPERIMENT_NAME", None)
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_notebook.py"), str(notebook)], env=env,
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "run_notebook.py"), str(notebook)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = re.sub(r"\x1b\[[0-9;]*m", "", run.stdout)
     assert run.returncode == 1, (run.stdout, run.stderr)  # the last cell's error, nothing before it
     assert run.stderr == "", run.stderr  # the kernel's "running over TCP without encryption" warning was here

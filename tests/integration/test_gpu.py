@@ -21,7 +21,7 @@ def test_nccl_rank_returns_cpu_tensor_and_kernel_stays_cuda_free():
         dist.all_reduce(t)
         return runtime.backend(), t
 
-    (backend, tensor), = allreduce.distributed()
+    ((backend, tensor),) = allreduce.distributed()
     assert backend == "nccl"
     assert tensor.device.type == "cpu" and tensor.tolist() == [1.0] * 4
     assert not torch.cuda.is_initialized()

@@ -93,8 +93,11 @@ def test_unpicklable_return_value_is_named():
     def returns_generator():
         return (i for i in range(3))
 
-    with pytest.raises(RankFailedError, match=r"TypeError: the return value of rank 0 \(builtins.generator\) cannot be "
-                                              r"sent back to the kernel"):
+    with pytest.raises(
+        RankFailedError,
+        match=r"TypeError: the return value of rank 0 \(builtins.generator\) cannot be "
+        r"sent back to the kernel",
+    ):
         returns_generator.distributed()
 
 
@@ -135,12 +138,15 @@ def test_teardown_leaves_user_objects_alone_once_the_group_is_gone():
     assert "model" in ns and dropped == []
 
 
-@pytest.mark.parametrize("backend, world, kernel_env, expected", [
-    ("gloo", 2, {}, str(max(1, (os.cpu_count() or 1) // 2))),  # CPU ranks share the cores
-    ("nccl", 2, {}, "1"),  # several GPU ranks: 1, as torchrun sets it
-    ("nccl", 1, {}, None),  # one GPU rank: torch's default, as under torchrun
-    ("nccl", 4, {"OMP_NUM_THREADS": "6"}, "6"),  # the kernel's own value always wins
-])
+@pytest.mark.parametrize(
+    "backend, world, kernel_env, expected",
+    [
+        ("gloo", 2, {}, str(max(1, (os.cpu_count() or 1) // 2))),  # CPU ranks share the cores
+        ("nccl", 2, {}, "1"),  # several GPU ranks: 1, as torchrun sets it
+        ("nccl", 1, {}, None),  # one GPU rank: torch's default, as under torchrun
+        ("nccl", 4, {"OMP_NUM_THREADS": "6"}, "6"),  # the kernel's own value always wins
+    ],
+)
 def test_omp_num_threads_follows_torchrun(backend, world, kernel_env, expected):
     from sgpu_magic.launch.env import rank_env
 

@@ -130,8 +130,9 @@ def test_panel_after_a_job_with_a_tqdm_bar_and_10000_fast_lines():
     assert panel.stop_button.disabled
     # the panel shows state, not a manual: the instructions are the Stop button's tooltip (issue 18)
     assert [type(c).__name__ for c in panel.widget.children] == ["HBox", "Tab"]
-    assert panel.stop_button.tooltip.startswith("Cancel the job: every rank is stopped. If this button does not "
-                                                "respond while the cell runs")
+    assert panel.stop_button.tooltip.startswith(
+        "Cancel the job: every rank is stopped. If this button does not respond while the cell runs"
+    )
     assert "Interrupt" not in panel.header.value and "Interrupt" not in panel.footers[0].value
     assert panel.flushes <= MAX_FLUSHES_PER_S * elapsed + 2
 
@@ -176,7 +177,10 @@ def test_failure_selects_the_root_cause_tab_and_names_it_in_the_header():
     job = start(fails_on_rank_1.spec, lambda warn: fails_on_rank_1._payload((), {}, warn), panel)
     assert job.wait() is JobState.FAILED
     assert panel.tabs.selected_index == 1
-    assert "failed" in panel.header.value and "rank 1 failed (root cause): ValueError: bad batch on rank 1" in panel.header.value
+    assert (
+        "failed" in panel.header.value
+        and "rank 1 failed (root cause): ValueError: bad batch on rank 1" in panel.header.value
+    )
     assert "ValueError: bad batch on rank 1" in shown(panel, 1)  # the tab is the rank's whole log
 
 

@@ -69,7 +69,8 @@ def test_a_4_rank_ddp_job_spreads_over_both_nodes(cluster, monkeypatch):
         grad = model.module.weight.grad.clone()
         print(f"rank {dist.get_rank()} of {dist.get_world_size()} on node {os.environ['GROUP_RANK']}", flush=True)
         return {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")} | {
-            "grad": grad.tolist()}
+            "grad": grad.tolist()
+        }
 
     results = ddp_step.distributed()
     assert [r["RANK"] for r in results] == ["0", "1", "2", "3"]  # rank order, as on one machine
@@ -87,7 +88,8 @@ def test_a_4_rank_ddp_job_spreads_over_both_nodes(cluster, monkeypatch):
     run = client.get_run(job.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "4"
     assert sorted(a.path for a in client.list_artifacts(job.mlflow_run_id, "logs")) == [
-        f"logs/rank_{r}.log" for r in range(4)]  # the ranks' logs kept as run artifacts
+        f"logs/rank_{r}.log" for r in range(4)
+    ]  # the ranks' logs kept as run artifacts
 
 
 def test_remote_true_and_scripts_run_on_the_kernels_remote_cluster(cluster, ip, monkeypatch, tmp_path):
@@ -98,6 +100,7 @@ def test_remote_true_and_scripts_run_on_the_kernels_remote_cluster(cluster, ip, 
     monkeypatch.delenv("SGPU_MAGIC_REMOTE_CLUSTER", raising=False)
     ip.run_line_magic("config", f"DistributedMagics.remote_cluster = {cluster.address!r}")
     try:
+
         @distributed(gpus=2, remote=True, mlflow=False, widgets=False)
         def where():
             import os
@@ -112,8 +115,9 @@ def test_remote_true_and_scripts_run_on_the_kernels_remote_cluster(cluster, ip, 
     monkeypatch.setenv("SGPU_MAGIC_REMOTE_CLUSTER", cluster.address)
     script = tmp_path / "report.py"
     script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'argv', sys.argv[1:], 'main', __name__)\n")
-    job = run_script(str(script), ["--flag", "x"], num_accelerators=2, remote=True, mlflow=False, widgets=False,
-                     background=True)
+    job = run_script(
+        str(script), ["--flag", "x"], num_accelerators=2, remote=True, mlflow=False, widgets=False, background=True
+    )
     assert job.result(timeout_s=300) == [0, 0] and _status_file(job)["start_method"] == "ray"
     assert "rank 1 argv ['--flag', 'x'] main __main__" in job.logs(1)
     ip.run_line_magic("distributed_run", f"--gpus 2 --remote --no-mlflow --no-widgets -o remote_job {script} y")
@@ -146,7 +150,9 @@ def test_the_first_failing_rank_is_the_root_cause_and_the_rest_stop(cluster):
             raise ValueError("bad shard on rank 2")
         time.sleep(600)
 
-    with pytest.raises(RankFailedError, match=r"rank 2 failed \(root cause\): ValueError: bad shard on rank 2") as caught:
+    with pytest.raises(
+        RankFailedError, match=r"rank 2 failed \(root cause\): ValueError: bad shard on rank 2"
+    ) as caught:
         fails_on_rank_2.distributed()
     assert "bad shard on rank 2" in caught.value.root_cause.traceback
     assert wait_for(lambda: not job_processes(fails_on_rank_2.last_job.job_id), 30, "the other ranks to stop")
@@ -154,6 +160,7 @@ def test_the_first_failing_rank_is_the_root_cause_and_the_rest_stop(cluster):
 
 def test_a_rank_that_wedges_after_returning_keeps_its_value_after_the_grace(cluster):
     """As on one machine: the rank's agent ends it teardown_grace_s after its value is written, and the job succeeds."""
+
     @distributed(gpus=2, cluster=cluster.address, timeout=300, mlflow=False, widgets=False, teardown_grace_s=1)
     def returns_then_wedges():
         import atexit
@@ -169,7 +176,8 @@ def test_a_rank_that_wedges_after_returning_keeps_its_value_after_the_grace(clus
     assert returns_then_wedges.distributed() == [0, 1]
     assert returns_then_wedges.last_job.notes == [
         "rank 1 needed the teardown grace: it returned its value but had not exited 1 s later (teardown_grace_s), "
-        "so sgpu_magic ended it (SIGTERM); its value is kept"]
+        "so sgpu_magic ended it (SIGTERM); its value is kept"
+    ]
     assert wait_for(lambda: not job_processes(returns_then_wedges.last_job.job_id), 30, "the ranks to stop")
 
 
@@ -208,10 +216,17 @@ def test_a_cluster_too_small_says_so_and_no_wait_fails_at_once(cluster):
     try:
         wait_for(lambda: all("holding" in holder.logs(r) for r in range(4)), 120, "the holder's ranks")
         with pytest.raises(ResourceError, match=r"has 0 of 4 CPUs free, the job needs 2; wait=False / --no-wait"):
-            distributed(gpus=2, cluster=cluster.address, wait=False, mlflow=False, widgets=False)(lambda: 1).distributed()
+            distributed(gpus=2, cluster=cluster.address, wait=False, mlflow=False, widgets=False)(
+                lambda: 1
+            ).distributed()
         waiting = distributed(gpus=2, cluster=cluster.address, mlflow=False, widgets=False)(lambda: 1).submit()
-        wait_for(lambda: "waiting for 2 CPU bundle(s) on the Ray cluster: 0 of 4 CPUs free" in
-                 (waiting.pending_reason or ""), 60, "the pending job to say what it waits for")
+        wait_for(
+            lambda: (
+                "waiting for 2 CPU bundle(s) on the Ray cluster: 0 of 4 CPUs free" in (waiting.pending_reason or "")
+            ),
+            60,
+            "the pending job to say what it waits for",
+        )
         holder.cancel()
         assert waiting.result(timeout_s=120) == [1, 1]  # it starts once the CPUs are free
     finally:
@@ -222,8 +237,10 @@ def test_kernel_sigkill_leaves_no_actor_or_rank(cluster, tmp_path):
     """The kernel is the Ray driver: when it is SIGKILLed, Ray removes its actors, and the ranks die with them."""
     km, kc = start_kernel(cwd=tmp_path, env={"SGPU_MAGIC_WIDGETS": "0"})
     try:
-        code = (f"%%distributed --gpus 4 --cluster {cluster.address} --no-mlflow\n"
-                "import os, time\nprint('job', os.environ['SGPU_MAGIC_JOB_ID'], flush=True)\ntime.sleep(600)")
+        code = (
+            f"%%distributed --gpus 4 --cluster {cluster.address} --no-mlflow\n"
+            "import os, time\nprint('job', os.environ['SGPU_MAGIC_JOB_ID'], flush=True)\ntime.sleep(600)"
+        )
         kc.execute(code)
         job_id = None
 
@@ -259,7 +276,11 @@ def test_gpu_ranks_see_their_nodes_gpus_in_local_rank_order(tmp_path):
     envs = [sup._rank_env(r, nodes, 29500) for r in range(4)]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,1", "3,1", "0,5", "0,5"]
     assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
-        ("0", "0", "2"), ("0", "1", "2"), ("1", "0", "2"), ("1", "1", "2")]
+        ("0", "0", "2"),
+        ("0", "1", "2"),
+        ("1", "0", "2"),
+        ("1", "1", "2"),
+    ]
     assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and {e["GROUP_WORLD_SIZE"] for e in envs} == {"2"}
 
 
@@ -267,6 +288,9 @@ def test_a_kernel_connected_to_one_cluster_refuses_another(cluster):
     from sgpu_magic.launch.ray import cluster as ray_cluster
 
     ray_cluster.connect(cluster.address)
-    with pytest.raises(ResourceError, match=r"this kernel is connected to the Ray cluster '.*', not '127.0.0.1:9'; a "
-                                            r"kernel uses one Ray cluster at a time"):
+    with pytest.raises(
+        ResourceError,
+        match=r"this kernel is connected to the Ray cluster '.*', not '127.0.0.1:9'; a "
+        r"kernel uses one Ray cluster at a time",
+    ):
         distributed(gpus=2, cluster="127.0.0.1:9", mlflow=False, widgets=False)(lambda: 1).distributed()

@@ -40,7 +40,10 @@ def flaky(how: str, fail_attempts: int):
 
 def test_a_rank_killed_once_is_restarted_and_attempt_2_succeeds():
     results = flaky.distributed("kill", 1)
-    assert results == [{"rank": 0, "restart_count": 1, "max_restarts": 2}, {"rank": 1, "restart_count": 1, "max_restarts": 2}]
+    assert results == [
+        {"rank": 0, "restart_count": 1, "max_restarts": 2},
+        {"rank": 1, "restart_count": 1, "max_restarts": 2},
+    ]
     job = flaky.last_job
     assert job.state is JobState.SUCCEEDED and job.attempt == 2
     (first,) = job.attempts
@@ -48,16 +51,20 @@ def test_a_rank_killed_once_is_restarted_and_attempt_2_succeeds():
     for rank in (0, 1):
         log = job.logs(rank).splitlines()
         starts = [i for i, line in enumerate(log) if line.startswith(f"rank {rank} starts attempt")]
-        marker = log.index("[sgpu_magic] attempt 2 of 3: all ranks restarted after rank 1 failed "
-                           "(killed by signal SIGKILL (9))")
+        marker = log.index(
+            "[sgpu_magic] attempt 2 of 3: all ranks restarted after rank 1 failed (killed by signal SIGKILL (9))"
+        )
         assert log[starts[-1]] == f"rank {rank} starts attempt with restart count 1" and marker < starts[-1]
     assert "rank 1 starts attempt with restart count 0" in job.logs(1)  # the first attempt's lines stay
 
 
 def test_each_failed_attempts_errors_are_kept_and_the_last_one_fails_the_job():
-    with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails on restart count 2"
-                                              r"(.|\n)*attempt 3 of 3 failed, after 2 restart\(s\); job.attempts lists "
-                                              r"the earlier failures"):
+    with pytest.raises(
+        RankFailedError,
+        match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails on restart count 2"
+        r"(.|\n)*attempt 3 of 3 failed, after 2 restart\(s\); job.attempts lists "
+        r"the earlier failures",
+    ):
         flaky.distributed("raise", 3)
     job = flaky.last_job
     assert job.attempt == 3 and [a["attempt"] for a in job.attempts] == [1, 2]
@@ -78,11 +85,14 @@ def test_the_panel_header_names_the_attempt():
 def test_the_magic_restarts_and_says_so(ip, capsys):
     ip.user_ns["flaky_fn"] = flaky
     capsys.readouterr()
-    ip.run_cell_magic("distributed", "--gpus 2 --max-restarts 1 --no-mlflow -o restarted_job",
-                      "import os\n"
-                      "if os.environ['RANK'] == '0' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
-                      "    raise RuntimeError('first attempt fails')\n"
-                      "os.environ['TORCHELASTIC_RESTART_COUNT']\n")
+    ip.run_cell_magic(
+        "distributed",
+        "--gpus 2 --max-restarts 1 --no-mlflow -o restarted_job",
+        "import os\n"
+        "if os.environ['RANK'] == '0' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    raise RuntimeError('first attempt fails')\n"
+        "os.environ['TORCHELASTIC_RESTART_COUNT']\n",
+    )
     out = capsys.readouterr().out
     job = ip.user_ns["restarted_job"]
     assert job.state is JobState.SUCCEEDED and job.results == ["1", "1"]
@@ -94,8 +104,11 @@ def test_the_magic_restarts_and_says_so(ip, capsys):
 
 @pytest.mark.parametrize("bad", [-1, 1001, "2", True, 1.5])
 def test_bad_max_restarts_is_refused_before_anything_starts(bad):
-    with pytest.raises(SpecError, match=r"max_restarts must be an int between 0 and 1000 \(restarts of the whole rank "
-                                        r"group after a failure; 0 = none\), got "):
+    with pytest.raises(
+        SpecError,
+        match=r"max_restarts must be an int between 0 and 1000 \(restarts of the whole rank "
+        r"group after a failure; 0 = none\), got ",
+    ):
         distributed(gpus=2, max_restarts=bad)
 
 

@@ -41,10 +41,16 @@ def listeners():
     dist.all_reduce(t)
 
     def listening(pid):
-        return sorted({c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN})
+        return sorted(
+            {c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        )
 
-    seen = {"rank": listening(os.getpid()), "host": listening(int(os.environ["SGPU_MAGIC_HOST_PID"])),
-            "sum": t.item(), "agent_store": os.environ["TORCHELASTIC_USE_AGENT_STORE"]}
+    seen = {
+        "rank": listening(os.getpid()),
+        "host": listening(int(os.environ["SGPU_MAGIC_HOST_PID"])),
+        "sum": t.item(),
+        "agent_store": os.environ["TORCHELASTIC_USE_AGENT_STORE"],
+    }
     dist.barrier()
     return seen
 
@@ -60,8 +66,11 @@ def test_a_job_listens_on_loopback_only():
     host_pid = int(_status_file(listeners.last_job)["host_pid"])
     job = listeners.last_job
     port = _status_file(job)["port"]
-    assert not [c for c in psutil.Process(host_pid).net_connections("inet")
-                if c.status == psutil.CONN_LISTEN and c.laddr.port == port], "the store outlived its job"
+    assert not [
+        c
+        for c in psutil.Process(host_pid).net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ], "the store outlived its job"
 
 
 def test_the_launch_host_takes_commands_only_from_its_pipe():
@@ -133,10 +142,13 @@ def test_a_lease_directory_is_created_private(tmp_path):
     lease.release()
     assert stat.S_IMODE(os.stat(tmp_path / "leases").st_mode) == 0o700
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "leases").iterdir()} == {
-        "registry.json": 0o600, "registry.lock": 0o600}
+        "registry.json": 0o600,
+        "registry.lock": 0o600,
+    }
 
 
 # ----------------------------------------------------------------------------- planted pickles
+
 
 @pytest.fixture
 def private_file(tmp_path):
@@ -163,11 +175,15 @@ def _plant_symlink(run, path, tmp_path):
 
 
 PLANTS = {  # how another user could plant a pickle -> what the refusal must say
-    "file-mode": (lambda run, path, tmp: os.chmod(path, 0o666),
-                  r"the file has mode 0o666, open to other users \(want 0600\)"),
+    "file-mode": (
+        lambda run, path, tmp: os.chmod(path, 0o666),
+        r"the file has mode 0o666, open to other users \(want 0600\)",
+    ),
     "file-owner": (lambda run, path, tmp: os.chown(path, 65534, 65534), r"the file is owned by uid 65534, not by you"),
-    "dir-mode": (lambda run, path, tmp: os.chmod(path.parent, 0o777),
-                 r"its directory has mode 0o777, open to other users \(want 0700\)"),
+    "dir-mode": (
+        lambda run, path, tmp: os.chmod(path.parent, 0o777),
+        r"its directory has mode 0o777, open to other users \(want 0700\)",
+    ),
     "run-dir-mode": (lambda run, path, tmp: os.chmod(run, 0o755), r"its directory has mode 0o755"),
     "run-dir-owner": (lambda run, path, tmp: os.chown(run, 65534, 65534), r"its directory is owned by uid 65534"),
     "symlink": (_plant_symlink, r"it is a symlink"),
@@ -192,36 +208,67 @@ def test_a_job_whose_result_was_made_readable_to_others_is_refused():
     job = returns_one.last_job
     os.chmod(RunDir(job.run_dir).result_file(0), 0o644)
     job._results = None
-    with pytest.raises(PermissionError, match=r"rank_0\.pkl: the file has mode 0o644, open to other users .*"
-                                              r"remove this run directory, or set SGPU_MAGIC_HOME"):
+    with pytest.raises(
+        PermissionError,
+        match=r"rank_0\.pkl: the file has mode 0o644, open to other users .*"
+        r"remove this run directory, or set SGPU_MAGIC_HOME",
+    ):
         job.result()
 
 
 # ----------------------------------------------------------------------------- secrets
 
-SECRETS = {"HF_TOKEN": "hf_abcdefghijklmnop", "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMIK7MDENG", "MY_DB_PASSWORD": "hunter2hunter2",
-           "OPENAI_API_KEY": "sk-proj-0123456789"}
+SECRETS = {
+    "HF_TOKEN": "hf_abcdefghijklmnop",
+    "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMIK7MDENG",
+    "MY_DB_PASSWORD": "hunter2hunter2",
+    "OPENAI_API_KEY": "sk-proj-0123456789",
+}
 
 
 def test_redact_blanks_url_passwords_and_secret_variables():
     env = {**SECRETS, "HOME": "/root", "SHORT_TOKEN": "1", "PATH": "/usr/bin"}
-    assert redact("postgresql://bob:pa55word@db:5432/mlflow and https://tok@host/x and hf_abcdefghijklmnop", env) == \
-        "postgresql://bob:***@db:5432/mlflow and https://tok@host/x and ***"
+    assert (
+        redact("postgresql://bob:pa55word@db:5432/mlflow and https://tok@host/x and hf_abcdefghijklmnop", env)
+        == "postgresql://bob:***@db:5432/mlflow and https://tok@host/x and ***"
+    )
     assert set(secret_values(env)) == set(SECRETS.values())  # "1" is too short to look for; HOME is no secret
 
 
 # names and values as a Linux desktop, a container, Jupyter, git and Hugging Face set them: none is a secret
-NOT_SECRETS = {"PWD": "/home/ana/proj", "OLDPWD": "/home/ana", "JPY_SESSION_NAME": "/home/ana/proj/train.ipynb",
-               "XDG_SESSION_CLASS": "user", "XDG_SESSION_TYPE": "wayland", "DESKTOP_SESSION": "ubuntu",
-               "DBUS_SESSION_BUS_ADDRESS": "unix:path=/run/user/1000/bus", "SESSION_MANAGER": "local/box:@/tmp/.ICE-unix/9",
-               "SSH_AUTH_SOCK": "/tmp/ssh-XXXX/agent.99", "GIT_AUTHOR_NAME": "Ana Lopez", "GIT_AUTHOR_EMAIL": "ana@x.org",
-               "TOKENIZERS_PARALLELISM": "false", "GOOGLE_APPLICATION_CREDENTIALS": "/home/ana/.config/gcp.json",
-               "AWS_SHARED_CREDENTIALS_FILE": "/home/ana/.aws/credentials", "XAUTHORITY": "/run/user/1000/xauth",
-               "HOME": "/home/ana", "PATH": "/usr/bin:/bin", "VIRTUAL_ENV": "/home/ana/proj/.venv"}
-MORE_SECRETS = {"AWS_SESSION_TOKEN": "FwoGZXIvYXdzEJr", "MYSQL_PWD": "s3cret-mysql", "NPM_AUTH_TOKEN": "npm_abcdef",
-                "BASIC_AUTH": "bob:hunter22", "HTTP_AUTHORIZATION": "Bearer abc.def", "SSH_PRIVATE_KEY": "-----BEGIN",
-                "STRIPE_KEY": "sk_live_123", "JUPYTER_TOKEN": "0123abcd", "MLFLOW_TRACKING_PASSWORD": "mlpass99",
-                "GPG_PASSPHRASE": "open sesame", "COOKIE_SECRET": "c00kie!"}
+NOT_SECRETS = {
+    "PWD": "/home/ana/proj",
+    "OLDPWD": "/home/ana",
+    "JPY_SESSION_NAME": "/home/ana/proj/train.ipynb",
+    "XDG_SESSION_CLASS": "user",
+    "XDG_SESSION_TYPE": "wayland",
+    "DESKTOP_SESSION": "ubuntu",
+    "DBUS_SESSION_BUS_ADDRESS": "unix:path=/run/user/1000/bus",
+    "SESSION_MANAGER": "local/box:@/tmp/.ICE-unix/9",
+    "SSH_AUTH_SOCK": "/tmp/ssh-XXXX/agent.99",
+    "GIT_AUTHOR_NAME": "Ana Lopez",
+    "GIT_AUTHOR_EMAIL": "ana@x.org",
+    "TOKENIZERS_PARALLELISM": "false",
+    "GOOGLE_APPLICATION_CREDENTIALS": "/home/ana/.config/gcp.json",
+    "AWS_SHARED_CREDENTIALS_FILE": "/home/ana/.aws/credentials",
+    "XAUTHORITY": "/run/user/1000/xauth",
+    "HOME": "/home/ana",
+    "PATH": "/usr/bin:/bin",
+    "VIRTUAL_ENV": "/home/ana/proj/.venv",
+}
+MORE_SECRETS = {
+    "AWS_SESSION_TOKEN": "FwoGZXIvYXdzEJr",
+    "MYSQL_PWD": "s3cret-mysql",
+    "NPM_AUTH_TOKEN": "npm_abcdef",
+    "BASIC_AUTH": "bob:hunter22",
+    "HTTP_AUTHORIZATION": "Bearer abc.def",
+    "SSH_PRIVATE_KEY": "-----BEGIN",
+    "STRIPE_KEY": "sk_live_123",
+    "JUPYTER_TOKEN": "0123abcd",
+    "MLFLOW_TRACKING_PASSWORD": "mlpass99",
+    "GPG_PASSPHRASE": "open sesame",
+    "COOKIE_SECRET": "c00kie!",
+}
 
 
 def test_paths_and_ordinary_words_are_not_secrets():

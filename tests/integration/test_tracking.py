@@ -39,6 +39,7 @@ START_DEADLINE_S = 120.0
 
 # ----------------------------------------------------------------------------- helpers
 
+
 @pytest.fixture
 def experiment(monkeypatch):
     """A fresh experiment name for this test's jobs (through MLFLOW_EXPERIMENT_NAME); returns (client, name)."""
@@ -77,6 +78,7 @@ def sleeper(piddir):
 
 # ----------------------------------------------------------------------------- URIs and links
 
+
 def test_relative_tracking_uris_become_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert absolute_tracking_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path}/mlflow.db"
@@ -88,8 +90,10 @@ def test_relative_tracking_uris_become_absolute(tmp_path, monkeypatch):
 
 
 def test_run_link_points_at_an_http_server_without_credentials():
-    assert run_link("https://user:secret@mlflow.example.com:8443/base/", "3", "abc") == \
-        "https://mlflow.example.com:8443/base/#/experiments/3/runs/abc"
+    assert (
+        run_link("https://user:secret@mlflow.example.com:8443/base/", "3", "abc")
+        == "https://mlflow.example.com:8443/base/#/experiments/3/runs/abc"
+    )
     assert run_link("sqlite:////nowhere/mlflow.db", "3", "abc") is None  # no %mlflow_ui server for it
 
 
@@ -115,8 +119,16 @@ def test_c20_one_run_per_execution_with_both_ranks_metrics_params_tags_and_logs(
     assert run.info.status == "FINISHED" and run.info.end_time is not None
     assert [len(client.get_metric_history(run_id, k)) for k in ("loss_rank0", "loss_rank1")] == [3, 3]
     assert [m.value for m in client.get_metric_history(run_id, "loss_rank1")] == [1.0, 0.5, 1.0 / 3]
-    assert run.data.params == {"gpus": "2", "gpu_type": "any", "device": "cpu", "world_size": "2", "backend": "gloo",
-                               "timeout_s": "10800", "name": "%%distributed cell", "max_restarts": "0"}
+    assert run.data.params == {
+        "gpus": "2",
+        "gpu_type": "any",
+        "device": "cpu",
+        "world_size": "2",
+        "backend": "gloo",
+        "timeout_s": "10800",
+        "name": "%%distributed cell",
+        "max_restarts": "0",
+    }
     job_id = run.data.tags["sgpu_magic.job_id"]
     assert (sgpu_home / "runs" / job_id).is_dir()
     assert run.data.tags["sgpu_magic.state"] == "succeeded"
@@ -141,8 +153,17 @@ def test_job_names_its_run_and_ranks_get_the_run_identity(experiment):
     job = identity.last_job
     assert job.mlflow_run_id == run.info.run_id
     assert job.run_url is None  # a local store and no %mlflow_ui server: no page to link to
-    assert seen == [{"MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_RUN_ID": run.info.run_id,
-                     "MLFLOW_EXPERIMENT_ID": run.info.experiment_id}] * 2
+    assert (
+        seen
+        == [
+            {
+                "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"],
+                "MLFLOW_RUN_ID": run.info.run_id,
+                "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
+            }
+        ]
+        * 2
+    )
 
 
 def test_ranks_never_end_the_run_even_with_start_run_end_run_or_a_with_block(experiment, tmp_path):
@@ -208,7 +229,7 @@ def test_nested_under_the_kernels_active_run(experiment, tmp_path):
     with mlflow.start_run() as parent:
         assert one.distributed() == [1, 1]
         assert client.get_run(parent.info.run_id).info.status == "RUNNING"  # the job ended only its own run
-    child, = [r for r in runs_of(client, name) if r.info.run_id != parent.info.run_id]
+    (child,) = [r for r in runs_of(client, name) if r.info.run_id != parent.info.run_id]
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert child.info.experiment_id == parent.info.experiment_id
     assert child.info.status == "FINISHED"
@@ -268,13 +289,17 @@ def test_tracking_that_cannot_start_warns_and_the_job_still_runs(experiment, cap
 
     assert fine.distributed() == ["ran"]
     err = capsys.readouterr().err
-    assert re.search(rf"sgpu_magic warning: MLflow tracking is off for job \S+: SgpuError: the MLflow experiment "
-                     rf"'{name}' is deleted; restore it with MlflowClient\(\)\.restore_experiment\('\d+'\) or pick "
-                     rf"another with mlflow\.set_experiment\(\.\.\.\)", err), err
+    assert re.search(
+        rf"sgpu_magic warning: MLflow tracking is off for job \S+: SgpuError: the MLflow experiment "
+        rf"'{name}' is deleted; restore it with MlflowClient\(\)\.restore_experiment\('\d+'\) or pick "
+        rf"another with mlflow\.set_experiment\(\.\.\.\)",
+        err,
+    ), err
     assert fine.last_job.mlflow_run_id is None
 
 
 # ----------------------------------------------------------------------------- rank-side async logging
+
 
 def test_rank_metrics_are_logged_asynchronously_and_none_is_lost(experiment):
     """10,000 points from 2 ranks with plain per-step ``mlflow.log_metric``: the calls are MLflow's async ones
@@ -304,8 +329,9 @@ def test_a_cell_ending_with_log_metric_gives_none_as_with_sync_logging(run_cell,
     """With async logging ``log_metric`` returns a future (which cannot be pickled back); as the cell's value it
     becomes ``None`` once written, as synchronous logging returns; a future whose batch failed says why."""
     client, name = experiment
-    result, out, err = run_cell('%%distributed --gpus 1 --no-widgets -o logged_job\nimport mlflow\n'
-                                'mlflow.log_metric("last_line", 7.0)')
+    result, out, err = run_cell(
+        '%%distributed --gpus 1 --no-widgets -o logged_job\nimport mlflow\nmlflow.log_metric("last_line", 7.0)'
+    )
     assert result.error_in_exec is None and result.result is None, (out, err)
     (run,) = runs_of(client, name)
     assert run.data.metrics["last_line"] == 7.0
@@ -317,8 +343,11 @@ def test_a_cell_ending_with_log_metric_gives_none_as_with_sync_logging(run_cell,
         return MlflowClient().log_metric("0" * 32, "x", 1.0, synchronous=False)  # no such run
 
     assert returns_a_failed_future.distributed() == [None]
-    assert re.search(r"sgpu_magic: MLflow could not log the points of the last call \(MlflowException: .*Run with "
-                     r"id=0{32} not found", returns_a_failed_future.last_job.logs(0))
+    assert re.search(
+        r"sgpu_magic: MLflow could not log the points of the last call \(MlflowException: .*Run with "
+        r"id=0{32} not found",
+        returns_a_failed_future.last_job.logs(0),
+    )
 
 
 def test_the_kernels_own_choice_of_sync_logging_reaches_the_ranks(experiment, monkeypatch):
@@ -357,11 +386,15 @@ def test_a_flush_that_fails_is_named_in_the_rank_log_and_the_job_stands(experime
 
     assert moves_the_store.distributed() == ["done"]
     log = moves_the_store.last_job.logs(0)
-    assert re.search(r"sgpu_magic: MLflow's async logging could not be flushed \(\w+: .*no-such-scheme.*\); metrics "
-                     r"logged last may be missing from the run", log), log
+    assert re.search(
+        r"sgpu_magic: MLflow's async logging could not be flushed \(\w+: .*no-such-scheme.*\); metrics "
+        r"logged last may be missing from the run",
+        log,
+    ), log
 
 
 # ----------------------------------------------------------------------------- final status
+
 
 def test_failed_job_is_failed_with_its_logs_and_error_file(experiment):
     client, name = experiment
@@ -425,13 +458,20 @@ def test_launch_host_killed_during_a_job_fails_the_run(experiment, tmp_path):
 
 # ----------------------------------------------------------------------------- %mlflow_ui errors
 
+
 def test_mlflow_ui_refuses_a_server_uri_and_gives_up_on_a_server_that_does_not_answer(tmp_path):
-    with pytest.raises(MlflowUIError, match=r"the tracking URI http://127\.0\.0\.1:5000 is already an MLflow "
-                                            r"server; open it directly"):
+    with pytest.raises(
+        MlflowUIError,
+        match=r"the tracking URI http://127\.0\.0\.1:5000 is already an MLflow "
+        r"server; open it directly",
+    ):
         start_ui("http://127.0.0.1:5000")
     t0 = time.monotonic()
-    with pytest.raises(MlflowUIError, match=r"the MLflow UI server did not answer on http://127\.0\.0\.1:\d+ within "
-                                            r"0\.3 s; see .*server-\d+-\d+\.log"):
+    with pytest.raises(
+        MlflowUIError,
+        match=r"the MLflow UI server did not answer on http://127\.0\.0\.1:\d+ within "
+        r"0\.3 s; see .*server-\d+-\d+\.log",
+    ):
         start_ui(f"sqlite:///{tmp_path}/mlflow.db", timeout_s=0.3)
     assert time.monotonic() - t0 < 15
     assert stop_ui() is False  # the failed server was stopped and forgotten
@@ -441,15 +481,21 @@ def test_mlflow_ui_refuses_a_busy_port(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         port = busy.getsockname()[1]
-        with pytest.raises(MlflowUIError, match=rf"port {port} on 127\.0\.0\.1 is in use; pick another with --port, "
-                                                rf"or leave it out for a free one"):
+        with pytest.raises(
+            MlflowUIError,
+            match=rf"port {port} on 127\.0\.0\.1 is in use; pick another with --port, "
+            rf"or leave it out for a free one",
+        ):
             start_ui(f"sqlite:///{tmp_path}/mlflow.db", port=port)
 
 
 @pytest.mark.slow
 def test_mlflow_ui_server_that_exits_says_why():
-    with pytest.raises(MlflowUIError, match=r"the MLflow UI server exited with code 1; see .*server-\d+-\d+\.log:\n"
-                                            r"(.|\n)*unsupported URI 'bogus://nowhere'"):
+    with pytest.raises(
+        MlflowUIError,
+        match=r"the MLflow UI server exited with code 1; see .*server-\d+-\d+\.log:\n"
+        r"(.|\n)*unsupported URI 'bogus://nowhere'",
+    ):
         start_ui("bogus://nowhere")
 
 
@@ -516,8 +562,11 @@ def test_c20_and_c22_in_a_kernel_failed_is_failed_and_interrupted_is_killed(tmp_
         assert out.error is not None and out.error["ename"] == "RankFailedError"
 
         msg_id = kc.execute(C22_CELL3)
-        wait_for(lambda: _running_job_dir(client, "sgpu-case-C22", sgpu_home), START_DEADLINE_S,
-                 "the interrupted cell's ranks to run")
+        wait_for(
+            lambda: _running_job_dir(client, "sgpu-case-C22", sgpu_home),
+            START_DEADLINE_S,
+            "the interrupted cell's ranks to run",
+        )
         km.interrupt_kernel()
         out = collect(kc, msg_id, timeout_s=60)
         assert out.error is not None and out.error["ename"] == "JobCancelledError", out.error
@@ -558,7 +607,9 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
         url = re.fullmatch(r"MLflow UI for (\S+): (http://127\.0\.0\.1:\d+)", out.stdout.strip())
         assert url and url.group(1) == os.environ["MLFLOW_TRACKING_URI"], out.stdout
         base = url.group(2)
-        watchdog = ast.literal_eval(execute(kc, "print(__import__('sgpu_magic.tracking.server').tracking.server._ui.pid)").stdout)
+        watchdog = ast.literal_eval(
+            execute(kc, "print(__import__('sgpu_magic.tracking.server').tracking.server._ui.pid)").stdout
+        )
 
         out = execute(kc, UI_JOB)
         assert out.error is None, out.error
@@ -575,8 +626,9 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
         with urllib.request.urlopen(f"{base}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=30) as reply:
             served = json.loads(reply.read())["run"]
         assert served["info"]["status"] == "FINISHED"
-        assert {"key": "seen_by_ui", "value": 7.0} in [{k: m[k] for k in ("key", "value")}
-                                                        for m in served["data"]["metrics"]]
+        assert {"key": "seen_by_ui", "value": 7.0} in [
+            {k: m[k] for k in ("key", "value")} for m in served["data"]["metrics"]
+        ]
         server = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == watchdog]
         assert len(server) >= 2, "the watchdog and the server"
 
@@ -594,8 +646,10 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
         server_gone_s = time.monotonic() - t0
         run = wait_for(killed, 30, "the launch host to end the run", interval_s=0.2)
         assert run.info.status == "KILLED" and run.info.end_time is not None
-        print(f"after the kernel's SIGKILL: UI server gone in {server_gone_s:.1f} s, "
-              f"run KILLED in {time.monotonic() - t0:.1f} s")
+        print(
+            f"after the kernel's SIGKILL: UI server gone in {server_gone_s:.1f} s, "
+            f"run KILLED in {time.monotonic() - t0:.1f} s"
+        )
     finally:
         stop_kernel(km, kc)
 

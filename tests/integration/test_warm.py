@@ -99,8 +99,11 @@ def test_a_killed_rank_does_not_poison_the_next_warm_launch():
 
     from sgpu_magic.errors import RankFailedError
 
-    with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): exited without a Python exception "
-                                              r"\(killed by signal SIGKILL \(9\)\)"):
+    with pytest.raises(
+        RankFailedError,
+        match=r"rank 1 failed \(root cause\): exited without a Python exception "
+        r"\(killed by signal SIGKILL \(9\)\)",
+    ):
         killed.distributed()
     assert probe.distributed("X")[1][4] is True
     assert start_method(probe) == "forkserver"

@@ -58,7 +58,7 @@ values = returns_then_wedges.distributed()
 print("values:", values, returns_then_wedges.last_job.state.value)
 '''
 
-WEDGED_CELL = '''%%distributed --gpus 2 --no-mlflow -o cell_job
+WEDGED_CELL = """%%distributed --gpus 2 --no-mlflow -o cell_job
 import atexit, os, threading
 lock, taken = threading.Lock(), threading.Event()
 def hold():
@@ -67,7 +67,7 @@ threading.Thread(target=hold, daemon=True).start()
 taken.wait()
 atexit.register(lock.acquire)  # the exit path needs the lock the thread holds
 ("cell value", os.getpid())
-'''
+"""
 
 
 def test_ranks_that_wedge_after_returning_succeed_with_their_values_after_the_grace(kernel):
@@ -75,8 +75,10 @@ def test_ranks_that_wedge_after_returning_succeed_with_their_values_after_the_gr
     values = ast.literal_eval(re.search(r"^values: (\[.*\]) succeeded$", out.stdout, re.M).group(1))
     assert [v["rank"] for v in values] == [0, 1]
     for rank in (0, 1):
-        assert (f"sgpu_magic: rank {rank} needed the teardown grace: it returned its value but had not exited 1 s "
-                f"later (teardown_grace_s), so sgpu_magic ended it (SIGKILL); its value is kept") in out.stdout
+        assert (
+            f"sgpu_magic: rank {rank} needed the teardown grace: it returned its value but had not exited 1 s "
+            f"later (teardown_grace_s), so sgpu_magic ended it (SIGKILL); its value is kept"
+        ) in out.stdout
     assert wait_gone([v["pid"] for v in values]) == []
 
     out = ok(kernel, WEDGED_CELL)
@@ -88,24 +90,27 @@ def test_ranks_that_wedge_after_returning_succeed_with_their_values_after_the_gr
     assert wait_gone(pids) == []
 
 
-ARGV_CELL = '''%%distributed --gpus 2 --no-mlflow
+ARGV_CELL = """%%distributed --gpus 2 --no-mlflow
 import argparse, sys
 parser = argparse.ArgumentParser(description="pasted from a script")
 parser.add_argument("--total-epochs", type=int, default=3)
 (sys.argv, parser.parse_args().total_epochs)
-'''
+"""
 
 
 def test_sys_argv_in_a_cell_is_the_cells_name_so_parse_args_reads_defaults(kernel):
     assert ok(kernel, ARGV_CELL).results == ["(['%%distributed cell'], 3)"]
 
 
-@pytest.mark.parametrize("last_line, rank_values", [
-    ("big;", [None, None]),  # nothing pickled back
-    ("big ;  # a comment after the semicolon", [None, None]),
-    ("big  # a semicolon in a comment;", ["list", "list"]),
-    ("len('a;')", ["int", "int"]),
-])
+@pytest.mark.parametrize(
+    "last_line, rank_values",
+    [
+        ("big;", [None, None]),  # nothing pickled back
+        ("big ;  # a comment after the semicolon", [None, None]),
+        ("big  # a semicolon in a comment;", ["list", "list"]),
+        ("len('a;')", ["int", "int"]),
+    ],
+)
 def test_a_semicolon_at_the_end_of_the_cell_suppresses_its_value_as_ipython_does(kernel, last_line, rank_values):
     out = ok(kernel, f"%%distributed --gpus 2 --no-mlflow -o quiet_job\nbig = list(range(10_000))\n{last_line}")
     assert bool(out.results) is (rank_values[0] is not None)
@@ -113,12 +118,12 @@ def test_a_semicolon_at_the_end_of_the_cell_suppresses_its_value_as_ipython_does
     assert ast.literal_eval(types[0]) == rank_values
 
 
-EXIT_CELL = '''%%distributed --gpus 2 --no-mlflow
+EXIT_CELL = """%%distributed --gpus 2 --no-mlflow
 import os, sys
 if os.environ["RANK"] == "0":
     sys.exit(0)
 "trained"
-'''
+"""
 
 
 def test_a_rank_that_calls_sys_exit_0_in_a_cell_is_noted_with_its_line(kernel):

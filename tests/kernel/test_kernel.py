@@ -38,6 +38,7 @@ START_DEADLINE_S = 120.0  # rank start-up on a busy 2-core box: two fresh `impor
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def kernel_eval(kc, expr: str):
     """Evaluate ``expr`` in the kernel and return its value (it must have a literal repr)."""
     out = execute(kc, f"print(repr({expr}))")
@@ -56,15 +57,17 @@ def recorded(piddir: Path, prefix: str = "") -> set[int]:
     """The pids recorded in ``piddir``: ranks write ``<pid>``, DataLoader workers ``worker-<pid>``."""
     names = os.listdir(piddir)
     if prefix:
-        return {int(n[len(prefix):]) for n in names if n.startswith(prefix)}
+        return {int(n[len(prefix) :]) for n in names if n.startswith(prefix)}
     return {int(n) for n in names if n.isdigit()}
 
 
 def new_pids(piddir: Path, n: int, known: set[int] = frozenset(), prefix: str = ""):
     """A condition for :func:`wait_for`: the ``n`` pids recorded with ``prefix`` that are not in ``known``."""
+
     def condition():
         pids = recorded(piddir, prefix) - known
         return pids if len(pids) >= n else None
+
     return condition
 
 
@@ -76,7 +79,8 @@ def existing(pids) -> list[int]:
 def assert_interrupted(kc, error: dict) -> None:
     """The cell whose ``error`` reply this is ended with KeyboardInterrupt (or a product error subclassing it)."""
     name, is_interrupt = kernel_eval(
-        kc, "(type(__import__('sys').last_value).__name__, isinstance(__import__('sys').last_value, KeyboardInterrupt))")
+        kc, "(type(__import__('sys').last_value).__name__, isinstance(__import__('sys').last_value, KeyboardInterrupt))"
+    )
     assert name == error["ename"] and is_interrupt, f"the cell ended with {error['ename']}: {error['evalue']}"
 
 
@@ -85,8 +89,13 @@ def gpu_pids() -> set[int]:
     if shutil.which("nvidia-smi") is None:
         return set()
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (subprocess.SubprocessError, OSError):
         return set()
     return {int(line) for line in out.split() if line.strip().isdigit()}
@@ -101,6 +110,7 @@ def kernel():
 
 
 # ----------------------------------------------------------------------------- quickstart notebook
+
 
 def _outputs(cell) -> tuple[str, list[str]]:
     stream = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
@@ -121,8 +131,9 @@ def test_quickstart_notebook_runs_headless():
     assert all(not c.outputs and c.execution_count is None for c in code_cells), "the notebook is stored with outputs"
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # raises on any cell error
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    ).execute()  # raises on any cell error
 
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     for needle in ("run_train.distributed(", "%%distributed --gpus $RANKS -o job"):
@@ -227,8 +238,9 @@ def _start_c11_and_interrupt(km, kc, piddir: Path, known: set[int]) -> tuple[set
     """
     msg_id = kc.execute(C11_CELL)
     ranks = wait_for(new_pids(piddir, 2, known), START_DEADLINE_S, "both ranks to record their pid")
-    workers = wait_for(new_pids(piddir, 4, known, "worker-"), START_DEADLINE_S,
-                       "the 4 DataLoader workers (2 per rank) to start")
+    workers = wait_for(
+        new_pids(piddir, 4, known, "worker-"), START_DEADLINE_S, "the 4 DataLoader workers (2 per rank) to start"
+    )
     t0 = time.monotonic()
     km.interrupt_kernel()
     out = collect(kc, msg_id, timeout_s=60)
@@ -245,7 +257,9 @@ def test_c11_interrupt_stops_ranks_and_their_dataloader_workers(kernel):
     ranks, workers, elapsed = _start_c11_and_interrupt(km, kc, piddir, set())
     assert elapsed < 5.0, f"the interrupted cell took {elapsed:.1f} s to end"
     n, left, kids = leftovers(kc)
-    assert (n, left, kids) == (6, [], []), f"left over: pids {left}, kernel children {kids} (ranks {ranks}, workers {workers})"
+    assert (n, left, kids) == (6, [], []), (
+        f"left over: pids {left}, kernel children {kids} (ranks {ranks}, workers {workers})"
+    )
     assert existing(ranks | workers) == []
 
     # The same cell again, straight away: it starts (both ranks join a new process group).
@@ -287,9 +301,9 @@ def test_c12_restart_or_kill_leaves_no_ranks_or_host(how):
 
         t0 = time.monotonic()
         if how == "restart":
-            km.restart_kernel(now=False)   # round A: graceful restart
+            km.restart_kernel(now=False)  # round A: graceful restart
         else:
-            km.shutdown_kernel(now=True)   # round B: SIGKILL, no cleanup code runs in the kernel
+            km.shutdown_kernel(now=True)  # round B: SIGKILL, no cleanup code runs in the kernel
 
         def all_gone():
             return not existing(ranks | {host_pid}) and not (ranks & gpu_pids())
@@ -297,8 +311,10 @@ def test_c12_restart_or_kill_leaves_no_ranks_or_host(how):
         try:
             wait_for(all_gone, 15.0 - (time.monotonic() - t0), "the ranks and the launch host to exit")
         except AssertionError:
-            raise AssertionError(f"after {how}: still there after 15 s: {existing(ranks | {host_pid})} "
-                                 f"(ranks {sorted(ranks)}, host {host_pid})") from None
+            raise AssertionError(
+                f"after {how}: still there after 15 s: {existing(ranks | {host_pid})} "
+                f"(ranks {sorted(ranks)}, host {host_pid})"
+            ) from None
     finally:
         stop_kernel(km, kc)
 
@@ -308,8 +324,9 @@ def test_widget_panel_in_a_kernel_replaces_the_text_stream(kernel):
     km, kc = kernel
     assert execute(kc, "import os; os.environ['SGPU_MAGIC_WIDGETS'] = '1'").error is None
     try:
-        msg_id = kc.execute("%%distributed --gpus 2\nimport os\nfor i in range(50):\n    print('line', i)\n"
-                            "int(os.environ['RANK'])")
+        msg_id = kc.execute(
+            "%%distributed --gpus 2\nimport os\nfor i in range(50):\n    print('line', i)\nint(os.environ['RANK'])"
+        )
         views, updates, stdout, results = 0, 0, "", []
         while True:
             msg = kc.get_iopub_msg(timeout=180)
@@ -396,15 +413,19 @@ def test_stop_button_clicked_on_a_kernel_subshell_cancels_a_blocking_job():
             if kind == "comm_msg" and content["data"].get("state", {}).get("outputs"):
                 running = running or "sleeping" in json.dumps(content["data"]["state"]["outputs"])
             if running and clicked_at is None and stop_comm is not None:
-                click = kc.session.msg("comm_msg", {"comm_id": stop_comm,
-                                                    "data": {"method": "custom", "content": {"event": "click"}}})
+                click = kc.session.msg(
+                    "comm_msg", {"comm_id": stop_comm, "data": {"method": "custom", "content": {"event": "click"}}}
+                )
                 click["header"]["subshell_id"] = subshell_id
                 kc.shell_channel.send(click)
                 clicked_at = time.monotonic()
             if msg["parent_header"].get("msg_id") == msg_id and kind == "error":
                 error = content
-            if (msg["parent_header"].get("msg_id") == msg_id and kind == "status"
-                    and content["execution_state"] == "idle"):
+            if (
+                msg["parent_header"].get("msg_id") == msg_id
+                and kind == "status"
+                and content["execution_state"] == "idle"
+            ):
                 break
         assert clicked_at is not None, "the job never showed its first line"
         assert error["ename"] == "JobCancelledError", error

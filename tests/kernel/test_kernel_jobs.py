@@ -45,8 +45,10 @@ def test_two_kernels_queue_for_a_fake_8_gpu_inventory(tmp_path, fake_env):
 
         out = execute(kc_b, "%%distributed --gpus 6 --no-wait\npass")
         assert out.error is not None and out.error["ename"] == "ResourceError"
-        assert (f"waiting for 6 GPU(s): 2 of 8 free; GPUs 0,1,2,3,4,5 held by job {job_a} (kernel pid {pid_a}, "
-                in out.error["evalue"])
+        assert (
+            f"waiting for 6 GPU(s): 2 of 8 free; GPUs 0,1,2,3,4,5 held by job {job_a} (kernel pid {pid_a}, "
+            in out.error["evalue"]
+        )
 
         out = execute(kc_b, "%%distributed --gpus 6 --background -o b\nimport os\nos.environ['SGPU_MAGIC_GPUS']")
         assert out.error is None, out.error
@@ -79,8 +81,11 @@ def test_kernel_shutdown_gives_back_the_gpus_at_once(tmp_path, fake_env):
     registry = LeaseRegistry(fake_env["SGPU_MAGIC_LEASE_DIR"])
     km, kc = start_kernel(env=fake_env)
     try:
-        out = execute(kc, f"%%distributed --gpus 2 --background -o held\nimport os, time\n"
-                          f"while not os.path.exists({str(tmp_path / 'never')!r}):\n    time.sleep(0.02)\n")
+        out = execute(
+            kc,
+            f"%%distributed --gpus 2 --background -o held\nimport os, time\n"
+            f"while not os.path.exists({str(tmp_path / 'never')!r}):\n    time.sleep(0.02)\n",
+        )
         assert out.error is None, out.error
         wait_state(kc, "held", "running")
         assert [h["indices"] for h in registry.snapshot()["holders"]] == [[0, 1]]
@@ -95,14 +100,18 @@ def test_late_output_goes_to_the_starting_cell_and_interrupt_spares_background_j
     go = tmp_path / "go"
     km, kc = start_kernel()
     try:
-        start = kc.execute(f"%%distributed --gpus 2 --background -o bg\nimport os, time\nprint('before go', flush=True)\n"
-                           f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
-                           f"for i in range(3):\n    print('after go', i, flush=True)\n")
+        start = kc.execute(
+            f"%%distributed --gpus 2 --background -o bg\nimport os, time\nprint('before go', flush=True)\n"
+            f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
+            f"for i in range(3):\n    print('after go', i, flush=True)\n"
+        )
         messages = collect_all(kc, start)
         wait_state(kc, "bg", "running")
         # a blocking cell, interrupted: Jupyter signals the kernel's process group; the job must not notice
         block = kc.execute("import threading\nprint('blocking', flush=True)\nthreading.Event().wait()")
-        messages += collect_all(kc, block, until=lambda m: m["msg_type"] == "stream" and "blocking" in m["content"]["text"])
+        messages += collect_all(
+            kc, block, until=lambda m: m["msg_type"] == "stream" and "blocking" in m["content"]["text"]
+        )
         km.interrupt_kernel()
         messages += collect_all(kc, block)
         assert any(m["msg_type"] == "error" and m["content"]["ename"] == "KeyboardInterrupt" for m in messages)

@@ -21,6 +21,7 @@ def test_code_global_names_ignores_attributes_and_locals():
 
     def fn(a):
         import math
+
         b = a.data + helper(SCALE)  # noqa: F821 - undefined on purpose: the globals capture looks for
         return [math.pi for _ in range(b)]
 
@@ -35,7 +36,9 @@ def test_modules_by_reference_values_by_value():
     def helper(x):
         return x
 
-    out = capture.capture_names({"math", "helper", "n", "missing", "len"}, {"math": math, "helper": helper, "n": 3, "len": len})
+    out = capture.capture_names(
+        {"math", "helper", "n", "missing", "len"}, {"math": math, "helper": helper, "n": 3, "len": len}
+    )
     assert out.entries["math"] == ("module", "math")
     assert out.entries["helper"][0] == "value" and out.entries["n"][0] == "value"
     assert "missing" not in out.entries and "len" not in out.entries
@@ -73,8 +76,11 @@ def test_large_plain_object_warns_from_its_pickle_size():
 
 def test_generator_argument_refused_and_not_consumed():
     gen = (i * i for i in range(10))
-    with pytest.raises(CaptureError, match=r"argument 0 of consume.distributed is a generator, which cannot be sent "
-                                           r"to the ranks .*pass a list .*build the generator inside the function"):
+    with pytest.raises(
+        CaptureError,
+        match=r"argument 0 of consume.distributed is a generator, which cannot be sent "
+        r"to the ranks .*pass a list .*build the generator inside the function",
+    ):
         capture.capture_arguments("consume.distributed", (gen,), {})
     assert next(gen) == 0
 
@@ -117,7 +123,11 @@ def test_a_large_array_is_warned_about_before_anything_is_pickled():
             return (Witness, ())
 
     big = np.ones(2**20)  # 8 MiB, over a 1 MiB limit
-    out = capture.capture_names({"a_witness", "big"}, {"a_witness": Witness(), "big": big}, max_bytes=2**20,
-                                warn=lambda text: events.append(text))
+    out = capture.capture_names(
+        {"a_witness", "big"},
+        {"a_witness": Witness(), "big": big},
+        max_bytes=2**20,
+        warn=lambda text: events.append(text),
+    )
     assert events[0].startswith("global 'big' (numpy.ndarray, 8.0 MiB) is larger than 1.0 MiB")
     assert events[1:] == ["pickled"] and out.warnings == [events[0]]

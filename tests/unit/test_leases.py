@@ -45,8 +45,15 @@ def test_concurrent_acquire_and_release_never_hand_a_gpu_to_two_holders(tmp_path
     """Randomized: 4 processes x 25 leases of 1-5 of 8 GPUs, waiting in the queue for each."""
     held = tmp_path / "held"
     held.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / "leases"), str(held), str(seed), "25"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(tmp_path / "leases"), str(held), str(seed), "25"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in range(4)
+    ]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
@@ -59,9 +66,12 @@ def test_no_wait_refusal_names_the_holder(tmp_path):
     registry = LeaseRegistry(tmp_path)
     first = registry.acquire("job-a", 6, GPUS)
     assert [g.index for g in first.gpus] == [0, 1, 2, 3, 4, 5]
-    with pytest.raises(ResourceError, match=rf"job job-b cannot start now: waiting for 6 GPU\(s\): 2 of 8 free; "
-                                            rf"GPUs 0,1,2,3,4,5 held by job job-a \(kernel pid {os.getpid()}, user "
-                                            rf"\S+\) since \d\d:\d\d:\d\d\. Leave out --no-wait"):
+    with pytest.raises(
+        ResourceError,
+        match=rf"job job-b cannot start now: waiting for 6 GPU\(s\): 2 of 8 free; "
+        rf"GPUs 0,1,2,3,4,5 held by job job-a \(kernel pid {os.getpid()}, user "
+        rf"\S+\) since \d\d:\d\d:\d\d\. Leave out --no-wait",
+    ):
         registry.acquire("job-b", 6, GPUS, wait=False)
     assert registry.snapshot()["queue"] == []  # a refused job leaves no ticket
     first.release()
@@ -93,11 +103,14 @@ def test_explicit_gpu_ids_wait_for_exactly_those(tmp_path):
 
 
 def test_a_dead_holders_lease_is_reclaimed_by_the_next_job(tmp_path):
-    code = ("import sys\nfrom sgpu_magic.launch.leases import LeaseRegistry\nfrom sgpu_magic.launch.resources import fake_gpus\n"
-            "LeaseRegistry(sys.argv[1]).acquire('doomed', 8, fake_gpus('8 x H100'))\nprint('held', flush=True)\n"
-            "sys.stdin.read()\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys\nfrom sgpu_magic.launch.leases import LeaseRegistry\nfrom sgpu_magic.launch.resources import fake_gpus\n"
+        "LeaseRegistry(sys.argv[1]).acquire('doomed', 8, fake_gpus('8 x H100'))\nprint('held', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline() == "held\n"
     registry = LeaseRegistry(tmp_path)
     assert registry.try_acquire("next", 1, GPUS, enqueue=False)[0] is None
@@ -121,11 +134,17 @@ def test_cancel_while_waiting_leaves_the_queue(tmp_path):
 
 def test_busy_gpus_are_skipped_with_the_reason(tmp_path):
     registry = LeaseRegistry(tmp_path)
-    lease, _ = registry.try_acquire("job-a", 2, GPUS[:3], skip=lambda free: {GPUS[0].uuid: "pid 7 (python) holding 3.0 GiB"})
+    lease, _ = registry.try_acquire(
+        "job-a", 2, GPUS[:3], skip=lambda free: {GPUS[0].uuid: "pid 7 (python) holding 3.0 GiB"}
+    )
     assert [g.index for g in lease.gpus] == [1, 2]
-    lease, why = registry.try_acquire("job-b", 1, GPUS[:1], skip=lambda free: {GPUS[0].uuid: "pid 7 (python) holding 3.0 GiB"},
-                                      enqueue=False)
-    assert lease is None and why == "waiting for 1 GPU(s): 0 of 1 free; GPU 0 busy outside sgpu_magic: pid 7 (python) holding 3.0 GiB"
+    lease, why = registry.try_acquire(
+        "job-b", 1, GPUS[:1], skip=lambda free: {GPUS[0].uuid: "pid 7 (python) holding 3.0 GiB"}, enqueue=False
+    )
+    assert (
+        lease is None
+        and why == "waiting for 1 GPU(s): 0 of 1 free; GPU 0 busy outside sgpu_magic: pid 7 (python) holding 3.0 GiB"
+    )
 
 
 def test_unwritable_lease_dir_is_refused_with_the_remedy(tmp_path):

@@ -34,7 +34,10 @@ def test_gpu_ids_pick_those_gpus_in_that_order():
 
 
 def test_gpu_ids_errors_name_the_bad_value_and_the_remedy():
-    with pytest.raises(ResourceError, match=r"gpu_ids \[9\] are not among the visible GPUs \(indices \[0, 1, 2, 3, 4, 5, 6, 7\]\); pick from those"):
+    with pytest.raises(
+        ResourceError,
+        match=r"gpu_ids \[9\] are not among the visible GPUs \(indices \[0, 1, 2, 3, 4, 5, 6, 7\]\); pick from those",
+    ):
         plan_devices(make_spec(2, gpu_ids=[0, 9]), gpus=H100)
     with pytest.raises(ResourceError, match=r"gpu_ids=\[0\] asked for, but no GPU is visible here; leave gpu_ids out"):
         plan_devices(make_spec(1, gpu_ids=[0]), gpus=[])
@@ -51,12 +54,16 @@ def test_fake_inventory_parses_and_runs_ranks_on_cpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert [g.index for g in list_gpus()] == [2, 3]
     monkeypatch.setenv("SGPU_MAGIC_FAKE_GPUS", "eight")
-    with pytest.raises(ResourceError, match=r"SGPU_MAGIC_FAKE_GPUS='eight' is not a GPU inventory; write it as '8 x H100'"):
+    with pytest.raises(
+        ResourceError, match=r"SGPU_MAGIC_FAKE_GPUS='eight' is not a GPU inventory; write it as '8 x H100'"
+    ):
         list_gpus()
 
 
 def test_gpu_type_mismatch_is_refused():
-    with pytest.raises(ResourceError, match=r"gpu_type 'A100' matches none of the attached GPUs \(NVIDIA H100 80GB HBM3\)"):
+    with pytest.raises(
+        ResourceError, match=r"gpu_type 'A100' matches none of the attached GPUs \(NVIDIA H100 80GB HBM3\)"
+    ):
         plan_devices(make_spec(1, gpu_type="A100"), gpus=H100)
 
 

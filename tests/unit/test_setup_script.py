@@ -21,8 +21,9 @@ def test_setup_prints_one_timed_line_per_step_and_the_log_of_the_step_that_faile
     (tmp_path / "scripts").mkdir()
     shutil.copy(SCRIPT, tmp_path / "scripts" / "setup.sh")
     env = {**os.environ, "SGPU_TORCH_SPEC": "sgpu-no-such-package==0"}
-    run = subprocess.run(["bash", "scripts/setup.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        ["bash", "scripts/setup.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     lines = (run.stdout + run.stderr).splitlines()
     assert run.returncode == 1, lines
     assert re.fullmatch(r"setup: creating \.venv with python3 \(Python 3\.\d+\.\d+\) \.\.\. done \(\d+ s\)", lines[0])

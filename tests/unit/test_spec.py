@@ -50,12 +50,15 @@ def test_spec_is_frozen():
         spec.gpus = 2
 
 
-@pytest.mark.parametrize("gpu_ids, message", [
-    ("0,1", r"gpu_ids must be a list of GPU indices such as \[0, 1\]"),
-    ([0, -1], r"gpu_ids must be a non-empty list of GPU indices >= 0"),
-    ([1, 1], r"gpu_ids lists a GPU twice: \[1, 1\]; give each GPU once"),
-    ([0, 1, 2], r"gpu_ids names 3 GPU\(s\) \(\[0, 1, 2\]\) but gpus=2; give one GPU index per rank"),
-])
+@pytest.mark.parametrize(
+    "gpu_ids, message",
+    [
+        ("0,1", r"gpu_ids must be a list of GPU indices such as \[0, 1\]"),
+        ([0, -1], r"gpu_ids must be a non-empty list of GPU indices >= 0"),
+        ([1, 1], r"gpu_ids lists a GPU twice: \[1, 1\]; give each GPU once"),
+        ([0, 1, 2], r"gpu_ids names 3 GPU\(s\) \(\[0, 1, 2\]\) but gpus=2; give one GPU index per rank"),
+    ],
+)
 def test_bad_gpu_ids_are_refused(gpu_ids, message):
     with pytest.raises(SpecError, match=message):
         make_spec(2, gpu_ids=gpu_ids)

@@ -28,14 +28,25 @@ def test_a_run_that_leaves_files_in_the_repository_fails_naming_them(tmp_path, l
     where = "mlruns/0/left.log" if leaves else None
     (repo / "tests" / "test_writes.py").write_text(
         "import os\n\ndef test_writes():\n"
-        + (f"    os.makedirs('mlruns/0', exist_ok=True)\n    open({where!r}, 'w').close()\n" if leaves else "    pass\n"))
+        + (
+            f"    os.makedirs('mlruns/0', exist_ok=True)\n    open({where!r}, 'w').close()\n"
+            if leaves
+            else "    pass\n"
+        )
+    )
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-qm", "start"], cwd=repo, check=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=repo,
-                         env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if leaves:
         assert run.returncode == 1, run.stdout + run.stderr
         assert "the tests left files in the repository (git status --porcelain --ignored)" in run.stdout

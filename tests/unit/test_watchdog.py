@@ -14,8 +14,11 @@ SERVER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 
 def test_the_watchdog_stops_its_server_when_the_kernel_closes_the_pipe():
-    watchdog = subprocess.Popen([sys.executable, "-m", "sgpu_magic.tracking.watchdog", str(os.getpid()), *SERVER],
-                                stdin=subprocess.PIPE, start_new_session=True)
+    watchdog = subprocess.Popen(
+        [sys.executable, "-m", "sgpu_magic.tracking.watchdog", str(os.getpid()), *SERVER],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         (server,) = wait_for(lambda: psutil.Process(watchdog.pid).children(), 60, "the watchdog to start its server")
         watchdog.stdin.close()  # what the kernel's end does

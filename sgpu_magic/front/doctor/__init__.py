@@ -101,9 +101,15 @@ class DoctorConfig:
     @classmethod
     def from_magics(cls, magics, port: int | None = None, cluster: str | None = None) -> DoctorConfig:
         """The settings of the kernel whose ``DistributedMagics`` instance is ``magics``."""
-        return cls(port=port, cluster=cluster, lease_dir=magics.lease_dir or None, mlflow=magics.mlflow,
-                   widgets=magics.widgets, remote_cluster=getattr(magics, "remote_cluster", None) or None,
-                   in_shell=True)
+        return cls(
+            port=port,
+            cluster=cluster,
+            lease_dir=magics.lease_dir or None,
+            mlflow=magics.mlflow,
+            widgets=magics.widgets,
+            remote_cluster=getattr(magics, "remote_cluster", None) or None,
+            in_shell=True,
+        )
 
 
 @dataclass
@@ -130,15 +136,27 @@ class Report:
         """``sgpu_magic doctor: 1 error, 2 warnings`` / ``sgpu_magic doctor: all 17 checks ok``."""
         if not self.errors and not self.warnings:
             return f"sgpu_magic doctor: all {len(self.rows)} checks ok"
-        parts = [f"{len(rows)} {word}{'s' if len(rows) != 1 else ''}"
-                 for rows, word in ((self.errors, "error"), (self.warnings, "warning")) if rows]
+        parts = [
+            f"{len(rows)} {word}{'s' if len(rows) != 1 else ''}"
+            for rows, word in ((self.errors, "error"), (self.warnings, "warning"))
+            if rows
+        ]
         return f"sgpu_magic doctor: {', '.join(parts)} (of {len(self.rows)} checks)"
 
     def to_json(self) -> str:
         """``{"ok": bool, "errors": n, "warnings": n, "checks": [{"name", "status", "details", "remedy"}]}``."""
-        return json.dumps({"ok": self.ok, "errors": len(self.errors), "warnings": len(self.warnings),
-                           "checks": [{"name": r.name, "status": r.status.value, "details": r.details,
-                                       "remedy": r.remedy} for r in self.rows]}, indent=1)
+        return json.dumps(
+            {
+                "ok": self.ok,
+                "errors": len(self.errors),
+                "warnings": len(self.warnings),
+                "checks": [
+                    {"name": r.name, "status": r.status.value, "details": r.details, "remedy": r.remedy}
+                    for r in self.rows
+                ],
+            },
+            indent=1,
+        )
 
     def __str__(self) -> str:
         name_w = max([len("check"), *(len(r.name) for r in self.rows)])
@@ -150,8 +168,12 @@ class Report:
             lines.append(f"{row.name.ljust(name_w)}  {row.status.value.ljust(status_w)}  {text[0]}")
             lines += [indent + more for more in text[1:]]
             if row.remedy:
-                lines += [indent + part for part in textwrap.wrap(
-                    "remedy: " + row.remedy, 100, break_long_words=False, break_on_hyphens=False)]
+                lines += [
+                    indent + part
+                    for part in textwrap.wrap(
+                        "remedy: " + row.remedy, 100, break_long_words=False, break_on_hyphens=False
+                    )
+                ]
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -163,11 +185,15 @@ class Report:
         for row in self.rows:
             colour = self._COLOURS[row.status]
             remedy = f"<br><i>remedy: {html.escape(row.remedy)}</i>" if row.remedy else ""
-            body.append(f"<tr><td>{html.escape(row.name)}</td><td style=\"color:{colour};font-weight:bold\">"
-                        f"{row.status.value}</td><td style=\"text-align:left\">{html.escape(row.details)}{remedy}"
-                        f"</td></tr>")
-        return (f"<b>{html.escape(self.summary())}</b><table class=\"sgpu-doctor\"><thead><tr><th>check</th>"
-                f"<th>status</th><th>details</th></tr></thead><tbody>{''.join(body)}</tbody></table>")
+            body.append(
+                f'<tr><td>{html.escape(row.name)}</td><td style="color:{colour};font-weight:bold">'
+                f'{row.status.value}</td><td style="text-align:left">{html.escape(row.details)}{remedy}'
+                f"</td></tr>"
+            )
+        return (
+            f'<b>{html.escape(self.summary())}</b><table class="sgpu-doctor"><thead><tr><th>check</th>'
+            f"<th>status</th><th>details</th></tr></thead><tbody>{''.join(body)}</tbody></table>"
+        )
 
 
 def diagnose(config: DoctorConfig | None = None) -> Report:
@@ -183,14 +209,29 @@ def diagnose(config: DoctorConfig | None = None) -> Report:
     config = config or DoctorConfig()
     facts = _machine.Facts.gather(config)
     report = Report()
-    for section in (_machine.python_rows, _machine.torch_rows, _machine.gpu_rows, _machine.lease_rows,
-                    _machine.port_rows, _machine.home_rows, _machine.host_rows, _services.mlflow_rows,
-                    _services.frontend_rows, _services.ray_rows, _services.deepspeed_rows):
+    for section in (
+        _machine.python_rows,
+        _machine.torch_rows,
+        _machine.gpu_rows,
+        _machine.lease_rows,
+        _machine.port_rows,
+        _machine.home_rows,
+        _machine.host_rows,
+        _services.mlflow_rows,
+        _services.frontend_rows,
+        _services.ray_rows,
+        _services.deepspeed_rows,
+    ):
         try:
             report.rows += section(config, facts)
         except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
             _log.warning("sgpu_magic doctor: %s failed", section.__name__, exc_info=True)
             name = section.__name__.removesuffix("_rows")
-            report.rows.append(warning(name, f"could not be checked ({type(exc).__name__}: {exc})",
-                                       "report it as a bug of sgpu_magic's doctor, with this line"))
+            report.rows.append(
+                warning(
+                    name,
+                    f"could not be checked ({type(exc).__name__}: {exc})",
+                    "report it as a bug of sgpu_magic's doctor, with this line",
+                )
+            )
     return report

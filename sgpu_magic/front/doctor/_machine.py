@@ -17,8 +17,10 @@ from sgpu_magic.launch.resources import FAKE_GPUS_ENV, Gpu, check_port_free, fre
 FREE_SPACE_WARNING_BYTES = 1 << 30
 """Less free disk than this under sgpu_magic's home gets a warning (rank logs, checkpoints staged there)."""
 
-LEASE_DIR_REMEDY = ("set SGPU_MAGIC_LEASE_DIR (or %config DistributedMagics.lease_dir) to a directory you can write; "
-                    "for a team, one every user can write (e.g. mode 2775 with a shared group)")
+LEASE_DIR_REMEDY = (
+    "set SGPU_MAGIC_LEASE_DIR (or %config DistributedMagics.lease_dir) to a directory you can write; "
+    "for a team, one every user can write (e.g. mode 2775 with a shared group)"
+)
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,12 @@ class Facts:
             from sgpu_magic.launch.leases import default_lease_dir
 
             directory = Path(config.lease_dir) if config.lease_dir else default_lease_dir()
-            leases = Leases(directory, problem=warning("leases", f"{directory} could not be read "
-                                                       f"({type(exc).__name__}: {exc})", LEASE_DIR_REMEDY))
+            leases = Leases(
+                directory,
+                problem=warning(
+                    "leases", f"{directory} could not be read ({type(exc).__name__}: {exc})", LEASE_DIR_REMEDY
+                ),
+            )
         return cls(inventory, leases)
 
 
@@ -122,16 +128,24 @@ def _leases(lease_dir: str | None) -> Leases:
     directory = Path(lease_dir) if lease_dir else default_lease_dir()
     why = unwritable(directory)
     if why is not None:
-        return Leases(directory, problem=error("leases", f"the lease directory {directory} cannot be used: {why}",
-                                               LEASE_DIR_REMEDY))
+        return Leases(
+            directory,
+            problem=error("leases", f"the lease directory {directory} cannot be used: {why}", LEASE_DIR_REMEDY),
+        )
     if not directory.exists():
         return Leases(directory)
     registry = directory / "registry.json"
     try:
         json.loads(registry.read_text()) if registry.exists() else None
     except (OSError, ValueError) as exc:
-        return Leases(directory, problem=error("leases", f"the lease registry {registry} cannot be read ({exc})",
-                                               "remove it while no sgpu_magic job runs (the next job writes a new one)"))
+        return Leases(
+            directory,
+            problem=error(
+                "leases",
+                f"the lease registry {registry} cannot be read ({exc})",
+                "remove it while no sgpu_magic job runs (the next job writes a new one)",
+            ),
+        )
     return Leases(directory, LeaseRegistry(directory).snapshot())
 
 
@@ -142,8 +156,10 @@ def python_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
     from sgpu_magic import __version__
 
     package = Path(__file__).resolve().parents[2]
-    return [ok("python", f"{platform.python_version()} ({sys.executable})"),
-            ok("sgpu_magic", f"{__version__} ({package})")]
+    return [
+        ok("python", f"{platform.python_version()} ({sys.executable})"),
+        ok("sgpu_magic", f"{__version__} ({package})"),
+    ]
 
 
 def _nccl_version(torch) -> str | None:
@@ -153,8 +169,9 @@ def _nccl_version(torch) -> str | None:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
-def torch_gpu_problem(torch_cuda: str | None, real_gpus: int, driver_cuda: tuple[int, int] | None
-                      ) -> tuple[str, str] | None:
+def torch_gpu_problem(
+    torch_cuda: str | None, real_gpus: int, driver_cuda: tuple[int, int] | None
+) -> tuple[str, str] | None:
     """(problem, remedy) when this torch build cannot use the visible GPUs, else ``None``.
 
     ``torch_cuda`` is ``torch.version.cuda`` (``None`` for a CPU build); ``driver_cuda`` the newest CUDA the
@@ -163,15 +180,19 @@ def torch_gpu_problem(torch_cuda: str | None, real_gpus: int, driver_cuda: tuple
     if not real_gpus:
         return None
     if torch_cuda is None:
-        return (f"it is a CPU build, but {real_gpus} GPU(s) are visible: jobs would give their ranks GPUs and nccl "
-                f"that this torch cannot use",
-                "install a CUDA build of torch (the pip command from pytorch.org's install selector), or hide the "
-                "GPUs (CUDA_VISIBLE_DEVICES='') to run CPU ranks")
+        return (
+            f"it is a CPU build, but {real_gpus} GPU(s) are visible: jobs would give their ranks GPUs and nccl "
+            f"that this torch cannot use",
+            "install a CUDA build of torch (the pip command from pytorch.org's install selector), or hide the "
+            "GPUs (CUDA_VISIBLE_DEVICES='') to run CPU ranks",
+        )
     major = int(torch_cuda.split(".")[0])
     if driver_cuda is not None and major > driver_cuda[0]:
-        return (f"it is built for CUDA {torch_cuda}, but the NVIDIA driver supports CUDA up to "
-                f"{driver_cuda[0]}.{driver_cuda[1]}: ranks would fail to initialise CUDA",
-                f"update the NVIDIA driver, or install a torch build for CUDA {driver_cuda[0]}")
+        return (
+            f"it is built for CUDA {torch_cuda}, but the NVIDIA driver supports CUDA up to "
+            f"{driver_cuda[0]}.{driver_cuda[1]}: ranks would fail to initialise CUDA",
+            f"update the NVIDIA driver, or install a torch build for CUDA {driver_cuda[0]}",
+        )
     return None
 
 
@@ -179,14 +200,22 @@ def torch_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
     try:
         import torch
     except ImportError as exc:  # not installed, or a broken install (a missing shared library)
-        return [error("torch", f"cannot be imported ({exc})",
-                      "install it: pip install torch (on a GPU machine, the CUDA build pytorch.org's install "
-                      "selector gives)")]
+        return [
+            error(
+                "torch",
+                f"cannot be imported ({exc})",
+                "install it: pip install torch (on a GPU machine, the CUDA build pytorch.org's install selector gives)",
+            )
+        ]
     cuda = torch.version.cuda
     nccl = _nccl_version(torch)
     gloo = torch.distributed.is_available() and torch.distributed.is_gloo_available()
-    details = (f"{torch.__version__}, " + (f"CUDA {cuda}" if cuda else "CPU build (no CUDA)")
-               + (f", NCCL {nccl}" if nccl else "") + (", gloo" if gloo else ", no gloo"))
+    details = (
+        f"{torch.__version__}, "
+        + (f"CUDA {cuda}" if cuda else "CPU build (no CUDA)")
+        + (f", NCCL {nccl}" if nccl else "")
+        + (", gloo" if gloo else ", no gloo")
+    )
     problem = torch_gpu_problem(cuda, facts.inventory.real, facts.inventory.driver_cuda)
     if problem is not None:
         return [error("torch", f"{details}: {problem[0]}", problem[1])]
@@ -204,26 +233,42 @@ def _gpu_row(gpu: Gpu, held: dict[str, dict]) -> Check:
     if gpu.uuid in held:
         return ok(name, f"{gpu.name}: leased by {_holder_text(held[gpu.uuid])}" + (f"; running {busy}" if busy else ""))
     if busy:
-        return warning(name, f"{gpu.name}: busy outside sgpu_magic ({busy}); jobs skip it",
-                       "end that process, or pick other GPUs with gpu_ids= / --gpu-ids")
+        return warning(
+            name,
+            f"{gpu.name}: busy outside sgpu_magic ({busy}); jobs skip it",
+            "end that process, or pick other GPUs with gpu_ids= / --gpu-ids",
+        )
     return ok(name, f"{gpu.name}: free")
 
 
 def _inventory_row(inv: Inventory) -> Check:
     if inv.bad_fake is not None:
-        return error("gpus", f"{FAKE_GPUS_ENV}={inv.bad_fake!r} is not a GPU inventory",
-                     f"write it as '8 x H100' (count x name), or unset {FAKE_GPUS_ENV} to use the real GPUs")
+        return error(
+            "gpus",
+            f"{FAKE_GPUS_ENV}={inv.bad_fake!r} is not a GPU inventory",
+            f"write it as '8 x H100' (count x name), or unset {FAKE_GPUS_ENV} to use the real GPUs",
+        )
     if inv.unreadable is not None:
-        return warning("gpus", f"NVML's GPU list could not be read ({inv.unreadable})",
-                       "check the NVIDIA driver (nvidia-smi); jobs may not see the GPUs")
+        return warning(
+            "gpus",
+            f"NVML's GPU list could not be read ({inv.unreadable})",
+            "check the NVIDIA driver (nvidia-smi); jobs may not see the GPUs",
+        )
     if inv.fake:
-        return warning("gpus", f"{len(inv.gpus)} x {inv.gpus[0].name} from {FAKE_GPUS_ENV} (a test seam): jobs "
-                               f"lease them as real GPUs and their ranks run on CPU with gloo",
-                       f"unset {FAKE_GPUS_ENV} to use this machine's real GPUs")
+        return warning(
+            "gpus",
+            f"{len(inv.gpus)} x {inv.gpus[0].name} from {FAKE_GPUS_ENV} (a test seam): jobs "
+            f"lease them as real GPUs and their ranks run on CPU with gloo",
+            f"unset {FAKE_GPUS_ENV} to use this machine's real GPUs",
+        )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not inv.gpus and inv.attached:
-        return warning("gpus", f"{inv.attached} attached, but CUDA_VISIBLE_DEVICES={visible!r} hides them all: jobs "
-                               f"run CPU ranks with gloo", "unset CUDA_VISIBLE_DEVICES in the kernel, or name GPUs in it")
+        return warning(
+            "gpus",
+            f"{inv.attached} attached, but CUDA_VISIBLE_DEVICES={visible!r} hides them all: jobs "
+            f"run CPU ranks with gloo",
+            "unset CUDA_VISIBLE_DEVICES in the kernel, or name GPUs in it",
+        )
     if not inv.gpus:
         return ok("gpus", "none (no NVIDIA driver or GPU seen through NVML): jobs run CPU ranks with gloo")
     names = sorted({g.name for g in inv.gpus})
@@ -265,29 +310,46 @@ def _listener(port: int) -> str:
     import psutil
 
     try:
-        pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
-                and c.status == psutil.CONN_LISTEN and c.pid}
+        pids = {
+            c.pid
+            for c in psutil.net_connections("tcp")
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid
+        }
         return "".join(f" by pid {pid} ({psutil.Process(pid).name()})" for pid in sorted(pids)[:1])
     except psutil.Error:  # another user's process, or no right to list sockets
         return ""
 
 
 def port_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
-    rows = [ok("ports", f"each job's rendezvous listens on 127.0.0.1, on a free port from {_ephemeral_range()} "
-                        f"(e.g. {free_port()} now) unless port= / --port pins one")]
+    rows = [
+        ok(
+            "ports",
+            f"each job's rendezvous listens on 127.0.0.1, on a free port from {_ephemeral_range()} "
+            f"(e.g. {free_port()} now) unless port= / --port pins one",
+        )
+    ]
     port = config.port
     if port is None:
         return rows
     if not 1 <= port <= 65535:
-        rows.append(error(f"port {port}", f"{port} is not a TCP port",
-                          "pin a port in 1-65535, or leave port out to take a free one"))
+        rows.append(
+            error(
+                f"port {port}",
+                f"{port} is not a TCP port",
+                "pin a port in 1-65535, or leave port out to take a free one",
+            )
+        )
         return rows
     try:
         check_port_free(port)
     except ResourceError:
-        rows.append(error(f"port {port}", f"the pinned port {port} is in use{_listener(port)}: a job pinned to it is "
-                                          f"refused before launch",
-                          "leave port= / --port out (each job takes a free port), or pin a free one"))
+        rows.append(
+            error(
+                f"port {port}",
+                f"the pinned port {port} is in use{_listener(port)}: a job pinned to it is refused before launch",
+                "leave port= / --port out (each job takes a free port), or pin a free one",
+            )
+        )
         return rows
     rows.append(ok(f"port {port}", f"the pinned port {port} is free now"))
     return rows
@@ -300,12 +362,22 @@ def home_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
 
     root = default_root()
     if root.exists() and root.stat().st_uid != os.getuid():
-        return [error("home", f"sgpu_magic's home {root} is owned by uid {root.stat().st_uid}, not by you: jobs "
-                              f"refuse to run there", "set SGPU_MAGIC_HOME to a private directory of yours")]
+        return [
+            error(
+                "home",
+                f"sgpu_magic's home {root} is owned by uid {root.stat().st_uid}, not by you: jobs refuse to run there",
+                "set SGPU_MAGIC_HOME to a private directory of yours",
+            )
+        ]
     why = unwritable(root)
     if why is not None:
-        return [error("home", f"sgpu_magic's home {root} cannot be used: {why}",
-                      "set SGPU_MAGIC_HOME to a directory you can write")]
+        return [
+            error(
+                "home",
+                f"sgpu_magic's home {root} cannot be used: {why}",
+                "set SGPU_MAGIC_HOME to a directory you can write",
+            )
+        ]
     probe = root if root.exists() else next(p for p in root.parents if p.exists())
     free = shutil.disk_usage(probe).free
     details = f"{root} (run directories, logs, host logs): {free / 2**30:.1f} GiB free"
@@ -318,17 +390,35 @@ def host_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
     from sgpu_magic.launch.client import running_host
 
     cold = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") == "subprocess"
-    how = ("every launch is cold (SGPU_MAGIC_START_METHOD=subprocess)" if cold else
-           "ranks fork from a forkserver that has imported torch")
+    how = (
+        "every launch is cold (SGPU_MAGIC_START_METHOD=subprocess)"
+        if cold
+        else "ranks fork from a forkserver that has imported torch"
+    )
     if not config.in_shell:
-        return [ok("launch host", f"none in this process: each kernel starts its own with %load_ext sgpu_magic "
-                                  f"(%distributed_doctor there shows it); {how}")]
+        return [
+            ok(
+                "launch host",
+                f"none in this process: each kernel starts its own with %load_ext sgpu_magic "
+                f"(%distributed_doctor there shows it); {how}",
+            )
+        ]
     host = running_host()
     if host is None:
         return [ok("launch host", "not started (it starts with %load_ext sgpu_magic and with the first job)")]
     if not host.alive():
-        return [warning("launch host", f"pid {host.pid} has exited (its log: {host.log_path})",
-                        "nothing to do: the next job starts a new one; the log says why this one ended")]
-    state = ("cold by choice" if cold else "warm" if host.warm else
-             "warming up (ranks start cold until its forkserver has imported torch)")
+        return [
+            warning(
+                "launch host",
+                f"pid {host.pid} has exited (its log: {host.log_path})",
+                "nothing to do: the next job starts a new one; the log says why this one ended",
+            )
+        ]
+    state = (
+        "cold by choice"
+        if cold
+        else "warm"
+        if host.warm
+        else "warming up (ranks start cold until its forkserver has imported torch)"
+    )
     return [ok("launch host", f"pid {host.pid}, {state}: {how}; log {host.log_path}")]

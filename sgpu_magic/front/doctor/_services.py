@@ -42,16 +42,20 @@ def _importable(module: str) -> bool:
 
 
 def _sqlite_store(uri: str, shown: str) -> Check:
-    path = Path(unquote(uri[len("sqlite:///"):].partition("?")[0]))
+    path = Path(unquote(uri[len("sqlite:///") :].partition("?")[0]))
     if not path.exists():
         why = unwritable(path.parent)
         if why is not None:
-            return error("mlflow", f"{shown}: the database cannot be created: {why}",
-                         f"set MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) to a place you can write "
-                         f"{MLFLOW_REMEDY_TAIL}")
+            return error(
+                "mlflow",
+                f"{shown}: the database cannot be created: {why}",
+                f"set MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) to a place you can write {MLFLOW_REMEDY_TAIL}",
+            )
         return ok("mlflow", f"{shown}: made with the first tracked job (its tables take about 4 s)")
-    remedy = (f"point MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) at a new sqlite:/// file, or move that one "
-              f"away {MLFLOW_REMEDY_TAIL}")
+    remedy = (
+        f"point MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) at a new sqlite:/// file, or move that one "
+        f"away {MLFLOW_REMEDY_TAIL}"
+    )
     try:
         with open(path, "rb") as f:
             header = f.read(len(SQLITE_HEADER))
@@ -69,9 +73,11 @@ def _file_store(uri: str, shown: str) -> Check:
     path = Path(unquote(parts.path) if parts.scheme == "file" else uri)
     why = unwritable(path)
     if why is not None:
-        return error("mlflow", f"{shown}: the file store cannot be written: {why}",
-                     f"set MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) to a place you can write "
-                     f"{MLFLOW_REMEDY_TAIL}")
+        return error(
+            "mlflow",
+            f"{shown}: the file store cannot be written: {why}",
+            f"set MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) to a place you can write {MLFLOW_REMEDY_TAIL}",
+        )
     return ok("mlflow", f"{shown}: file store" + ("" if path.exists() else ", made with the first tracked job"))
 
 
@@ -86,18 +92,25 @@ def _server(uri: str, shown: str, timeout_s: float) -> Check:
         code = exc.code
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        return error("mlflow", f"{shown}: the tracking server does not answer within {timeout_s:g} s ({reason}): "
-                               f"jobs would run untracked",
-                     f"start it (e.g. mlflow server --host 127.0.0.1 --port {parts.port or 5000}), or set "
-                     f"MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) to a server that runs {MLFLOW_REMEDY_TAIL}")
+        return error(
+            "mlflow",
+            f"{shown}: the tracking server does not answer within {timeout_s:g} s ({reason}): jobs would run untracked",
+            f"start it (e.g. mlflow server --host 127.0.0.1 --port {parts.port or 5000}), or set "
+            f"MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) to a server that runs {MLFLOW_REMEDY_TAIL}",
+        )
     took = f"{(time.monotonic() - started) * 1000:.0f} ms"
     if code in (401, 403):
-        return warning("mlflow", f"{shown}: the server answers but refuses access (HTTP {code})",
-                       "give credentials: MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and "
-                       "MLFLOW_TRACKING_PASSWORD")
+        return warning(
+            "mlflow",
+            f"{shown}: the server answers but refuses access (HTTP {code})",
+            "give credentials: MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD",
+        )
     if code != 200:
-        return warning("mlflow", f"{shown}: answers HTTP {code} at /health: is it an MLflow tracking server?",
-                       "check the tracking URI")
+        return warning(
+            "mlflow",
+            f"{shown}: answers HTTP {code} at /health: is it an MLflow tracking server?",
+            "check the tracking URI",
+        )
     return ok("mlflow", f"{shown}: the tracking server answers ({took})")
 
 
@@ -152,16 +165,20 @@ def widgets_row(versions: dict[str, str | None], requires: list[str]) -> Check:
 
     widgets = versions.get("ipywidgets")
     if widgets is None:
-        return warning("widgets", "ipywidgets is not installed: jobs show plain [rank N] text, no panel",
-                       "pip install ipywidgets")
+        return warning(
+            "widgets", "ipywidgets is not installed: jobs show plain [rank N] text, no panel", "pip install ipywidgets"
+        )
     found = []
     for name, spec in _extension_requirements(requires).items():
         have = versions.get(name)
         if have is None or not SpecifierSet(spec).contains(have, prereleases=True):
             what = "is not installed" if have is None else f"is {have}"
-            return error("widgets", f"ipywidgets {widgets} needs {name}{spec} (its {EXTENSIONS[name]} extension), "
-                                    f"but {name} {what}: the panel will not render ('Error displaying widget')",
-                         f"pip install '{name}{spec}' in the environment the Jupyter server runs in")
+            return error(
+                "widgets",
+                f"ipywidgets {widgets} needs {name}{spec} (its {EXTENSIONS[name]} extension), "
+                f"but {name} {what}: the panel will not render ('Error displaying widget')",
+                f"pip install '{name}{spec}' in the environment the Jupyter server runs in",
+            )
         found.append(f"{name} {have} ({EXTENSIONS[name]})")
     return ok("widgets", f"ipywidgets {widgets} with {', '.join(found) or 'its extensions'}")
 
@@ -170,7 +187,7 @@ def _at_least(version: str | None, minimum: tuple[int, ...]) -> bool:
     from packaging.version import InvalidVersion, Version
 
     try:
-        return version is not None and Version(version).release[:len(minimum)] >= minimum
+        return version is not None and Version(version).release[: len(minimum)] >= minimum
     except InvalidVersion:
         return False
 
@@ -178,18 +195,29 @@ def _at_least(version: str | None, minimum: tuple[int, ...]) -> bool:
 def jupyter_row(versions: dict[str, str | None]) -> Check:
     """JupyterLab / Notebook / ipykernel here, and whether Stop works while a blocking cell runs (subshells)."""
     lab, notebook, kernel = versions.get("jupyterlab"), versions.get("notebook"), versions.get("ipykernel")
-    details = ", ".join(f"{label} {versions.get(name) or 'not installed'}" for label, name in
-                        (("JupyterLab", "jupyterlab"), ("Notebook", "notebook"), ("ipykernel", "ipykernel")))
+    details = ", ".join(
+        f"{label} {versions.get(name) or 'not installed'}"
+        for label, name in (("JupyterLab", "jupyterlab"), ("Notebook", "notebook"), ("ipykernel", "ipykernel"))
+    )
     if kernel is None:
         return warning("jupyter", f"{details}: this environment cannot run a Jupyter kernel", "pip install ipykernel")
-    old = [f"{label} {have}" for label, have, minimum in (("ipykernel", kernel, (7,)), ("JupyterLab", lab, (4, 4)),
-                                                           ("Notebook", notebook, (7, 4)))
-           if have is not None and not _at_least(have, minimum)]
+    old = [
+        f"{label} {have}"
+        for label, have, minimum in (
+            ("ipykernel", kernel, (7,)),
+            ("JupyterLab", lab, (4, 4)),
+            ("Notebook", notebook, (7, 4)),
+        )
+        if have is not None and not _at_least(have, minimum)
+    ]
     if old:
-        return warning("jupyter", f"{details}: with {' and '.join(old)} the panel's Stop button waits until a "
-                                  f"blocking cell ends (no kernel subshells)",
-                       "use the notebook's Interrupt button meanwhile (it cancels the job too), or upgrade: pip "
-                       "install 'ipykernel>=7' 'jupyterlab>=4.4' (Notebook: 'notebook>=7.4')")
+        return warning(
+            "jupyter",
+            f"{details}: with {' and '.join(old)} the panel's Stop button waits until a "
+            f"blocking cell ends (no kernel subshells)",
+            "use the notebook's Interrupt button meanwhile (it cancels the job too), or upgrade: pip "
+            "install 'ipykernel>=7' 'jupyterlab>=4.4' (Notebook: 'notebook>=7.4')",
+        )
     if lab is None and notebook is None:
         details += " (the Jupyter server may run in another environment)"
     return ok("jupyter", details)
@@ -260,21 +288,36 @@ def ray_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
     if address is None:
         return [ok("ray", f"no cluster configured: jobs run on this machine; {installed}")]
     if version is None:
-        return [error("ray", f"{source} names the Ray cluster {address!r}, but Ray is not installed",
-                      "pip install 'sgpu_magic[ray]' (or pip install ray), the same version as the cluster's")]
+        return [
+            error(
+                "ray",
+                f"{source} names the Ray cluster {address!r}, but Ray is not installed",
+                "pip install 'sgpu_magic[ray]' (or pip install ray), the same version as the cluster's",
+            )
+        ]
     if is_connected():
         return [ok("ray", f"this kernel is connected to a Ray cluster ({source}: {address!r}); Ray {version}")]
     target = _auto_address() if address == "auto" else address
     if target is None:
-        return [error("ray", f"{source} is 'auto', but no Ray cluster was started on this machine (no RAY_ADDRESS, "
-                             f"no ray_current_cluster file)",
-                      "start one (ray start --head), or give its address, e.g. ray://head:10001")]
+        return [
+            error(
+                "ray",
+                f"{source} is 'auto', but no Ray cluster was started on this machine (no RAY_ADDRESS, "
+                f"no ray_current_cluster file)",
+                "start one (ray start --head), or give its address, e.g. ray://head:10001",
+            )
+        ]
     why = _reachable(target, config.timeout_s)
     if why is not None:
-        return [error("ray", f"{source} names the Ray cluster {address!r}, but nothing answers at {target} within "
-                             f"{config.timeout_s:g} s ({why})",
-                      "start the cluster (ray start --head), or fix the address: ray://host:10001 (Ray client), "
-                      "host:6379 (its GCS) or auto")]
+        return [
+            error(
+                "ray",
+                f"{source} names the Ray cluster {address!r}, but nothing answers at {target} within "
+                f"{config.timeout_s:g} s ({why})",
+                "start the cluster (ray start --head), or fix the address: ray://host:10001 (Ray client), "
+                "host:6379 (its GCS) or auto",
+            )
+        ]
     return [ok("ray", f"{source}: {address!r} answers at {target}; Ray {version}")]
 
 
@@ -306,13 +349,20 @@ def _toolchain_row(version: str) -> Check:
     compiler = os.environ.get("CXX") or "c++"
     found = shutil.which(compiler)
     if found is None:
-        return warning("deepspeed", f"{version}, but no C++ compiler ({compiler} not found): DeepSpeed cannot build "
-                                    f"its JIT ops (on CPU, the communication op deepspeed.init_distributed needs; "
-                                    f"DeepSpeedCPUAdam)",
-                       "install one (apt-get install g++), or set CXX to a compiler")
+        return warning(
+            "deepspeed",
+            f"{version}, but no C++ compiler ({compiler} not found): DeepSpeed cannot build "
+            f"its JIT ops (on CPU, the communication op deepspeed.init_distributed needs; "
+            f"DeepSpeedCPUAdam)",
+            "install one (apt-get install g++), or set CXX to a compiler",
+        )
     if not is_ninja_available():
-        return warning("deepspeed", f"{version}, compiler {found}, but no ninja on PATH: torch's extension builder "
-                                    f"needs it for DeepSpeed's JIT ops", "pip install ninja")
+        return warning(
+            "deepspeed",
+            f"{version}, compiler {found}, but no ninja on PATH: torch's extension builder "
+            f"needs it for DeepSpeed's JIT ops",
+            "pip install ninja",
+        )
     return ok("deepspeed", f"{version}, C++ compiler {found}, ninja: its JIT ops can build")
 
 
@@ -326,11 +376,17 @@ def deepspeed_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
     ops = _built_ops(directory)
     why = unwritable(directory)
     if why is not None:
-        cache = warning("torch extensions", f"the JIT op cache {directory} cannot be written: {why}",
-                        "set TORCH_EXTENSIONS_DIR to a directory you can write")
+        cache = warning(
+            "torch extensions",
+            f"the JIT op cache {directory} cannot be written: {why}",
+            "set TORCH_EXTENSIONS_DIR to a directory you can write",
+        )
     elif ops:
         cache = ok("torch extensions", f"{directory}: {len(ops)} op(s) built ({', '.join(ops)})")
     else:
-        cache = ok("torch extensions", f"{directory}: none built yet; DeepSpeed's first start compiles a C++ op "
-                                       f"(about 60 s on 2 cores) and caches it here")
+        cache = ok(
+            "torch extensions",
+            f"{directory}: none built yet; DeepSpeed's first start compiles a C++ op "
+            f"(about 60 s on 2 cores) and caches it here",
+        )
     return [_toolchain_row(version), cache]

@@ -49,8 +49,16 @@ def _rendezvous_store(port: int):
         sock.bind(("127.0.0.1", port))
         sock.listen(1024)
         port = sock.getsockname()[1]
-        store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=STORE_TIMEOUT_S),
-                              wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True)
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            None,
+            True,
+            timedelta(seconds=STORE_TIMEOUT_S),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+            use_libuv=True,
+        )
     except BaseException:
         sock.close()
         raise
@@ -95,11 +103,18 @@ def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict, warm: boo
     logs = DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir))
     if warm:
         args = {r: (str(run_dir.path), envs[r]) for r in range(world)}
-        return _context_class(MultiprocessContext)(name=launch["job_id"], entrypoint=worker.rank_entry, args=args,
-                                                   envs=envs, start_method="forkserver", logs_specs=logs)
+        return _context_class(MultiprocessContext)(
+            name=launch["job_id"],
+            entrypoint=worker.rank_entry,
+            args=args,
+            envs=envs,
+            start_method="forkserver",
+            logs_specs=logs,
+        )
     args = {r: ("-u", "-m", "sgpu_magic.rank.worker", str(run_dir.path)) for r in range(world)}
-    return _context_class(SubprocessContext)(name=launch["job_id"], entrypoint=sys.executable, args=args, envs=envs,
-                                             logs_specs=logs)
+    return _context_class(SubprocessContext)(
+        name=launch["job_id"], entrypoint=sys.executable, args=args, envs=envs, logs_specs=logs
+    )
 
 
 def _make_tree_private(top: Path) -> None:
@@ -139,8 +154,9 @@ class HostJob:
         self.attempt, self.max_restarts = 1, int(self.launch.get("max_restarts") or 0)
         self.done = False
         grace_s = self.launch.get("teardown_grace_s")
-        self.guard = TeardownGuard(run_dir, self.launch["world_size"],
-                                   DEFAULT_TEARDOWN_GRACE_S if grace_s is None else float(grace_s), GRACE_S)
+        self.guard = TeardownGuard(
+            run_dir, self.launch["world_size"], DEFAULT_TEARDOWN_GRACE_S if grace_s is None else float(grace_s), GRACE_S
+        )
         self.ctx, self.pids, self.warm_by = None, {}, 0.0
         self._start_when_warm()
 
@@ -164,7 +180,9 @@ class HostJob:
         self.ctx.start()
         self.pids = self.ctx.pids()
         _make_tree_private(self.run_dir.elastic_dir)  # torch elastic made its per-rank folders with the umask
-        self.status.update(state="running", attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()})
+        self.status.update(
+            state="running", attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()}
+        )
         self.write()
 
     def write(self) -> None:
@@ -207,7 +225,9 @@ class HostJob:
             return
         failures = self.guard.spare(getattr(self.ctx, "first_failures", None) or result.failures)
         now = time.time()
-        self.status["failures"] = [{"rank": r, "exitcode": f.exitcode, "time_s": now} for r, f in sorted(failures.items())]
+        self.status["failures"] = [
+            {"rank": r, "exitcode": f.exitcode, "time_s": now} for r, f in sorted(failures.items())
+        ]
         if failures and self.attempt <= self.max_restarts:
             self._restart()
             return
@@ -224,8 +244,13 @@ class HostJob:
         world = self.launch["world_size"]
         failed = self.status.pop("failures")
         self.status.setdefault("attempts", []).append(
-            {"attempt": self.attempt, "failures": failed, "ended_s": time.time(),
-             "exitcodes": {str(r): code for r, code in _exitcodes(self.ctx).items()}})
+            {
+                "attempt": self.attempt,
+                "failures": failed,
+                "ended_s": time.time(),
+                "exitcodes": {str(r): code for r, code in _exitcodes(self.ctx).items()},
+            }
+        )
         keep = self.run_dir.attempt_errors_dir(self.attempt)
         self.guard.reset()
         for rank in range(world):
@@ -258,9 +283,12 @@ class HostJob:
         kill_leftovers(set(self.pids.values()), self.launch["job_id"])
         if self.guard.ended:
             self.status["teardown_ended"] = self.guard.report()
-        self.status.update(state=state, ended_s=time.time(),
-                           exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()} if self.ctx else {},
-                           log_lines=count_lines([self.run_dir.log_file(r) for r in range(self.launch["world_size"])]))
+        self.status.update(
+            state=state,
+            ended_s=time.time(),
+            exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()} if self.ctx else {},
+            log_lines=count_lines([self.run_dir.log_file(r) for r in range(self.launch["world_size"])]),
+        )
         self.store = None  # closes the rendezvous listener before the kernel hears the job ended
         # the final status is the last thing written: once the kernel reads it, the run dir and the
         # leases are in their final form (no payload, GPUs free)
@@ -283,8 +311,9 @@ def _release_lease(launch: dict) -> None:
 
         LeaseRegistry(launch["lease_dir"]).release(launch["job_id"])
     except Exception as exc:  # noqa: BLE001 - the next job reclaims it once this host is gone
-        print(f"sgpu_magic host: could not release the GPUs of job {launch['job_id']}: {exc}",
-              file=sys.stderr, flush=True)
+        print(
+            f"sgpu_magic host: could not release the GPUs of job {launch['job_id']}: {exc}", file=sys.stderr, flush=True
+        )
 
 
 def host_log(message: str) -> None:

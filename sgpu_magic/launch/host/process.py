@@ -44,8 +44,6 @@ POLL_S = 0.02
 IDLE_POLL_S = 0.5
 
 
-
-
 def _detach(kernel_pid: int, log_path: str) -> None:
     """Leave the kernel's process tree (fork; the parent exits), say ready, log to ``log_path``."""
     if os.fork() > 0:
@@ -154,8 +152,9 @@ def _plain_elastic_logging() -> None:
     import logging
 
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s",
-                                           "%m%d %H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s", "%m%d %H:%M:%S")
+    )
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.addHandler(handler)
     elastic.propagate = False

@@ -16,8 +16,16 @@ from pathlib import Path
 
 from sgpu_magic.rundir import atomic_write_json, read_json
 
-WARM_PRELOAD = ["sgpu_magic.launch.host.forkserver_guard", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-                "torch.distributed.elastic.multiprocessing", "sgpu_magic.rank.worker", "sgpu_magic.launch.host.warm_ready"]
+WARM_PRELOAD = [
+    "sgpu_magic.launch.host.forkserver_guard",
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "torch.distributed.elastic.multiprocessing",
+    "sgpu_magic.rank.worker",
+    "sgpu_magic.launch.host.warm_ready",
+]
 """Modules the forkserver imports once, so warm ranks skip them (the first DDP imports torch._dynamo; elastic's
 per-rank wrapper is unpickled from torch.distributed.elastic.multiprocessing, ~25 ms of CPU per rank otherwise)."""
 
@@ -97,8 +105,10 @@ class WarmPool:
             warm_s = max(0.0, os.stat(self.marker).st_mtime - self.started_s)
             self.ratio = warm_s / self.import_s
             if self.stats_path is not None:
-                atomic_write_json(self.stats_path, {"warm_s": round(warm_s, 3), "import_s": round(self.import_s, 3),
-                                                    "ratio": round(self.ratio, 3)})
+                atomic_write_json(
+                    self.stats_path,
+                    {"warm_s": round(warm_s, 3), "import_s": round(self.import_s, 3), "ratio": round(self.ratio, 3)},
+                )
         except OSError:
             pass
 

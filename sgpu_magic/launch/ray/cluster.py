@@ -53,8 +53,10 @@ def _check_reachable(cluster: str) -> None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_CHECK_S):
             pass
     except (OSError, ValueError) as exc:
-        raise ResourceError(f"cannot connect to the Ray cluster {cluster!r}: nothing answers at {host}:{port} "
-                            f"({exc}); start one (ray start --head) or check the address") from None
+        raise ResourceError(
+            f"cannot connect to the Ray cluster {cluster!r}: nothing answers at {host}:{port} "
+            f"({exc}); start one (ray start --head) or check the address"
+        ) from None
 
 
 _connected_to: str | None = None
@@ -79,18 +81,21 @@ def connect(cluster: str):
     ray = ray_module()
     if ray.is_initialized():
         if _connected_to is not None and cluster not in (_connected_to, "auto"):
-            raise ResourceError(f"this kernel is connected to the Ray cluster {_connected_to!r}, not {cluster!r}; a kernel "
-                                f"uses one Ray cluster at a time: restart the kernel (or ray.shutdown() when no job "
-                                f"runs) to use another")
+            raise ResourceError(
+                f"this kernel is connected to the Ray cluster {_connected_to!r}, not {cluster!r}; a kernel "
+                f"uses one Ray cluster at a time: restart the kernel (or ray.shutdown() when no job "
+                f"runs) to use another"
+            )
     else:
         if cluster != "auto":
             _check_reachable(cluster)
         try:
             ray.init(address=cluster, log_to_driver=False, namespace="sgpu_magic", configure_logging=False)
         except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError ...
-            raise ResourceError(f"cannot connect to the Ray cluster {cluster!r} ({type(exc).__name__}: {exc}); "
-                                f"start one (ray start --head) or give its address, e.g. cluster='ray://head:10001'"
-                                ) from None
+            raise ResourceError(
+                f"cannot connect to the Ray cluster {cluster!r} ({type(exc).__name__}: {exc}); "
+                f"start one (ray start --head) or give its address, e.g. cluster='ray://head:10001'"
+            ) from None
         _connected_to = cluster
     return ray
 
@@ -109,16 +114,23 @@ def plan_on_cluster(spec) -> DevicePlan:
     if spec.gpu_type and not gpu:
         raise ResourceError(f"gpu_type={spec.gpu_type!r}: the Ray cluster {spec.cluster!r} has no GPU")
     if total.get(unit, 0) < spec.gpus:
-        raise ResourceError(f"the Ray cluster {spec.cluster!r} has {total.get(unit, 0):g} {unit}s in all, fewer than "
-                            f"the {spec.gpus} ranks asked for; ask for fewer or add nodes")
+        raise ResourceError(
+            f"the Ray cluster {spec.cluster!r} has {total.get(unit, 0):g} {unit}s in all, fewer than "
+            f"the {spec.gpus} ranks asked for; ask for fewer or add nodes"
+        )
     if not spec.wait:
         free = ray.available_resources().get(unit, 0)
         if free < spec.gpus:
-            raise ResourceError(f"the Ray cluster {spec.cluster!r} has {free:g} of {total.get(unit, 0):g} {unit}s free, "
-                                f"the job needs {spec.gpus}; wait=False / --no-wait refuses to queue (leave it out "
-                                f"to wait for them)")
-    note = "" if gpu else (f"sgpu_magic: the Ray cluster has no GPU; running {spec.gpus} CPU rank(s) with gloo, "
-                           f"one CPU each")
+            raise ResourceError(
+                f"the Ray cluster {spec.cluster!r} has {free:g} of {total.get(unit, 0):g} {unit}s free, "
+                f"the job needs {spec.gpus}; wait=False / --no-wait refuses to queue (leave it out "
+                f"to wait for them)"
+            )
+    note = (
+        ""
+        if gpu
+        else (f"sgpu_magic: the Ray cluster has no GPU; running {spec.gpus} CPU rank(s) with gloo, one CPU each")
+    )
     return DevicePlan(spec.gpus, "nccl" if gpu else "gloo", (), note, cluster=connected_address(spec.cluster))
 
 

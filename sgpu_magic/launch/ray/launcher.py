@@ -59,14 +59,19 @@ def _agent_class():
             atomic_write_json(rd.launch_file, launch)
             rd.log_file(rank).touch(mode=0o600)
             env = {**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())}
-            self.proc = subprocess.Popen([sys.executable, "-u", "-m", "sgpu_magic.rank.worker", str(rd.path)], env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "sgpu_magic.rank.worker", str(rd.path)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             from sgpu_magic.launch.teardown import wait_with_grace
             from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
 
             grace_s = launch.get("teardown_grace_s")
-            code, ended = wait_with_grace(self.proc, rd, rank, DEFAULT_TEARDOWN_GRACE_S if grace_s is None else grace_s,
-                                          3.0)
+            code, ended = wait_with_grace(
+                self.proc, rd, rank, DEFAULT_TEARDOWN_GRACE_S if grace_s is None else grace_s, 3.0
+            )
             result = rd.result_file(rank).read_bytes() if rd.result_file(rank).exists() else None
             error = read_json(rd.error_file(rank))
             return {"exitcode": code, "result": result, "error": error, "teardown": ended}
@@ -130,8 +135,13 @@ class _Supervisor(threading.Thread):
         self.rd, self.cluster, self.gpu_type = rd, cluster, gpu_type
         self.launch = read_json(rd.launch_file, private=True)
         self.world = self.launch["world_size"]
-        self.status = {"state": "starting", "started_s": time.time(), "host_pid": os.getpid(), "cluster": cluster,
-                       "start_method": "ray"}
+        self.status = {
+            "state": "starting",
+            "started_s": time.time(),
+            "host_pid": os.getpid(),
+            "cluster": cluster,
+            "start_method": "ray",
+        }
         self._stop_reason: str | None = None
         self.finished = False
         self.offsets = [0] * self.world
@@ -171,8 +181,9 @@ class _Supervisor(threading.Thread):
 
         gloo = self.launch["backend"] == "gloo"
         bundle = _bundle(self.launch["backend"], self.gpu_type)
-        self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK",
-                                  name=f"sgpu_magic-{self.rd.job_id}")
+        self.pg = placement_group(
+            [dict(bundle) for _ in range(self.world)], strategy="PACK", name=f"sgpu_magic-{self.rd.job_id}"
+        )
         ready, noted = self.pg.ready(), 0.0
         while not ray.wait([ready], timeout=0.1)[0]:
             reason = self._should_stop()
@@ -182,21 +193,36 @@ class _Supervisor(threading.Thread):
                 noted = time.time()
                 unit = "GPU" if "GPU" in bundle else "CPU"
                 free, total = ray.available_resources().get(unit, 0), ray.cluster_resources().get(unit, 0)
-                self._write(waiting=f"waiting for {self.world} {unit} bundle(s) on the Ray cluster: {free:g} of "
-                                    f"{total:g} {unit}s free now")
+                self._write(
+                    waiting=f"waiting for {self.world} {unit} bundle(s) on the Ray cluster: {free:g} of "
+                    f"{total:g} {unit}s free now"
+                )
         self.status.pop("waiting", None)
         agent = _agent_class()
-        self.actors = [agent.options(num_cpus=int(gloo), num_gpus=int(not gloo), scheduling_strategy=PlacementGroupSchedulingStrategy(
-            self.pg, placement_group_bundle_index=r)).remote() for r in range(self.world)]
+        self.actors = [
+            agent.options(
+                num_cpus=int(gloo),
+                num_gpus=int(not gloo),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+            ).remote()
+            for r in range(self.world)
+        ]
         nodes = ray.get([a.node.remote() for a in self.actors])
         port = self.launch.get("port") or ray.get(self.actors[0].free_port.remote())
         payload = self.rd.payload_file.read_bytes()
-        refs = [a.run.remote(r, payload, self._rank_launch(), self._rank_env(r, nodes, port))
-                for r, a in enumerate(self.actors)]
+        refs = [
+            a.run.remote(r, payload, self._rank_launch(), self._rank_env(r, nodes, port))
+            for r, a in enumerate(self.actors)
+        ]
         pids = ray.get([a.pid.remote() for a in self.actors])
-        self._write(state="running", port=port, attempt=1, master_addr=nodes[0][1],
-                    nodes={str(r): ip for r, (_, ip, _) in enumerate(nodes)},
-                    pids={str(r): p for r, p in enumerate(pids) if p is not None})
+        self._write(
+            state="running",
+            port=port,
+            attempt=1,
+            master_addr=nodes[0][1],
+            nodes={str(r): ip for r, (_, ip, _) in enumerate(nodes)},
+            pids={str(r): p for r, p in enumerate(pids) if p is not None},
+        )
         pending = dict(zip(refs, range(self.world)))
         exitcodes: dict[str, int | None] = {}
         last_pull = 0.0
@@ -210,9 +236,17 @@ class _Supervisor(threading.Thread):
                 try:
                     out = ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - the actor died (node lost, killed)
-                    out = {"exitcode": -9, "result": None,
-                           "error": {"rank": rank, "exc_type": type(exc).__name__, "time_s": time.time(),
-                                     "message": f"the rank's Ray actor died: {exc}", "traceback": ""}}
+                    out = {
+                        "exitcode": -9,
+                        "result": None,
+                        "error": {
+                            "rank": rank,
+                            "exc_type": type(exc).__name__,
+                            "time_s": time.time(),
+                            "message": f"the rank's Ray actor died: {exc}",
+                            "traceback": "",
+                        },
+                    }
                 exitcodes[str(rank)] = out["exitcode"]
                 if out["result"] is not None:
                     atomic_write_bytes(self.rd.result_file(rank), out["result"])
@@ -246,8 +280,20 @@ class _Supervisor(threading.Thread):
         local = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
         env = {**rank_base_env(), **self.launch.get("env", {})}
         # rank 0 hosts the rendezvous store (no launcher process on the cluster serves one)
-        env.update(torchrun_env(self.rd.job_id, rank, self.world, local.index(rank), len(local),
-                                order.index(node_id), len(order), nodes[0][1], port, agent_store=False))
+        env.update(
+            torchrun_env(
+                self.rd.job_id,
+                rank,
+                self.world,
+                local.index(rank),
+                len(local),
+                order.index(node_id),
+                len(order),
+                nodes[0][1],
+                port,
+                agent_store=False,
+            )
+        )
         env.setdefault("OMP_NUM_THREADS", "1")
         gpus = [g for r in local for g in nodes[r][2]]
         if gpus:  # as torchrun on one node: every local rank sees the node's job GPUs, and takes cuda:LOCAL_RANK
@@ -293,8 +339,12 @@ class _Supervisor(threading.Thread):
             self.rd.payload_file.unlink()
         except FileNotFoundError:
             pass
-        self._write(state=state, ended_s=time.time(),
-                    log_lines=count_lines([self.rd.log_file(r) for r in range(self.world)]), **change)
+        self._write(
+            state=state,
+            ended_s=time.time(),
+            log_lines=count_lines([self.rd.log_file(r) for r in range(self.world)]),
+            **change,
+        )
 
     def _release(self) -> None:
         if self.pg is not None:
