@@ -47,8 +47,14 @@ def repo_status(root) -> set[str] | None:
     """The lines of ``git status --porcelain --ignored`` in ``root`` (Python's and pytest's caches left
     out), or ``None`` outside a git checkout."""
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=root, capture_output=True,
-                             text=True, timeout=120, check=True).stdout
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--ignored"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return {line for line in out.splitlines() if not line.endswith(_CACHES)}

@@ -19,9 +19,9 @@ so background load on a shared machine hits all of them alike.
 
 from __future__ import annotations
 
-from .common import (Context, Section, Table, Target, fmt, fmt_range, fmt_ratio, measure, median, ratio, settle)
+from .common import Context, Section, Table, Target, fmt, fmt_range, fmt_ratio, measure, median, ratio, settle
 
-TRIVIAL_DEF = '''\
+TRIVIAL_DEF = """\
 def trivial():
     import torch
     import torch.distributed as dist
@@ -34,17 +34,17 @@ def trivial():
     return rank
 
 trivial_jobs = {{n: distributed(gpus=n, **_KW)(trivial) for n in {ranks!r}}}
-'''
+"""
 
-SGPU_CELL = '''\
+SGPU_CELL = """\
 _t0 = time.perf_counter()
 _r = trivial_jobs[{n}].distributed()
 _dt = time.perf_counter() - _t0
 assert _r == list(range({n})), _r
 _emit(kernel_s=_dt, start_method=_start_method(trivial_jobs[{n}].last_job))
-'''
+"""
 
-TORCHRUN_CELL = '''\
+TORCHRUN_CELL = """\
 _out = tempfile.mkdtemp(prefix="torchrun-")
 _t0 = time.perf_counter()
 _p = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "{n}", workloads.__file__, "trivial", _out],
@@ -55,9 +55,9 @@ shutil.rmtree(_out, ignore_errors=True)
 if _p.returncode or _r != list(range({n})):
     raise RuntimeError(f"torchrun failed ({{_p.returncode}}): {{_r}} {{_p.stderr[-3000:]}}")
 _emit(kernel_s=_dt)
-'''
+"""
 
-SPAWN_CELL = '''\
+SPAWN_CELL = """\
 _t0 = time.perf_counter()
 _q = mp.get_context("spawn").SimpleQueue()
 mp.spawn(workloads.spawn_trivial, args=({n}, _free_port(), _q), nprocs={n}, join=True)
@@ -65,9 +65,9 @@ _r = sorted(_q.get() for _ in range({n}))
 _dt = time.perf_counter() - _t0
 assert _r == list(range({n})), _r
 _emit(kernel_s=_dt)
-'''
+"""
 
-NL_SETUP = '''\
+NL_SETUP = """\
 from accelerate import notebook_launcher
 
 def trivial_nl():
@@ -84,19 +84,23 @@ def trivial_nl():
     rank = dist.get_rank()
     dist.destroy_process_group()
     return rank
-'''
+"""
 
-NL_CELL = '''\
+NL_CELL = """\
 _t0 = time.perf_counter()
 notebook_launcher(trivial_nl, num_processes={n}, use_port=str(_free_port()))
 _dt = time.perf_counter() - _t0
 _emit(kernel_s=_dt)
-'''
+"""
 
 METHODS = ["sgpu_first", "sgpu_warm", "torchrun", "spawn", "notebook_launcher"]
-LABELS = {"sgpu_first": "sgpu_magic first launch (fresh kernel)", "sgpu_warm": "sgpu_magic warm launch",
-          "torchrun": "torchrun --standalone", "spawn": "torch.multiprocessing.spawn",
-          "notebook_launcher": "accelerate notebook_launcher"}
+LABELS = {
+    "sgpu_first": "sgpu_magic first launch (fresh kernel)",
+    "sgpu_warm": "sgpu_magic warm launch",
+    "torchrun": "torchrun --standalone",
+    "spawn": "torch.multiprocessing.spawn",
+    "notebook_launcher": "accelerate notebook_launcher",
+}
 
 
 def accelerate_available() -> bool:
@@ -112,8 +116,11 @@ def run(ctx: Context) -> Section:
     ranks = cfg.launch_ranks
     timeout = cfg.launch_timeout_s
     methods = [m for m in METHODS if m != "notebook_launcher" or accelerate_available()]
-    samples = {(m, n): {"kernel": [], "driver": [], "hangs": 0, "errors": [], "start_methods": []}
-               for m in METHODS for n in ranks}
+    samples = {
+        (m, n): {"kernel": [], "driver": [], "hangs": 0, "errors": [], "start_methods": []}
+        for m in METHODS
+        for n in ranks
+    }
     kernels: dict[str, object] = {"sgpu_warm": None, "torchrun": None, "spawn": None, "notebook_launcher": None}
 
     def warm_kernel():
@@ -126,13 +133,18 @@ def run(ctx: Context) -> Section:
         k.run(NL_SETUP, timeout_s=timeout)
         return k
 
-    factories = {"sgpu_warm": warm_kernel, "torchrun": lambda: ctx.peers_kernel("launch-torchrun"),
-                 "spawn": lambda: ctx.peers_kernel("launch-spawn"), "notebook_launcher": nl_kernel}
+    factories = {
+        "sgpu_warm": warm_kernel,
+        "torchrun": lambda: ctx.peers_kernel("launch-torchrun"),
+        "spawn": lambda: ctx.peers_kernel("launch-spawn"),
+        "notebook_launcher": nl_kernel,
+    }
     cells = {"sgpu_warm": SGPU_CELL, "torchrun": TORCHRUN_CELL, "spawn": SPAWN_CELL, "notebook_launcher": NL_CELL}
 
     def one(method: str, n: int) -> None:
         s = samples[(method, n)]
         if method == "sgpu_first":
+
             def first_kernel():
                 k = ctx.sgpu_kernel("launch-first")
                 k.run(TRIVIAL_DEF.format(ranks=ranks), timeout_s=timeout)
@@ -142,7 +154,9 @@ def run(ctx: Context) -> Section:
             if k is not None:
                 k.shutdown()
         else:
-            kernels[method], cell, problem = measure(factories[method], kernels[method], cells[method].format(n=n), timeout)
+            kernels[method], cell, problem = measure(
+                factories[method], kernels[method], cells[method].format(n=n), timeout
+            )
         if problem is None:
             s["kernel"].append(cell.data["kernel_s"])
             s["driver"].append(cell.wall_s)
@@ -152,12 +166,16 @@ def run(ctx: Context) -> Section:
             s["hangs"] += 1
         else:
             s["errors"].append(problem)
-        status = "hang" if problem and problem.startswith("hang") else ("error" if problem else f"{cell.data['kernel_s']:.2f} s")
+        status = (
+            "hang"
+            if problem and problem.startswith("hang")
+            else ("error" if problem else f"{cell.data['kernel_s']:.2f} s")
+        )
         print(f"  launch {method:<18} ranks={n}: {status}", flush=True)
         settle()
 
     for rep in range(cfg.launch_reps):
-        order = methods[rep % len(methods):] + methods[:rep % len(methods)]
+        order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
         for n in ranks:
             for method in order:
                 one(method, n)
@@ -179,20 +197,47 @@ def _methods(methods: list) -> str:
 
 def _report(ctx: Context, ranks, methods, samples) -> Section:
     sec = Section(raw={"samples": {f"{m}/{n}": v for (m, n), v in samples.items()}})
-    t = Table("1. Launch-to-result latency, trivial gloo job (seconds)",
-              ["ranks", "launcher", "in kernel (median)", "driver wall (median)", "in kernel min-max", "n", "hangs",
-               "vs torchrun", "vs notebook_launcher", "sgpu start method"])
+    t = Table(
+        "1. Launch-to-result latency, trivial gloo job (seconds)",
+        [
+            "ranks",
+            "launcher",
+            "in kernel (median)",
+            "driver wall (median)",
+            "in kernel min-max",
+            "n",
+            "hangs",
+            "vs torchrun",
+            "vs notebook_launcher",
+            "sgpu start method",
+        ],
+    )
     med = {(m, n): median(samples[(m, n)]["kernel"]) for m in METHODS for n in ranks}
     for n in ranks:
         for m in methods:
             s = samples[(m, n)]
-            t.rows.append([n, LABELS[m], fmt(med[(m, n)]), fmt(median(s["driver"])), fmt_range(s["kernel"]),
-                           len(s["kernel"]), s["hangs"],
-                           fmt_ratio(ratio(med[(m, n)], med[("torchrun", n)])) if m != "torchrun" else "1.00x",
-                           ("1.00x" if m == "notebook_launcher" else "-" if "notebook_launcher" not in methods
-                            else "n/a (in-kernel call)" if n == 1
-                            else fmt_ratio(ratio(med[(m, n)], med[("notebook_launcher", n)]))),
-                           _methods(s["start_methods"])])
+            t.rows.append(
+                [
+                    n,
+                    LABELS[m],
+                    fmt(med[(m, n)]),
+                    fmt(median(s["driver"])),
+                    fmt_range(s["kernel"]),
+                    len(s["kernel"]),
+                    s["hangs"],
+                    fmt_ratio(ratio(med[(m, n)], med[("torchrun", n)])) if m != "torchrun" else "1.00x",
+                    (
+                        "1.00x"
+                        if m == "notebook_launcher"
+                        else "-"
+                        if "notebook_launcher" not in methods
+                        else "n/a (in-kernel call)"
+                        if n == 1
+                        else fmt_ratio(ratio(med[(m, n)], med[("notebook_launcher", n)]))
+                    ),
+                    _methods(s["start_methods"]),
+                ]
+            )
             for e in s["errors"]:
                 t.notes.append(f"{LABELS[m]}, {n} ranks, failed once: {e.splitlines()[0][:300]}")
     t.notes += [
@@ -214,23 +259,49 @@ def _report(ctx: Context, ranks, methods, samples) -> Section:
     suffix = "" if n8 == 8 else f" (8 ranks not measured; shown for {n8})"
     warm, nl, tr = med[("sgpu_warm", n8)], med[("notebook_launcher", n8)], med[("torchrun", n8)]
     r_nl, r_tr = ratio(warm, nl), ratio(warm, tr)
-    sec.targets.append(Target(f"warm launch, {n8} CPU ranks, vs notebook_launcher{suffix}", "<= 1.0x",
-                              f"{fmt_ratio(r_nl)} ({fmt(warm)} s vs {fmt(nl)} s)", None if r_nl is None else r_nl <= 1.0))
-    sec.targets.append(Target(f"warm launch, {n8} CPU ranks, vs torchrun{suffix}", "<= 0.1x",
-                              f"{fmt_ratio(r_tr)} ({fmt(warm)} s vs {fmt(tr)} s)", None if r_tr is None else r_tr <= 0.1))
+    sec.targets.append(
+        Target(
+            f"warm launch, {n8} CPU ranks, vs notebook_launcher{suffix}",
+            "<= 1.0x",
+            f"{fmt_ratio(r_nl)} ({fmt(warm)} s vs {fmt(nl)} s)",
+            None if r_nl is None else r_nl <= 1.0,
+        )
+    )
+    sec.targets.append(
+        Target(
+            f"warm launch, {n8} CPU ranks, vs torchrun{suffix}",
+            "<= 0.1x",
+            f"{fmt_ratio(r_tr)} ({fmt(warm)} s vs {fmt(tr)} s)",
+            None if r_tr is None else r_tr <= 0.1,
+        )
+    )
     firsts = {n: ratio(med[("sgpu_first", n)], med[("torchrun", n)]) for n in ranks}
     measured = ", ".join(f"{n}: {fmt_ratio(r)}" for n, r in firsts.items())
     known = [r for r in firsts.values() if r is not None]
-    sec.targets.append(Target("first launch vs torchrun (each rank count)", "<= 1.0x", measured,
-                              None if not known else all(r <= 1.0 for r in known)))
+    sec.targets.append(
+        Target(
+            "first launch vs torchrun (each rank count)",
+            "<= 1.0x",
+            measured,
+            None if not known else all(r <= 1.0 for r in known),
+        )
+    )
     for n, wanted in ((8, 0.35), (1, 0.3)):  # issue 17: the first launch waits for the warming forkserver
         r = firsts.get(n)
-        sec.targets.append(Target(f"first launch, {n} CPU rank(s), vs torchrun (issue 17)", f"<= {wanted}x",
-                                  "not measured" if r is None else f"{fmt_ratio(r)} ({fmt(med[('sgpu_first', n)])} s "
-                                  f"vs {fmt(med[('torchrun', n)])} s)", None if r is None else r <= wanted))
+        sec.targets.append(
+            Target(
+                f"first launch, {n} CPU rank(s), vs torchrun (issue 17)",
+                f"<= {wanted}x",
+                "not measured"
+                if r is None
+                else f"{fmt_ratio(r)} ({fmt(med[('sgpu_first', n)])} s vs {fmt(med[('torchrun', n)])} s)",
+                None if r is None else r <= wanted,
+            )
+        )
     if not ctx.cfg.soak:
-        sec.targets.append(Target("no hang in 200 consecutive warm launches", "0 hangs in 200",
-                                  "not run (add --soak 200)", None))
+        sec.targets.append(
+            Target("no hang in 200 consecutive warm launches", "0 hangs in 200", "not run (add --soak 200)", None)
+        )
     return sec
 
 
@@ -258,20 +329,41 @@ def run_soak(ctx: Context) -> Section:
         else:
             soak["errors"].append(problem)
         if (i + 1) % 10 == 0:
-            print(f"  soak: {i + 1}/{cfg.soak} warm launches of {n} ranks, {soak['hangs']} hangs, "
-                  f"{len(soak['errors'])} errors", flush=True)
+            print(
+                f"  soak: {i + 1}/{cfg.soak} warm launches of {n} ranks, {soak['hangs']} hangs, "
+                f"{len(soak['errors'])} errors",
+                flush=True,
+            )
     if kernel is not None and not kernel.closed:
         kernel.shutdown()
     sec = Section(raw=soak)
-    t = Table(f"1b. Soak: {soak['launches']} consecutive warm launches of {n} ranks in one kernel",
-              ["launches", "ok", "hangs", "errors", "in kernel median", "min-max", "start method"],
-              [[soak["launches"], soak["ok"], soak["hangs"], len(soak["errors"]), fmt(median(soak["kernel"])),
-                fmt_range(soak["kernel"]), _methods(soak["start_methods"])]])
+    t = Table(
+        f"1b. Soak: {soak['launches']} consecutive warm launches of {n} ranks in one kernel",
+        ["launches", "ok", "hangs", "errors", "in kernel median", "min-max", "start method"],
+        [
+            [
+                soak["launches"],
+                soak["ok"],
+                soak["hangs"],
+                len(soak["errors"]),
+                fmt(median(soak["kernel"])),
+                fmt_range(soak["kernel"]),
+                _methods(soak["start_methods"]),
+            ]
+        ],
+    )
     for e in soak["errors"][:5]:
         t.notes.append(f"failed: {e.splitlines()[0][:300]}")
-    t.notes.append(f"a launch that takes over {timeout:.0f} s counts as a hang (the kernel is killed and a new one started).")
+    t.notes.append(
+        f"a launch that takes over {timeout:.0f} s counts as a hang (the kernel is killed and a new one started)."
+    )
     sec.tables.append(t)
-    sec.targets.append(Target(f"no hang in {soak['launches']} consecutive warm launches ({n} ranks)", "0 hangs in 200",
-                              f"{soak['hangs']} hangs, {len(soak['errors'])} errors in {soak['launches']}",
-                              False if soak["hangs"] or soak["errors"] else (True if soak["launches"] >= 200 else None)))
+    sec.targets.append(
+        Target(
+            f"no hang in {soak['launches']} consecutive warm launches ({n} ranks)",
+            "0 hangs in 200",
+            f"{soak['hangs']} hangs, {len(soak['errors'])} errors in {soak['launches']}",
+            False if soak["hangs"] or soak["errors"] else (True if soak["launches"] >= 200 else None),
+        )
+    )
     return sec

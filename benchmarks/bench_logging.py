@@ -59,7 +59,7 @@ def _count_lines(path, rank, n):
     return n - sum(seen), other
 '''
 
-FLOOD_CELL = '''\
+FLOOD_CELL = """\
 _fn = flood_jobs[{cond!r}]
 _h0, _c0, _t0 = _host_cpu(), time.process_time(), time.perf_counter()
 _loops = _fn.distributed({lines}, {redirect!r})
@@ -76,7 +76,7 @@ _emit(wall_s=_wall, cpu_s=_cpu, host_cpu_s=None if _h0 is None or _h1 is None el
       lost=sum(c[0] for c in _counts), other_lines=sum(c[1] for c in _counts),
       flushes=getattr(_view, "flushes", None), view=type(_view).__name__, start_method=_start_method(_job),
       view_lines=[getattr(b, "total_lines", None) for b in getattr(_view, "buffers", [])])
-'''
+"""
 
 CONDITIONS = ["panel", "panel_small", "text", "file", "devnull"]
 SMALL_LINES = 10
@@ -94,12 +94,29 @@ def run(ctx: Context) -> Section:
         return k
 
     kernel = None
-    samples = {c: {"wall": [], "cpu": [], "cpu_pct": [], "elapsed": [], "loop": [], "lost": [], "other": [],
-                   "view_lines": [], "flushes_per_s": [], "iopub_per_s": [], "comm_msgs": [], "errors": [], "hangs": 0, "host_cpu": [], "side_cpu_pct": [],
-                   "start_methods": []}
-               for c in CONDITIONS}
+    samples = {
+        c: {
+            "wall": [],
+            "cpu": [],
+            "cpu_pct": [],
+            "elapsed": [],
+            "loop": [],
+            "lost": [],
+            "other": [],
+            "view_lines": [],
+            "flushes_per_s": [],
+            "iopub_per_s": [],
+            "comm_msgs": [],
+            "errors": [],
+            "hangs": 0,
+            "host_cpu": [],
+            "side_cpu_pct": [],
+            "start_methods": [],
+        }
+        for c in CONDITIONS
+    }
     for rep in range(cfg.log_reps):
-        order = CONDITIONS[rep % len(CONDITIONS):] + CONDITIONS[:rep % len(CONDITIONS)]
+        order = CONDITIONS[rep % len(CONDITIONS) :] + CONDITIONS[: rep % len(CONDITIONS)]
         for cond in order:
             devnull = cond == "devnull"
             redirect = {"devnull": "/dev/null", "file": str(ctx.workdir / "flood")}.get(cond)
@@ -138,8 +155,11 @@ def run(ctx: Context) -> Section:
             s["iopub_per_s"].append(iopub / d["wall_s"])
             s["comm_msgs"].append(cell.msg_counts["comm_msg"])
             s["start_methods"].append(d.get("start_method"))
-            print(f"  logging {cond:<8}: wall {d['wall_s']:.2f} s, kernel CPU {d['cpu_s']:.2f} s, "
-                  f"rank loop {median(d['loop_s']):.2f} s, lost {d['lost']}, flushes {d['flushes']}", flush=True)
+            print(
+                f"  logging {cond:<8}: wall {d['wall_s']:.2f} s, kernel CPU {d['cpu_s']:.2f} s, "
+                f"rank loop {median(d['loop_s']):.2f} s, lost {d['lost']}, flushes {d['flushes']}",
+                flush=True,
+            )
             settle()
     if kernel is not None and not kernel.closed:
         kernel.shutdown()
@@ -149,34 +169,80 @@ def run(ctx: Context) -> Section:
 def _report(ranks: int, lines: int, samples: dict) -> Section:
     sec = Section(raw={"ranks": ranks, "lines": lines, "samples": samples})
     base_loop = median(samples["devnull"]["loop"])
-    t = Table(f"3. Logging: {ranks} ranks x {lines:,} lines each, as fast as they can",
-              ["rank stdout", "lines lost on disk", "other lines on disk", "lines that reached the view",
-               "rank print loop s", "loop slowdown vs /dev/null", "call wall s", "kernel CPU s", "kernel CPU % of wall",
-               "host CPU s", "kernel+host CPU % of wall", "panel flushes/s", "iopub msgs/s", "n"])
-    names = {"panel": "sgpu_magic log file + panel (widgets)",
-             "panel_small": f"same panel job, {SMALL_LINES} lines per rank (fixed cost)",
-             "text": "sgpu_magic log file + text view",
-             "file": "plain file nobody follows (reference)", "devnull": "/dev/null (baseline)"}
+    t = Table(
+        f"3. Logging: {ranks} ranks x {lines:,} lines each, as fast as they can",
+        [
+            "rank stdout",
+            "lines lost on disk",
+            "other lines on disk",
+            "lines that reached the view",
+            "rank print loop s",
+            "loop slowdown vs /dev/null",
+            "call wall s",
+            "kernel CPU s",
+            "kernel CPU % of wall",
+            "host CPU s",
+            "kernel+host CPU % of wall",
+            "panel flushes/s",
+            "iopub msgs/s",
+            "n",
+        ],
+    )
+    names = {
+        "panel": "sgpu_magic log file + panel (widgets)",
+        "panel_small": f"same panel job, {SMALL_LINES} lines per rank (fixed cost)",
+        "text": "sgpu_magic log file + text view",
+        "file": "plain file nobody follows (reference)",
+        "devnull": "/dev/null (baseline)",
+    }
     expected = ranks * lines
     for cond in CONDITIONS:
         s = samples[cond]
         if cond == "panel_small":
-            t.rows.append([names[cond], "-", "-", "-", "-", "-", fmt(median(s["wall"])), fmt(median(s["cpu"])),
-                           fmt(median(s["cpu_pct"]), 1, "%"), fmt(median(s["host_cpu"])), "-", "-",
-                           fmt(median(s["iopub_per_s"]), 1), len(s["wall"])])
+            t.rows.append(
+                [
+                    names[cond],
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    fmt(median(s["wall"])),
+                    fmt(median(s["cpu"])),
+                    fmt(median(s["cpu_pct"]), 1, "%"),
+                    fmt(median(s["host_cpu"])),
+                    "-",
+                    "-",
+                    fmt(median(s["iopub_per_s"]), 1),
+                    len(s["wall"]),
+                ]
+            )
             continue
         lost = "-" if cond == "devnull" else (str(max(s["lost"])) if s["lost"] else "-")
         other = "-" if cond == "devnull" else (str(max(s["other"])) if s["other"] else "-")
         view = "-" if not s["view_lines"] else f"{min(s['view_lines']):,} of {expected:,}"
         if cond == "panel" and s["view_lines"]:
             view += " (read from each log's tail; all lines counted at the end)"
-        t.rows.append([names[cond], lost, other, view, fmt(median(s["loop"])),
-                       "1.00x" if cond == "devnull" else (f"{ratio(median(s['loop']), base_loop):.2f}x"
-                                                          if s["loop"] and base_loop else "-"),
-                       fmt(median(s["wall"])), fmt(median(s["cpu"])), fmt(median(s["cpu_pct"]), 1, "%"),
-                       fmt(median(s["host_cpu"])), fmt(median(s["side_cpu_pct"]), 1, "%"),
-                       fmt(median(s["flushes_per_s"]), 1) if cond == "panel" else "-",
-                       fmt(median(s["iopub_per_s"]), 1), len(s["wall"])])
+        t.rows.append(
+            [
+                names[cond],
+                lost,
+                other,
+                view,
+                fmt(median(s["loop"])),
+                "1.00x"
+                if cond == "devnull"
+                else (f"{ratio(median(s['loop']), base_loop):.2f}x" if s["loop"] and base_loop else "-"),
+                fmt(median(s["wall"])),
+                fmt(median(s["cpu"])),
+                fmt(median(s["cpu_pct"]), 1, "%"),
+                fmt(median(s["host_cpu"])),
+                fmt(median(s["side_cpu_pct"]), 1, "%"),
+                fmt(median(s["flushes_per_s"]), 1) if cond == "panel" else "-",
+                fmt(median(s["iopub_per_s"]), 1),
+                len(s["wall"]),
+            ]
+        )
         for e in s["errors"]:
             t.notes.append(f"{names[cond]} failed once: {e.splitlines()[0][:300]}")
         if s["hangs"]:
@@ -195,19 +261,45 @@ def _report(ranks: int, lines: int, samples: dict) -> Section:
         f"panel {fmt_range(samples['panel']['loop'])}, /dev/null {fmt_range(samples['devnull']['loop'])}).",
     ]
     methods = sorted({str(m) for c in CONDITIONS for m in samples[c]["start_methods"]})
-    t.notes.append(f"sgpu_magic ranks started by: {', '.join(methods) or '-'} (the kernel ran untimed warm-up launches first).")
+    t.notes.append(
+        f"sgpu_magic ranks started by: {', '.join(methods) or '-'} (the kernel ran untimed warm-up launches first)."
+    )
     sec.tables.append(t)
     all_lost = samples["panel"]["lost"] + samples["text"]["lost"]
-    sec.targets.append(Target(f"lines lost on disk ({ranks} x {lines:,} lines)", "0",
-                              "-" if not all_lost else str(max(all_lost)), None if not all_lost else max(all_lost) == 0))
+    sec.targets.append(
+        Target(
+            f"lines lost on disk ({ranks} x {lines:,} lines)",
+            "0",
+            "-" if not all_lost else str(max(all_lost)),
+            None if not all_lost else max(all_lost) == 0,
+        )
+    )
     pct = median(samples["panel"]["cpu_pct"])
-    sec.targets.append(Target("kernel CPU while logging heavily (panel), % of the job's wall time", "<= 5%",
-                              fmt(pct, 1, "%"), None if pct is None else pct <= 5.0))
-    cpu, fixed, wall = median(samples["panel"]["cpu"]), median(samples["panel_small"]["cpu"]), median(samples["panel"]["wall"])
+    sec.targets.append(
+        Target(
+            "kernel CPU while logging heavily (panel), % of the job's wall time",
+            "<= 5%",
+            fmt(pct, 1, "%"),
+            None if pct is None else pct <= 5.0,
+        )
+    )
+    cpu, fixed, wall = (
+        median(samples["panel"]["cpu"]),
+        median(samples["panel_small"]["cpu"]),
+        median(samples["panel"]["wall"]),
+    )
     if None not in (cpu, fixed, wall):
         marginal = 100 * max(0.0, cpu - fixed) / wall
-        sec.targets.append(Target("the same, beyond the panel's fixed cost per job (panel job of "
-                                  f"{SMALL_LINES} lines: {fixed:.3f} s)", "<= 5%", f"{marginal:.1f}%", marginal <= 5.0))
-        t.notes.append(f"kernel CPU for following the logs alone (panel job minus the {SMALL_LINES}-line panel job): "
-                       f"{cpu - fixed:.3f} s = {marginal:.1f}% of the heavy job's wall time.")
+        sec.targets.append(
+            Target(
+                f"the same, beyond the panel's fixed cost per job (panel job of {SMALL_LINES} lines: {fixed:.3f} s)",
+                "<= 5%",
+                f"{marginal:.1f}%",
+                marginal <= 5.0,
+            )
+        )
+        t.notes.append(
+            f"kernel CPU for following the logs alone (panel job minus the {SMALL_LINES}-line panel job): "
+            f"{cpu - fixed:.3f} s = {marginal:.1f}% of the heavy job's wall time."
+        )
     return sec

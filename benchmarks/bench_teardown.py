@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .common import Context, Section, Table, Target, fmt, fmt_range, measure, median
 
-TUTORIAL = '''\
+TUTORIAL = """\
 import os
 import torch
 import torch.nn.functional as F
@@ -88,16 +88,16 @@ def main(save_every: int, total_epochs: int, batch_size: int):
     trainer = Trainer(model, train_data, optimizer, save_every)
     trainer.train(total_epochs)
     destroy_process_group()
-'''
+"""
 
-LAUNCH = '''\
+LAUNCH = """\
 _t0 = time.perf_counter()
 _r = main.distributed(10, 1, 32)
 _dt = time.perf_counter() - _t0
 assert _r == [None] * {ranks}, _r
 _emit(kernel_s=_dt, start_method=_start_method(main.last_job),
       graced=sum("needed the teardown grace" in n for n in main.last_job.notes))
-'''
+"""
 
 RANKS = 2
 HANG_S = 60.0
@@ -111,8 +111,16 @@ def run(ctx: Context) -> Section:
         k.run(TUTORIAL.format(ranks=RANKS), timeout_s=ctx.cfg.cell_timeout_s)
         return k
 
-    soak = {"launches": n, "ok": 0, "hangs": 0, "graced_ranks": 0, "graced_launches": 0, "errors": [],
-            "kernel": [], "start_methods": []}
+    soak = {
+        "launches": n,
+        "ok": 0,
+        "hangs": 0,
+        "graced_ranks": 0,
+        "graced_launches": 0,
+        "errors": [],
+        "kernel": [],
+        "start_methods": [],
+    }
     kernel = None
     for i in range(n):
         kernel, cell, problem = measure(warm_kernel, kernel, LAUNCH.format(ranks=RANKS), HANG_S)
@@ -127,8 +135,11 @@ def run(ctx: Context) -> Section:
         else:
             soak["errors"].append(problem)
         if (i + 1) % 25 == 0:
-            print(f"  teardown: {i + 1}/{n} warm launches, {soak['hangs']} hangs, {soak['graced_ranks']} ranks needed "
-                  f"the grace, {len(soak['errors'])} errors", flush=True)
+            print(
+                f"  teardown: {i + 1}/{n} warm launches, {soak['hangs']} hangs, {soak['graced_ranks']} ranks needed "
+                f"the grace, {len(soak['errors'])} errors",
+                flush=True,
+            )
     if kernel is not None and not kernel.closed:
         kernel.shutdown()
     return _report(soak)
@@ -139,13 +150,31 @@ def _report(soak: dict) -> Section:
     for m in soak["start_methods"]:
         methods[m] = methods.get(m, 0) + 1
     sec = Section(raw=soak)
-    t = Table(f"Teardown soak: {soak['launches']} consecutive warm launches of the DDP tutorial's main() "
-              f"({RANKS} CPU ranks)",
-              ["launches", "ok", "hangs (> 60 s)", "ranks that needed the teardown grace", "errors",
-               "in kernel median (s)", "min-max", "start method"],
-              [[soak["launches"], soak["ok"], soak["hangs"], f"{soak['graced_ranks']} (in {soak['graced_launches']} "
-                f"launches)", len(soak["errors"]), fmt(median(soak["kernel"])), fmt_range(soak["kernel"]),
-                ", ".join(f"{m} x{c}" for m, c in methods.items()) or "-"]])
+    t = Table(
+        f"Teardown soak: {soak['launches']} consecutive warm launches of the DDP tutorial's main() ({RANKS} CPU ranks)",
+        [
+            "launches",
+            "ok",
+            "hangs (> 60 s)",
+            "ranks that needed the teardown grace",
+            "errors",
+            "in kernel median (s)",
+            "min-max",
+            "start method",
+        ],
+        [
+            [
+                soak["launches"],
+                soak["ok"],
+                soak["hangs"],
+                f"{soak['graced_ranks']} (in {soak['graced_launches']} launches)",
+                len(soak["errors"]),
+                fmt(median(soak["kernel"])),
+                fmt_range(soak["kernel"]),
+                ", ".join(f"{m} x{c}" for m, c in methods.items()) or "-",
+            ]
+        ],
+    )
     for e in soak["errors"][:5]:
         t.notes.append(f"failed: {e.splitlines()[0][:300]}")
     t.notes += [
@@ -156,7 +185,12 @@ def _report(soak: dict) -> Section:
         "written and the launch host ended it (the job still succeeds with its values).",
     ]
     sec.tables.append(t)
-    sec.targets.append(Target(f"teardown soak: no hang in {soak['launches']} warm launches of the DDP tutorial",
-                              "0 hangs", f"{soak['hangs']} hangs, {soak['graced_ranks']} ranks graced, "
-                              f"{len(soak['errors'])} errors", not soak["hangs"] and not soak["errors"]))
+    sec.targets.append(
+        Target(
+            f"teardown soak: no hang in {soak['launches']} warm launches of the DDP tutorial",
+            "0 hangs",
+            f"{soak['hangs']} hangs, {soak['graced_ranks']} ranks graced, {len(soak['errors'])} errors",
+            not soak["hangs"] and not soak["errors"],
+        )
+    )
     return sec

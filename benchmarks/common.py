@@ -23,9 +23,9 @@ import inspect, json, os, sys, time
 import torch
 import torch.distributed as dist
 from sgpu_magic import distributed
-from sgpu_magic.magics import DistributedMagics as _DM
-from sgpu_magic.tracking import MlflowTracking as _MT
-from sgpu_magic.job import JobSink as _JS
+from sgpu_magic.front.magics import DistributedMagics as _DM
+from sgpu_magic.tracking.run import MlflowTracking as _MT
+from sgpu_magic.job.follow import JobSink as _JS
 
 def _emit(**data):
     sys.stdout.write("__BENCH__" + json.dumps(data) + "\\n")
@@ -43,7 +43,7 @@ def _host_cpu():
     """CPU seconds used so far by this kernel's launch host process itself (not its children)."""
     try:
         import psutil
-        from sgpu_magic.launcher import get_host
+        from sgpu_magic.launch.client import get_host
 
         t = psutil.Process(get_host().pid).cpu_times()
         return t.user + t.system
@@ -60,20 +60,20 @@ _emit(mlflow_kw=bool(_KW), magic_no_mlflow=bool(_MAGIC_FLAGS), magic_flags=_MAGI
 
 WARMUP_MAX_S = 120.0
 
-WARMUP_DEF = '''\
+WARMUP_DEF = """\
 def _warmup():
     return 0
 
 # 2 ranks; 1 on a machine with one GPU (each rank takes one GPU)
 _warmup_job = distributed(gpus=min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2, **_KW)(_warmup)
-'''
+"""
 
-WARMUP_CELL = '''\
+WARMUP_CELL = """\
 _warmup_job.distributed()
 _emit(start_method=_start_method(_warmup_job.last_job))
-'''
+"""
 
-PEERS_SETUP = '''\
+PEERS_SETUP = """\
 import json, os, shutil, socket, subprocess, sys, tempfile, time
 import torch
 import torch.multiprocessing as mp
@@ -90,7 +90,7 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-'''
+"""
 
 
 @dataclass
@@ -116,16 +116,50 @@ class Config:
     teardown_launches: int = 500
 
     @classmethod
-    def make(cls, quick: bool, gpu: bool, only: set[str], soak: int, reps: int | None) -> "Config":
+    def make(cls, quick: bool, gpu: bool, only: set[str], soak: int, reps: int | None) -> Config:
         if quick:
-            cfg = cls(quick, gpu, only, soak, launch_ranks=(1, 8), launch_reps=1, train_reps=1, train_epochs=3,
-                      log_ranks=8, log_lines=10_000, log_reps=1, capture_reps=2, gather_ranks=8,
-                      gather_bytes=100_000_000, gather_reps=1, gpu_reps=2, cell_timeout_s=240, launch_timeout_s=120,
-                      teardown_launches=100)
+            cfg = cls(
+                quick,
+                gpu,
+                only,
+                soak,
+                launch_ranks=(1, 8),
+                launch_reps=1,
+                train_reps=1,
+                train_epochs=3,
+                log_ranks=8,
+                log_lines=10_000,
+                log_reps=1,
+                capture_reps=2,
+                gather_ranks=8,
+                gather_bytes=100_000_000,
+                gather_reps=1,
+                gpu_reps=2,
+                cell_timeout_s=240,
+                launch_timeout_s=120,
+                teardown_launches=100,
+            )
         else:
-            cfg = cls(quick, gpu, only, soak, launch_ranks=(1, 2, 4, 8), launch_reps=5, train_reps=5, train_epochs=10,
-                      log_ranks=8, log_lines=100_000, log_reps=3, capture_reps=5, gather_ranks=8,
-                      gather_bytes=100_000_000, gather_reps=3, gpu_reps=3, cell_timeout_s=300, launch_timeout_s=180)
+            cfg = cls(
+                quick,
+                gpu,
+                only,
+                soak,
+                launch_ranks=(1, 2, 4, 8),
+                launch_reps=5,
+                train_reps=5,
+                train_epochs=10,
+                log_ranks=8,
+                log_lines=100_000,
+                log_reps=3,
+                capture_reps=5,
+                gather_ranks=8,
+                gather_bytes=100_000_000,
+                gather_reps=3,
+                gpu_reps=3,
+                cell_timeout_s=300,
+                launch_timeout_s=180,
+            )
         if reps:
             cfg.launch_reps = cfg.train_reps = cfg.log_reps = cfg.capture_reps = cfg.gather_reps = cfg.gpu_reps = reps
         return cfg
@@ -170,8 +204,9 @@ class Context:
                 if methods[-1] != "subprocess" or time.monotonic() - t0 > WARMUP_MAX_S:
                     break
                 time.sleep(1.0)
-            self.facts.setdefault("warmups", []).append({"kernel": k.name, "launches": len(methods),
-                                                         "last": methods[-1], "s": round(time.monotonic() - t0, 1)})
+            self.facts.setdefault("warmups", []).append(
+                {"kernel": k.name, "launches": len(methods), "last": methods[-1], "s": round(time.monotonic() - t0, 1)}
+            )
         return k
 
     def peers_kernel(self, name: str, gpu: bool = False, **env: str) -> Kernel:
@@ -193,6 +228,7 @@ def settle(seconds: float = 0.5) -> None:
 
 
 # ---- statistics and formatting ----
+
 
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
@@ -273,6 +309,7 @@ def measure(kernel_factory, kernel: Kernel | None, code: str, timeout_s: float, 
 
 # ---- the machine ----
 
+
 def machine_description() -> dict:
     import torch
 
@@ -291,13 +328,20 @@ def machine_description() -> dict:
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except Exception:  # noqa: BLE001
         commit = "?"
     try:
-        dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "sgpu_magic"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
+        dirty = bool(
+            subprocess.run(
+                ["git", "-C", str(REPO), "status", "--porcelain", "--", "sgpu_magic"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+        )
     except Exception:  # noqa: BLE001
         dirty = False
     import ipykernel

@@ -83,9 +83,12 @@ def main() -> None:
         (volume / f"f{i:06d}.bin").write_bytes(payload)
 
     port = _free_port()
-    log = open(work / "http.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(volume)],
-                              stdout=subprocess.DEVNULL, stderr=log)
+    log = open(work / "http.log", "w")  # noqa: SIM115 - the server writes to it until it is stopped
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(volume)],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
     url = f"http://127.0.0.1:{port}/"
     _wait_listening(port)
     from sgpu_magic.data import VolumeDataset
@@ -97,14 +100,19 @@ def main() -> None:
     first, _ = _rate(lambda: _read_all(http_ds), args.files, 1)
     fetched = _file_gets(work / "http.log")
     list(local_ds)  # fill its cache
-    rows = [("VolumeDataset(http), first epoch, prefetch_files=1", first_1),
-            ("VolumeDataset(http), first epoch, prefetch_files=8", first)]
+    rows = [
+        ("VolumeDataset(http), first epoch, prefetch_files=1", first_1),
+        ("VolumeDataset(http), first epoch, prefetch_files=8", first),
+    ]
     cached, _ = _rate(lambda: _read_all(http_ds), args.files, args.repeats)
     plain, _ = _rate(lambda: _read_all(_plain(volume)), args.files, args.repeats)
     cached_local, _ = _rate(lambda: _read_all(local_ds), args.files, args.repeats)
     after = _file_gets(work / "http.log")
-    rows += [("VolumeDataset(http), later epochs (cache)", cached), ("plain local directory read", plain),
-             ("VolumeDataset(local dir), later epochs (cache)", cached_local)]
+    rows += [
+        ("VolumeDataset(http), later epochs (cache)", cached),
+        ("plain local directory read", plain),
+        ("VolumeDataset(local dir), later epochs (cache)", cached_local),
+    ]
     server.terminate()
     server.wait()
     print(f"{args.files} files x {args.kib} KiB, one process, median of {args.repeats} epochs")

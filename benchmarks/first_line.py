@@ -12,9 +12,9 @@ import statistics
 import time
 
 from sgpu_magic import distributed
-from sgpu_magic.decorator import start
-from sgpu_magic.launcher import get_host
-from sgpu_magic.panel import TextView
+from sgpu_magic.front.decorator import start
+from sgpu_magic.launch.client import get_host
+from sgpu_magic.ui.text import TextView
 
 
 class _Stamp(TextView):

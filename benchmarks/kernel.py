@@ -63,10 +63,12 @@ class Kernel:
 
     _ids = itertools.count()
 
-    def __init__(self, name: str, env: dict[str, str], cwd: Path, log_dir: Path, ready_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, name: str, env: dict[str, str], cwd: Path, log_dir: Path, ready_timeout_s: float = 120.0
+    ) -> None:
         self.name = f"{name}-{next(self._ids)}"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_dir / f"kernel-{self.name}.log", "wb")
+        self._log = open(log_dir / f"kernel-{self.name}.log", "wb")  # noqa: SIM115 - closed when the kernel stops
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(env=env, cwd=str(cwd), stdout=self._log, stderr=self._log)
         self.kc = self.km.client()
@@ -81,8 +83,14 @@ class Kernel:
         except AttributeError:
             return None
 
-    def run(self, code: str, timeout_s: float = 600.0, stderr_match: str | None = None,
-            keep_stdout: bool = True, count_substring: str | None = None) -> Cell:
+    def run(
+        self,
+        code: str,
+        timeout_s: float = 600.0,
+        stderr_match: str | None = None,
+        keep_stdout: bool = True,
+        count_substring: str | None = None,
+    ) -> Cell:
         """Execute ``code``; wait until the kernel is idle again.
 
         ``stderr_match``: note when a stderr stream containing it first arrives; ``keep_stdout=False``
@@ -117,7 +125,7 @@ class Kernel:
                     if MARKER in text:
                         for line in text.splitlines():
                             if line.startswith(MARKER):
-                                cell.data.update(json.loads(line[len(MARKER):]))
+                                cell.data.update(json.loads(line[len(MARKER) :]))
                     if keep_stdout:
                         cell.stdout_chunks.append(text)
                     else:
@@ -134,8 +142,9 @@ class Kernel:
         self._drain_shell(msg_id)
         if cell.error is not None:
             tail = (cell.stdout[-1500:] + cell.stderr[-1500:]).strip()
-            raise CellError(f"{cell.error['ename']}: {cell.error['evalue']}"
-                            + (f"\n--- output tail ---\n{tail}" if tail else ""))
+            raise CellError(
+                f"{cell.error['ename']}: {cell.error['evalue']}" + (f"\n--- output tail ---\n{tail}" if tail else "")
+            )
         return cell
 
     def _drain_shell(self, msg_id: str) -> None:

@@ -33,9 +33,9 @@ def main() -> None:
     os.environ["SGPU_MAGIC_LEASE_DIR"] = os.path.join(home, "leases")
 
     from sgpu_magic import distributed
-    from sgpu_magic.launcher import get_host
-    from sgpu_magic.leases import LeaseRegistry
-    from sgpu_magic.resources import fake_gpus
+    from sgpu_magic.launch.client import get_host
+    from sgpu_magic.launch.leases import LeaseRegistry
+    from sgpu_magic.launch.resources import fake_gpus
     from sgpu_magic.rundir import read_json
 
     @distributed(gpus=2, widgets=False, mlflow=False)
@@ -65,7 +65,9 @@ def main() -> None:
         queue.append(read_json(job._rd.status_file)["started_s"] - released)
     print("launch-to-result, trivial 2-rank warm job, with a lease (fake GPUs):", _stats(with_lease))
     print("launch-to-result, trivial 2-rank warm job, without (CPU):           ", _stats(without))
-    print(f"lease overhead (median difference): {(statistics.median(with_lease) - statistics.median(without)) * 1000:.0f} ms")
+    print(
+        f"lease overhead (median difference): {(statistics.median(with_lease) - statistics.median(without)) * 1000:.0f} ms"
+    )
     print("queued job: GPUs released -> ranks started:", _stats(queue))
 
 

@@ -13,9 +13,10 @@ import io
 import time
 
 from sgpu_magic import distributed
-from sgpu_magic.decorator import start
-from sgpu_magic.launcher import get_host
-from sgpu_magic.panel import Panel, TextView
+from sgpu_magic.front.decorator import start
+from sgpu_magic.launch.client import get_host
+from sgpu_magic.ui.panel import Panel
+from sgpu_magic.ui.text import TextView
 
 
 @distributed(gpus=2)
@@ -42,8 +43,10 @@ def main() -> None:
     job.result()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     counts = [job.logs(r).count("\n") for r in range(2)]
-    print(f"view={args.view} lines/rank={args.lines} wall={wall:.2f} s kernel_cpu={cpu:.2f} s "
-          f"({100 * cpu / wall:.0f}% of wall) log_lines={counts}")
+    print(
+        f"view={args.view} lines/rank={args.lines} wall={wall:.2f} s kernel_cpu={cpu:.2f} s "
+        f"({100 * cpu / wall:.0f}% of wall) log_lines={counts}"
+    )
     if isinstance(view, Panel):
         print(f"frontend updates: {view.flushes} in {wall:.2f} s = {view.flushes / wall:.1f}/s")
 

@@ -38,8 +38,9 @@ class SimpleMLP(nn.Module):
         return self.net(x)
 
 
-def mlp_train(epochs: int, warmup_epochs: int = 1, batch_size: int = 32, log_metrics: bool = False,
-              max_steps: int | None = None):
+def mlp_train(
+    epochs: int, warmup_epochs: int = 1, batch_size: int = 32, log_metrics: bool = False, max_steps: int | None = None
+):
     t_start = time.perf_counter()
     if log_metrics:
         import mlflow
@@ -90,9 +91,19 @@ def mlp_train(epochs: int, warmup_epochs: int = 1, batch_size: int = 32, log_met
     if device.type == "cuda":
         torch.cuda.synchronize()
     loop_s, loop_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    result = {"rank": rank, "world_size": world_size, "backend": backend, "steps": steps, "loop_s": loop_s,
-              "steps_per_s": steps / loop_s, "setup_s": t0 - t_start, "final_loss": round(total_loss, 4),
-              "threads": torch.get_num_threads(), "logged": logged, "loop_cpu_s": loop_cpu_s}
+    result = {
+        "rank": rank,
+        "world_size": world_size,
+        "backend": backend,
+        "steps": steps,
+        "loop_s": loop_s,
+        "steps_per_s": steps / loop_s,
+        "setup_s": t0 - t_start,
+        "final_loss": round(total_loss, 4),
+        "threads": torch.get_num_threads(),
+        "logged": logged,
+        "loop_cpu_s": loop_cpu_s,
+    }
     del ddp_model, optimizer
     gc.collect()
     dist.destroy_process_group()

@@ -43,8 +43,10 @@ def main(argv: list[str] | None = None) -> None:
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     started_s = time.perf_counter() - t0
-    peers = {"local launcher": distributed(gpus=4, mlflow=False, widgets=False)(trivial),
-             "Ray, 2 nodes": distributed(gpus=4, cluster=cluster.address, mlflow=False, widgets=False)(trivial)}
+    peers = {
+        "local launcher": distributed(gpus=4, mlflow=False, widgets=False)(trivial),
+        "Ray, 2 nodes": distributed(gpus=4, cluster=cluster.address, mlflow=False, widgets=False)(trivial),
+    }
     first = {}
     for name, fn in peers.items():
         t = time.perf_counter()

@@ -42,15 +42,31 @@ OPT_IN = {"gpu", "soak", "teardown"}
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="1 and 8 ranks, 1-3 repetitions, 10,000 lines per rank (3-4 min idle, ~6 under load)")
-    p.add_argument("--gpu", action="store_true", help="also run the GPU section (nccl); skipped with a note without CUDA")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 and 8 ranks, 1-3 repetitions, 10,000 lines per rank (3-4 min idle, ~6 under load)",
+    )
+    p.add_argument(
+        "--gpu", action="store_true", help="also run the GPU section (nccl); skipped with a note without CUDA"
+    )
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--reps", type=int, default=None, help="repetitions for every metric (overrides the mode's)")
-    p.add_argument("--soak", type=int, default=0, metavar="N",
-                   help="also run N consecutive warm launches of 8 ranks and count hangs (the target asks for 200); "
-                        "--only soak --soak 200 runs just that")
-    p.add_argument("--teardown", type=int, default=None, metavar="N",
-                   help="warm launches of the teardown soak (--only teardown; default 500, 100 with --quick)")
+    p.add_argument(
+        "--soak",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run N consecutive warm launches of 8 ranks and count hangs (the target asks for 200); "
+        "--only soak --soak 200 runs just that",
+    )
+    p.add_argument(
+        "--teardown",
+        type=int,
+        default=None,
+        metavar="N",
+        help="warm launches of the teardown soak (--only teardown; default 500, 100 with --quick)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every raw sample here")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (kernel logs, run dirs)")
     return p.parse_args(argv)
@@ -81,12 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(cfg, workdir)
     machine = machine_description()
     mode = "quick" if cfg.quick else "full"
-    print(f"sgpu_magic benchmarks ({mode}): sections {', '.join(s for s in SECTIONS if s in only)}; "
-          f"scratch {workdir}", flush=True)
+    print(
+        f"sgpu_magic benchmarks ({mode}): sections {', '.join(s for s in SECTIONS if s in only)}; scratch {workdir}",
+        flush=True,
+    )
     t_start = time.perf_counter()
-    runners = {"launch": bench_launch.run, "soak": bench_launch.run_soak, "teardown": bench_teardown.run,
-               "train": bench_train.run, "tracking": bench_tracking.run, "logging": bench_logging.run,
-               "capture": bench_capture.run, "gpu": bench_train.run_gpu}
+    runners = {
+        "launch": bench_launch.run,
+        "soak": bench_launch.run_soak,
+        "teardown": bench_teardown.run,
+        "train": bench_train.run,
+        "tracking": bench_tracking.run,
+        "logging": bench_logging.run,
+        "capture": bench_capture.run,
+        "gpu": bench_train.run_gpu,
+    }
     sections, raw = [], {}
     try:
         for name in SECTIONS:
@@ -118,34 +143,60 @@ def main(argv: list[str] | None = None) -> int:
     tracking = ctx.facts.get("tracking", {})
     print("\n" + "=" * 100)
     print(f"## Results ({mode} mode, {machine['date']}, {machine['duration_s']} s)\n")
-    print(f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['ram_gib']} GiB RAM, {machine['os']}; "
-          f"Python {machine['python']}, torch {machine['torch']} (CUDA: {machine['cuda']}), accelerate "
-          f"{machine['accelerate']}, ipykernel {machine['ipykernel']}, jupyter_client {machine['jupyter_client']}; "
-          f"sgpu_magic at {machine['sgpu_magic_commit']}{' + uncommitted changes' if machine['sgpu_magic_dirty'] else ''}. "
-          f"Load average (1/5/15 min) at start {machine['loadavg_start']}, at end {machine['loadavg_end']}.")
+    print(
+        f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['ram_gib']} GiB RAM, {machine['os']}; "
+        f"Python {machine['python']}, torch {machine['torch']} (CUDA: {machine['cuda']}), accelerate "
+        f"{machine['accelerate']}, ipykernel {machine['ipykernel']}, jupyter_client {machine['jupyter_client']}; "
+        f"sgpu_magic at {machine['sgpu_magic_commit']}{' + uncommitted changes' if machine['sgpu_magic_dirty'] else ''}. "
+        f"Load average (1/5/15 min) at start {machine['loadavg_start']}, at end {machine['loadavg_end']}."
+    )
     if tracking:
-        print(f"MLflow tracking: {'off for every job (mlflow=False / --no-mlflow)' if tracking.get('mlflow_kw') else 'no option to turn it off at this commit: measured with the default'}"
-              f"{'' if tracking.get('mlflow_kw') or not tracking.get('tracking_sink_does_something') else ' (tracking is ON)'}. "
-              f"Kernels run with SGPU_MAGIC_WIDGETS=0 except the panel row of the logging table.")
+        print(
+            f"MLflow tracking: {'off for every job (mlflow=False / --no-mlflow)' if tracking.get('mlflow_kw') else 'no option to turn it off at this commit: measured with the default'}"
+            f"{'' if tracking.get('mlflow_kw') or not tracking.get('tracking_sink_does_something') else ' (tracking is ON)'}. "
+            f"Kernels run with SGPU_MAGIC_WIDGETS=0 except the panel row of the logging table."
+        )
     warmups = ctx.facts.get("warmups", [])
     if warmups:
-        print("Warm-up of the kernels kept for several launches (untimed 2-rank launches until the host left its cold "
-              "path): " + "; ".join(f"{w['kernel']}: {w['launches']} launch(es) in {w['s']} s, last by {w['last']}"
-                                   for w in warmups) + ".")
+        print(
+            "Warm-up of the kernels kept for several launches (untimed 2-rank launches until the host left its cold "
+            "path): "
+            + "; ".join(
+                f"{w['kernel']}: {w['launches']} launch(es) in {w['s']} s, last by {w['last']}" for w in warmups
+            )
+            + "."
+        )
     for sec in sections:
         for t in sec.tables:
             print("\n" + t.render())
     targets = [t for sec in sections for t in sec.targets]
     if targets:
-        tt = Table("Targets (issue 4)", ["target", "wanted", "measured", "verdict"],
-                   [[t.name, t.target, t.measured, t.verdict] for t in targets])
+        tt = Table(
+            "Targets (issue 4)",
+            ["target", "wanted", "measured", "verdict"],
+            [[t.name, t.target, t.measured, t.verdict] for t in targets],
+        )
         print("\n" + tt.render())
         met = sum(t.met is True for t in targets)
-        print(f"\n{met} of {len(targets)} targets met"
-              f"{'; ' + str(sum(t.met is None for t in targets)) + ' not measured' if any(t.met is None for t in targets) else ''}.")
+        print(
+            f"\n{met} of {len(targets)} targets met"
+            f"{'; ' + str(sum(t.met is None for t in targets)) + ' not measured' if any(t.met is None for t in targets) else ''}."
+        )
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine, "mode": mode, "tracking": tracking, "warmups": warmups, "sections": raw,
-                                         "targets": [t.__dict__ for t in targets]}, indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine,
+                    "mode": mode,
+                    "tracking": tracking,
+                    "warmups": warmups,
+                    "sections": raw,
+                    "targets": [t.__dict__ for t in targets],
+                },
+                indent=1,
+                default=str,
+            )
+        )
         print(f"raw samples: {args.json}")
     return 0
 

@@ -26,16 +26,18 @@ def main() -> None:
     import io
 
     from sgpu_magic import distributed
-    from sgpu_magic.panel import TextView
+    from sgpu_magic.ui.text import TextView
 
     def trivial():
         return 1
 
     def timed(fn) -> float:
-        import sgpu_magic.decorator as deco
+        import sgpu_magic.front.decorator as deco
 
         t0 = time.perf_counter()
-        job = deco.start(fn.spec, lambda warn: fn._payload((), {}, warn), view=TextView(out=io.StringIO(), err=io.StringIO()))
+        job = deco.start(
+            fn.spec, lambda warn: fn._payload((), {}, warn), view=TextView(out=io.StringIO(), err=io.StringIO())
+        )
         job.result()
         return time.perf_counter() - t0
 

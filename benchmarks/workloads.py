@@ -35,8 +35,13 @@ def trivial_torchrun(outdir: str) -> None:
 
 def spawn_trivial(index: int, world_size: int, port: int, results) -> None:
     """torch.multiprocessing.spawn rank: the trivial job; the rank goes back through ``results`` (a SimpleQueue)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(index))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(index),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(index),
+    )
     results.put(_trivial_job())
 
 

@@ -24,8 +24,8 @@ def _block(text: str) -> str:
 
 
 def _magic_help_markdown() -> str:
-    from sgpu_magic.magic_help import MAGICS
-    from sgpu_magic.magics import DistributedMagics
+    from sgpu_magic.front.magic_help import MAGICS
+    from sgpu_magic.front.magics import DistributedMagics
 
     methods = {**DistributedMagics.magics["line"], **DistributedMagics.magics["cell"]}
     parts = []
@@ -33,16 +33,20 @@ def _magic_help_markdown() -> str:
         name = magic.lstrip("%")
         method = methods.get(name)
         if method is None:
-            raise RuntimeError(f"docs/hooks.py: {magic} is in sgpu_magic.magic_help.MAGICS but DistributedMagics "
-                               f"has no magic named {name!r}")
+            raise RuntimeError(
+                f"docs/hooks.py: {magic} is in sgpu_magic.front.magic_help.MAGICS but DistributedMagics "
+                f"has no magic named {name!r}"
+            )
         doc = getattr(DistributedMagics, method).__doc__ or ""
         # the help's reST literal-block markers ("::" lines) say nothing on a web page
         doc = "\n".join(line for line in doc.splitlines() if line.strip() != "::")
         parts.append(f"## `{magic}`\n\n{html.escape(summary)}.\n\n{_block(doc)}")
     config = DistributedMagics.class_get_help()
-    parts.append("## `%config DistributedMagics`\n\nThe defaults shared by the magics and the decorator, as "
-                 "`%config DistributedMagics` lists them (set one with `%config DistributedMagics.timeout_s = "
-                 f"3600`).\n\n{_block(config)}")
+    parts.append(
+        "## `%config DistributedMagics`\n\nThe defaults shared by the magics and the decorator, as "
+        "`%config DistributedMagics` lists them (set one with `%config DistributedMagics.timeout_s = "
+        f"3600`).\n\n{_block(config)}"
+    )
     return "\n".join(parts)
 
 

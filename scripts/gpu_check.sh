@@ -38,7 +38,7 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log to $out/NAM
     if [ $rc = 0 ]; then echo "$name: ok in $((SECONDS - t0)) s"; else
         echo "$name: FAILED (rc $rc) in $((SECONDS - t0)) s"; tail -n 25 "$out/$name.log"; status=1; fi
 }
-step gpu_tests 180 "$py" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -o addopts="" -rA
+step gpu_tests 180 "$py" -m pytest -q -m gpu tests/integration/test_gpu.py -p no:cacheprovider -o addopts="" -rA
 step bench_gpu 300 "$py" -m benchmarks.run --gpu --quick --only gpu --json "$out/bench_gpu.json"
 grep -A 12 "^### 5. GPU" "$out/bench_gpu.log" | head -n 14
 notebooks=${SGPU_GPU_NOTEBOOKS:-$(ls notebooks/0*_*.ipynb | grep -v -e '\.out\.ipynb$' -e deepspeed -e ray)}

@@ -41,8 +41,14 @@ def main(path: str) -> int:
     # 127.0.0.1, which it warns about ("Kernel is running over TCP without encryption")
     sockets = tempfile.mkdtemp(prefix="sgpu_magic_kernel_")
     ipc = Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel")}})
-    client = NotebookClient(nb, config=ipc, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(src.parent)}}, on_cell_executed=_print_outputs)
+    client = NotebookClient(
+        nb,
+        config=ipc,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(src.parent)}},
+        on_cell_executed=_print_outputs,
+    )
     t0 = time.perf_counter()
     try:
         client.execute()

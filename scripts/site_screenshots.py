@@ -22,20 +22,33 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("SGPU_MAGIC_CHROMIUM", "/usr/bin/chromium")
 PAGES = {"site-home.png": "", "site-guide.png": "guide/decorator/"}
 # as tests/browser/conftest.py: a sandboxed root run on a machine with no outside network
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args) -> None:  # noqa: A002 (http.server's own signature)
+    def log_message(self, format, *args) -> None:
         pass
 
 
 def build(site: Path) -> None:
     """``mkdocs build --strict`` into ``site``; exits with mkdocs' output when it fails."""
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
-                         capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     if run.returncode:
         sys.exit(f"mkdocs build --strict failed:\n{run.stdout}{run.stderr}")
 
@@ -64,8 +77,12 @@ def shoot(site: Path, shots: dict[str, str], out: Path, width: int, height: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images", help="folder for the PNGs")
-    parser.add_argument("--page", action="append", default=[], help="a page's path in the site (instead of the "
-                        "home page and the decorator's guide page); repeatable")
+    parser.add_argument(
+        "--page",
+        action="append",
+        default=[],
+        help="a page's path in the site (instead of the home page and the decorator's guide page); repeatable",
+    )
     parser.add_argument("--width", type=int, default=1280)
     parser.add_argument("--height", type=int, default=900)
     options = parser.parse_args()

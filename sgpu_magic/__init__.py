@@ -10,20 +10,75 @@ host; with no GPU they run on CPU with gloo.
 from __future__ import annotations
 
 import functools
+import importlib
+from typing import TYPE_CHECKING
 
-from . import runtime
-from .decorator import DistributedFunction, distributed
-from .errors import (CaptureError, CheckpointError, JobCancelledError, JobTimeoutError, LauncherError, RankFailedError, ResourceError, SgpuError,
-                     SpecError, UnpicklableGlobalError)
-from .job import Job, JobState
-from .script import run_script
+# PEP 562: every public name is imported on first use, so that a rank, the launch host and the forkserver
+# (which import sgpu_magic.rank / sgpu_magic.launch.host) never load the front doors, the panel or MLflow
+_LAZY = {
+    "distributed": "sgpu_magic.front.decorator",
+    "DistributedFunction": "sgpu_magic.front.decorator",
+    "run_script": "sgpu_magic.front.script",
+    "Job": "sgpu_magic.job",
+    "JobState": "sgpu_magic.job",
+    **dict.fromkeys(
+        (
+            "SgpuError",
+            "SpecError",
+            "ResourceError",
+            "CaptureError",
+            "LauncherError",
+            "RankFailedError",
+            "JobTimeoutError",
+            "JobCancelledError",
+            "UnpicklableGlobalError",
+            "CheckpointError",
+        ),
+        "sgpu_magic.errors",
+    ),
+}
+_SUBMODULES = {"runtime", "errors", "data", "checkpoint"}
 
-__all__ = ["distributed", "DistributedFunction", "run_script", "Job", "JobState", "runtime", "SgpuError", "SpecError",
-           "ResourceError", "CaptureError", "LauncherError", "RankFailedError", "JobTimeoutError", "JobCancelledError",
-           "UnpicklableGlobalError", "CheckpointError", "load_ipython_extension"]
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from sgpu_magic import checkpoint, data, errors, runtime  # noqa: F401 - what type checkers see
+    from sgpu_magic.errors import (
+        CaptureError,
+        CheckpointError,
+        JobCancelledError,
+        JobTimeoutError,
+        LauncherError,
+        RankFailedError,
+        ResourceError,
+        SgpuError,
+        SpecError,
+        UnpicklableGlobalError,
+    )
+    from sgpu_magic.front.decorator import DistributedFunction, distributed
+    from sgpu_magic.front.script import run_script
+    from sgpu_magic.job import Job, JobState
+
+__all__ = [
+    "distributed",
+    "DistributedFunction",
+    "run_script",
+    "Job",
+    "JobState",
+    "runtime",
+    "SgpuError",
+    "SpecError",
+    "ResourceError",
+    "CaptureError",
+    "LauncherError",
+    "RankFailedError",
+    "JobTimeoutError",
+    "JobCancelledError",
+    "UnpicklableGlobalError",
+    "CheckpointError",
+    "load_ipython_extension",
+]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _package_version() -> str:
     """The installed distribution's version (its metadata); in a source checkout that was never installed,
     the ``version`` line of its ``pyproject.toml``; else ``"0+unknown"``."""
@@ -44,23 +99,34 @@ def _package_version() -> str:
 
 
 def __getattr__(name: str):
-    # PEP 562: ``__version__`` is read from the package metadata on first use (~40 ms), not by every rank's import
+    # ``__version__`` is read from the package metadata on first use (~40 ms), not by every rank's import
     if name == "__version__":
         return _package_version()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | {"__version__"})
 
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext sgpu_magic``: register ``%%distributed``, ``%distributed_run`` and ``%mlflow_ui``, start the
     launch host and import mlflow in the background."""
-    from .launcher import get_host
-    from .magics import DistributedMagics
+    from sgpu_magic.front.magics import DistributedMagics
+    from sgpu_magic.launch.client import get_host
 
     ipython.register_magics(DistributedMagics)
     host = get_host()
     magics = ipython.magics_manager.registry.get("DistributedMagics")
     if magics is None or magics.mlflow:
-        from .tracking import warm_up
+        from sgpu_magic.tracking.run import warm_up
 
         # import mlflow (~2 s) in the background, before the first tracked job needs it, once the host's
         # forkserver is warm (the first launch waits for it; on few cores the import would slow it down)

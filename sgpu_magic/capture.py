@@ -25,12 +25,13 @@ import marshal
 import pickle
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 
-from .errors import CaptureError, UnpicklableGlobalError
+from sgpu_magic.errors import CaptureError, Unpicklable, unpicklable_message  # noqa: F401 - Unpicklable: capture.Unpicklable
 
 DEFAULT_MAX_BYTES = 100 * 2**20
 _GLOBAL_OPS = {"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME", "DELETE_NAME"}
@@ -81,39 +82,11 @@ def estimate_nbytes(value: object) -> int | None:
     return None
 
 
-class Unpicklable:
-    """Stands in a rank for a notebook global that could not be sent; any use raises."""
-
-    def __init__(self, name: str, type_name: str, reason: str) -> None:
-        object.__setattr__(self, "_sgpu_info", (name, type_name, reason))
-
-    def _fail(self, *args: Any, **kwargs: Any) -> Any:
-        name, tname, reason = object.__getattribute__(self, "_sgpu_info")
-        raise UnpicklableGlobalError(unpicklable_message(name, tname, reason))
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__") and attr.endswith("__"):
-            raise AttributeError(attr)
-        self._fail()
-
-    def __reduce__(self) -> tuple:
-        self._fail()  # e.g. returned from a rank: it cannot go back to the kernel either
-
-    def __repr__(self) -> str:
-        return f"<sgpu_magic: global {object.__getattribute__(self, '_sgpu_info')[0]!r} was not sent to the ranks>"
-
-    __call__ = __enter__ = __exit__ = __iter__ = __len__ = __getitem__ = __setitem__ = _fail
-    __bool__ = __contains__ = __add__ = __float__ = __int__ = __setattr__ = _fail
-
-
-def unpicklable_message(name: str, tname: str, reason: str) -> str:
-    return (f"global '{name}' ({tname}) cannot be pickled ({reason}), so it is not sent to the ranks. "
-            f"Create it inside the cell or function that runs on the ranks instead.")
-
-
 def large_message(name: str, tname: str, nbytes: int, max_bytes: int) -> str:
-    return (f"global '{name}' ({tname}, {format_bytes(nbytes)}) is larger than {format_bytes(max_bytes)}; "
-            f"it is pickled and copied to every rank. Load or create it inside the cell or function instead.")
+    return (
+        f"global '{name}' ({tname}, {format_bytes(nbytes)}) is larger than {format_bytes(max_bytes)}; "
+        f"it is pickled and copied to every rank. Load or create it inside the cell or function instead."
+    )
 
 
 @dataclass
@@ -148,8 +121,9 @@ def _capture_one(name: str, value: object, max_bytes: int, out: Captured) -> Non
     out.entries[name] = ("value", data)
 
 
-def capture_names(names: set[str], namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES,
-                  warn: Callable[[str], None] | None = None) -> Captured:
+def capture_names(
+    names: set[str], namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES, warn: Callable[[str], None] | None = None
+) -> Captured:
     """Capture ``names`` that exist in ``namespace`` (builtins and dunders skipped).
 
     ``warn(text)`` is called for each warning as soon as it is known: globals whose size can be
@@ -225,8 +199,13 @@ def _code_global_names(code: types.CodeType) -> frozenset[str]:
 def _importable_reference(fn: Callable) -> tuple[str, str] | None:
     """``(module, qualname)`` when ``fn`` lives in an importable module, else ``None``."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    if (not isinstance(module, str) or module == "__main__" or module not in sys.modules
-            or not isinstance(qualname, str) or "<locals>" in qualname):
+    if (
+        not isinstance(module, str)
+        or module == "__main__"
+        or module not in sys.modules
+        or not isinstance(qualname, str)
+        or "<locals>" in qualname
+    ):
         return None
     obj: Any = sys.modules[module]
     for part in qualname.split("."):
@@ -250,18 +229,24 @@ def function_problem(fn: object) -> str | None:
     if getattr(fn, "__sgpu_function__", None) is not None and _importable_reference(fn) is None:
         return f"{what} is already decorated with @distributed; decorate the function once"
     if isinstance(fn, types.MethodType):
-        return (f"got bound method {fn.__qualname__}, whose object would not reach the ranks; decorate a function "
-                f"that calls it instead, e.g. def run(*args): return obj.{fn.__name__}(*args)")
+        return (
+            f"got bound method {fn.__qualname__}, whose object would not reach the ranks; decorate a function "
+            f"that calls it instead, e.g. def run(*args): return obj.{fn.__name__}(*args)"
+        )
     if isinstance(fn, types.FunctionType):
         if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
             kind = "a generator" if inspect.isgeneratorfunction(fn) else "an async"
-            return (f"{fn.__qualname__} is {kind} function, whose result cannot be sent back from the ranks; make "
-                    f"it a plain def that returns a value (e.g. a list, or asyncio.run(...) inside it)")
+            return (
+                f"{fn.__qualname__} is {kind} function, whose result cannot be sent back from the ranks; make "
+                f"it a plain def that returns a value (e.g. a list, or asyncio.run(...) inside it)"
+            )
         return None
     if _importable_reference(fn) is not None:
         return None
-    return (f"got {what}, which has no code to send to the ranks; decorate a plain function (def or lambda), or "
-            f"one importable from a module, that calls it")
+    return (
+        f"got {what}, which has no code to send to the ranks; decorate a plain function (def or lambda), or "
+        f"one importable from a module, that calls it"
+    )
 
 
 def _source_cache(filenames: set[str]) -> dict[str, str]:
@@ -286,7 +271,9 @@ def _code_filenames(code: types.CodeType) -> set[str]:
     return names
 
 
-def capture_function(fn: Callable, max_bytes: int = DEFAULT_MAX_BYTES, warn: Callable[[str], None] | None = None) -> dict:
+def capture_function(
+    fn: Callable, max_bytes: int = DEFAULT_MAX_BYTES, warn: Callable[[str], None] | None = None
+) -> dict:
     """Payload part for a function: a reference, or its code plus captured globals.
 
     Raises:
@@ -298,16 +285,29 @@ def capture_function(fn: Callable, max_bytes: int = DEFAULT_MAX_BYTES, warn: Cal
     code = fn.__code__
     captured = capture_names(code_global_names(code), fn.__globals__, max_bytes, warn)
     closure = [c.cell_contents for c in (fn.__closure__ or ())]
-    shell = {"code": code, "name": fn.__name__, "qualname": fn.__qualname__, "defaults": fn.__defaults__,
-             "kwdefaults": fn.__kwdefaults__, "closure": closure}
+    shell = {
+        "code": code,
+        "name": fn.__name__,
+        "qualname": fn.__qualname__,
+        "defaults": fn.__defaults__,
+        "kwdefaults": fn.__kwdefaults__,
+        "closure": closure,
+    }
     try:
         shell_bytes = dumps(shell)
     except Exception as exc:
-        raise CaptureError(f"{fn.__qualname__}'s default arguments or closure cannot be pickled "
-                           f"({type(exc).__name__}: {exc}); pass such values as arguments or create them inside the function") from exc
+        raise CaptureError(
+            f"{fn.__qualname__}'s default arguments or closure cannot be pickled "
+            f"({type(exc).__name__}: {exc}); pass such values as arguments or create them inside the function"
+        ) from exc
     filenames = _code_filenames(code) | _notebook_filenames(fn.__globals__, captured)
-    return {"kind": "code", "shell": shell_bytes, "globals": captured.entries, "warnings": captured.warnings,
-            "sources": _source_cache(filenames)}
+    return {
+        "kind": "code",
+        "shell": shell_bytes,
+        "globals": captured.entries,
+        "warnings": captured.warnings,
+        "sources": _source_cache(filenames),
+    }
 
 
 def _notebook_filenames(namespace: dict, captured: Captured) -> set[str]:
@@ -321,16 +321,22 @@ def _notebook_filenames(namespace: dict, captured: Captured) -> set[str]:
     return out
 
 
-def capture_cell(source: str, namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES,
-                 warn: Callable[[str], None] | None = None) -> dict:
+def capture_cell(
+    source: str, namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES, warn: Callable[[str], None] | None = None
+) -> dict:
     """Payload part for a cell: its source plus the globals it reads from ``namespace``.
 
     Raises:
         SyntaxError: when the cell is not valid Python.
     """
     captured = capture_names(cell_global_names(source), namespace, max_bytes, warn)
-    return {"kind": "cell", "source": source, "globals": captured.entries, "warnings": captured.warnings,
-            "sources": _source_cache(_notebook_filenames(namespace, captured))}
+    return {
+        "kind": "cell",
+        "source": source,
+        "globals": captured.entries,
+        "warnings": captured.warnings,
+        "sources": _source_cache(_notebook_filenames(namespace, captured)),
+    }
 
 
 def _argument_error(label: str, call: str, value: object, exc: Exception) -> CaptureError:
@@ -339,14 +345,16 @@ def _argument_error(label: str, call: str, value: object, exc: Exception) -> Cap
         remedy = "pass a list (e.g. list(gen)) or build the generator inside the function"
     else:
         remedy = "pass something picklable, or create this object inside the function"
-    return CaptureError(f"{label} of {call} is a {tname}, which cannot be sent to the ranks "
-                        f"({type(exc).__name__}: {exc}); {remedy}. Nothing was started.")
+    return CaptureError(
+        f"{label} of {call} is a {tname}, which cannot be sent to the ranks "
+        f"({type(exc).__name__}: {exc}); {remedy}. Nothing was started."
+    )
 
 
 def _dumps_argument(label: str, call: str, value: object) -> bytes:
     try:
         return dumps(value)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is the user's argument: said with its name
         raise _argument_error(label, call, value, exc) from None
 
 
@@ -362,5 +370,7 @@ def capture_arguments(call: str, args: tuple, kwargs: dict) -> tuple[list[bytes]
     Raises:
         CaptureError: naming ``argument <i>`` or ``keyword argument '<k>'`` and its type.
     """
-    return ([_dumps_argument(f"argument {i}", call, v) for i, v in enumerate(args)],
-            {k: _dumps_argument(f"keyword argument '{k}'", call, v) for k, v in kwargs.items()})
+    return (
+        [_dumps_argument(f"argument {i}", call, v) for i, v in enumerate(args)],
+        {k: _dumps_argument(f"keyword argument '{k}'", call, v) for k, v in kwargs.items()},
+    )

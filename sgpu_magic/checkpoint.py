@@ -37,7 +37,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from .errors import CheckpointError
+from sgpu_magic.errors import CheckpointError
 
 __all__ = ["VolumeWriter", "VolumeReader", "is_complete", "CheckpointError"]
 
@@ -83,8 +83,15 @@ class VolumeWriter(FileSystemWriter):
         CheckpointError: ``path`` names a filesystem that cannot be written (``http(s)://``).
     """
 
-    def __init__(self, path: str | os.PathLike, *, stage: bool | None = None, staging_dir: str | os.PathLike | None = None,
-                 storage_options: dict | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        stage: bool | None = None,
+        staging_dir: str | os.PathLike | None = None,
+        storage_options: dict | None = None,
+        **kwargs: Any,
+    ) -> None:
         self._storage_options = storage_options
         self._stage_opt, self._staging_parent = stage, staging_dir
         self._target(path)
@@ -94,11 +101,12 @@ class VolumeWriter(FileSystemWriter):
         self.url = os.fspath(path)
         self._fs, self._root, is_local = _resolve(path, self._storage_options)
         if type(self._fs).__name__ == "HTTPFileSystem":
-            raise CheckpointError(f"VolumeWriter: cannot write a checkpoint to {self.url}: http(s) URLs are read-only "
-                                  f"here; save to a local directory or an object store URL (s3://, gs://, ...)")
+            raise CheckpointError(
+                f"VolumeWriter: cannot write a checkpoint to {self.url}: http(s) URLs are read-only "
+                f"here; save to a local directory or an object store URL (s3://, gs://, ...)"
+            )
         self._staged = (not is_local) if self._stage_opt is None else bool(self._stage_opt)
-        self._local = (tempfile.mkdtemp(prefix="sgpu-dcp-", dir=self._staging_parent) if self._staged
-                       else self._root)
+        self._local = tempfile.mkdtemp(prefix="sgpu-dcp-", dir=self._staging_parent) if self._staged else self._root
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.url:
@@ -153,8 +161,13 @@ class VolumeReader(FileSystemReader):
             its ``CheckpointException``.
     """
 
-    def __init__(self, path: str | os.PathLike, *, staging_dir: str | os.PathLike | None = None,
-                 storage_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        staging_dir: str | os.PathLike | None = None,
+        storage_options: dict | None = None,
+    ) -> None:
         self._storage_options, self._staging_parent = storage_options, staging_dir
         self._target(path)
         super().__init__(self._local)
@@ -176,8 +189,9 @@ class VolumeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any):
         rank = kwargs.get("rank")  # DCP asks for a rank's own metadata when the global one is missing
         name = METADATA if rank is None else f"__{rank}{METADATA}"
-        self._fetch(name, self._incomplete_message if rank is None else
-                    (lambda: f"no rank-local {name} at {self.url} either"))
+        self._fetch(
+            name, self._incomplete_message if rank is None else (lambda: f"no rank-local {name} at {self.url} either")
+        )
         try:
             return super().read_metadata(*args, **kwargs)
         finally:
@@ -187,7 +201,7 @@ class VolumeReader(FileSystemReader):
     def read_data(self, plan, planner):
         names = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
         for name in names:
-            self._fetch(name, lambda: self._damaged_message(name))
+            self._fetch(name, lambda name=name: self._damaged_message(name))
         try:
             return super().read_data(plan, planner)
         finally:
@@ -204,8 +218,10 @@ class VolumeReader(FileSystemReader):
             raise CheckpointError(self._damaged_message(missing[0]))
 
     def _damaged_message(self, name: str) -> str:
-        return (f"checkpoint at {self.url} is damaged: shard file {name!r} named in its .metadata is missing; "
-                f"load another checkpoint")
+        return (
+            f"checkpoint at {self.url} is damaged: shard file {name!r} named in its .metadata is missing; "
+            f"load another checkpoint"
+        )
 
     def _fetch(self, name: str, message) -> None:
         """Make ``name`` readable under the local path (download it when staged), or raise CheckpointError."""
@@ -224,6 +240,8 @@ class VolumeReader(FileSystemReader):
         if not self._fs.exists(self._root):
             return f"no checkpoint at {self.url}: the directory does not exist"
         shards = [p for p in self._fs.ls(self._root, detail=False) if str(p).endswith(SHARD_SUFFIX)]
-        return (f"checkpoint at {self.url} is incomplete: {len(shards)} shard file(s) but no {METADATA}, so the save "
-                f"that wrote it did not finish (a rank failed or was stopped mid-save); load an earlier checkpoint, "
-                f"or check first with sgpu_magic.checkpoint.is_complete(path)")
+        return (
+            f"checkpoint at {self.url} is incomplete: {len(shards)} shard file(s) but no {METADATA}, so the save "
+            f"that wrote it did not finish (a rank failed or was stopped mid-save); load an earlier checkpoint, "
+            f"or check first with sgpu_magic.checkpoint.is_complete(path)"
+        )

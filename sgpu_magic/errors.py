@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SgpuError(Exception):
@@ -28,7 +29,7 @@ class CellSyntaxError(SgpuError, SyntaxError):
 
     Raised before anything starts. In IPython it shows as Python shows a syntax error (the cell's
     line, a caret, the message), without the sgpu_magic and IPython frames that raised it (see
-    :func:`sgpu_magic.magics.show_cell_syntax_errors_alone`).
+    :func:`sgpu_magic.front.cell.show_cell_syntax_errors_alone`).
     """
 
 
@@ -113,7 +114,7 @@ class RankFailure:
         if len(lines) > 1 and message.startswith(f"Caught {exc_type} in DataLoader worker") and ": " in lines[-1]:
             # torch re-raises a worker's error as "Caught ValueError in DataLoader worker process 0.\nOriginal
             # Traceback ...\nValueError: <message>": show the worker's own message
-            where = message[len(f"Caught {exc_type} in "):].rstrip(".")
+            where = message[len(f"Caught {exc_type} in ") :].rstrip(".")
             exc_type, message = lines[-1].split(": ", 1)[0], f"{lines[-1].split(': ', 1)[1]} (in {where})"
         message = message if len(message) <= 200 else message[:197] + "..."
         return f"{exc_type}: {message}"
@@ -162,8 +163,9 @@ def grouped_failures(root: RankFailure, others: list[RankFailure], stopped_ranks
     return [f"{'ranks' if len(ranks) > 1 else 'rank'} {rank_ranges(ranks)} {what}" for what, ranks in ordered]
 
 
-NO_GPU_HINT = ("this machine has no GPU (the ranks ran on CPU with gloo): use sgpu_magic.runtime.device() / "
-               "runtime.backend()")
+NO_GPU_HINT = (
+    "this machine has no GPU (the ranks ran on CPU with gloo): use sgpu_magic.runtime.device() / runtime.backend()"
+)
 """Shown under a root cause that came from CUDA when the job's ranks ran on CPU."""
 
 
@@ -219,3 +221,35 @@ class RankFailedError(SgpuError, RuntimeError):
         out += [f"{type(self).__name__}: " + self._message().splitlines()[0]]
         out += self._message().splitlines()[1:]
         return out
+
+
+class Unpicklable:
+    """Stands in a rank for a notebook global that could not be sent; any use raises."""
+
+    def __init__(self, name: str, type_name: str, reason: str) -> None:
+        object.__setattr__(self, "_sgpu_info", (name, type_name, reason))
+
+    def _fail(self, *args: Any, **kwargs: Any) -> Any:
+        name, tname, reason = object.__getattribute__(self, "_sgpu_info")
+        raise UnpicklableGlobalError(unpicklable_message(name, tname, reason))
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        self._fail()
+
+    def __reduce__(self) -> tuple:
+        self._fail()  # e.g. returned from a rank: it cannot go back to the kernel either
+
+    def __repr__(self) -> str:
+        return f"<sgpu_magic: global {object.__getattribute__(self, '_sgpu_info')[0]!r} was not sent to the ranks>"
+
+    __call__ = __enter__ = __exit__ = __iter__ = __len__ = __getitem__ = __setitem__ = _fail
+    __bool__ = __contains__ = __add__ = __float__ = __int__ = __setattr__ = _fail
+
+
+def unpicklable_message(name: str, tname: str, reason: str) -> str:
+    return (
+        f"global '{name}' ({tname}) cannot be pickled ({reason}), so it is not sent to the ranks. "
+        f"Create it inside the cell or function that runs on the ranks instead."
+    )

@@ -23,10 +23,12 @@ import errno
 import json
 import os
 import secrets
-import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sgpu_magic._util.fs import atomic_write
 
 
 def default_root() -> Path:
@@ -43,7 +45,9 @@ def make_private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = path.stat()
     if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} is owned by uid {st.st_uid}, not by you; set SGPU_MAGIC_HOME to a private directory")
+        raise PermissionError(
+            f"{path} is owned by uid {st.st_uid}, not by you; set SGPU_MAGIC_HOME to a private directory"
+        )
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
@@ -73,18 +77,22 @@ def read_private(path: Path, run_dir: Path | None = None) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise PermissionError(f"refusing to read {path}: it is a symlink; sgpu_magic reads its pickles and "
-                                  f"launch files only from private run directories") from None
+            raise PermissionError(
+                f"refusing to read {path}: it is a symlink; sgpu_magic reads its pickles and "
+                f"launch files only from private run directories"
+            ) from None
         raise
     with os.fdopen(fd, "rb") as f:
         why = _not_private(os.fstat(fd), "the file")
-        for directory in ([path.parent] + ([run_dir] if run_dir is not None and run_dir != path.parent else [])):
+        for directory in [path.parent] + ([run_dir] if run_dir is not None and run_dir != path.parent else []):
             why = why or _not_private(os.lstat(directory), "its directory")
         if why:
-            raise PermissionError(f"refusing to read {path}: {why}. sgpu_magic reads pickles and launch files only "
-                                  f"from private run directories (0700, files 0600, owned by you) so no other user "
-                                  f"can plant one; remove this run directory, or set SGPU_MAGIC_HOME to a private "
-                                  f"directory")
+            raise PermissionError(
+                f"refusing to read {path}: {why}. sgpu_magic reads pickles and launch files only "
+                f"from private run directories (0700, files 0600, owned by you) so no other user "
+                f"can plant one; remove this run directory, or set SGPU_MAGIC_HOME to a private "
+                f"directory"
+            )
         return f.read()
 
 
@@ -112,23 +120,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     On a full disk (ENOSPC) the run dir's reserve is released and the write tried once more.
     """
     try:
-        _atomic_write_bytes(path, data)
+        atomic_write(path, data)
     except OSError as exc:
         if exc.errno != errno.ENOSPC or not release_reserve(path):
             raise
-        _atomic_write_bytes(path, data)
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        atomic_write(path, data)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -136,7 +132,70 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=1, default=str).encode())
 
 
-def write_status(run_dir: "RunDir", status: dict) -> None:
+STATUS_SCHEMA = 1
+"""Version of ``status.json``'s layout (its ``schema`` key), for readers of run directories kept from older releases."""
+
+FINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out", "interrupted"})
+"""The ``state`` values of a job that has ended; ``interrupted`` is a cancel caused by a kernel interrupt."""
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    """A job's ``status.json`` as its launcher (the launch host or the Ray supervisor) last wrote it: the typed
+    view the Job handle, the panel and tracking read. Keys the file lacks take the defaults below.
+
+    Attributes:
+        state: ``pending``, ``starting``, ``running``, or one of :data:`FINAL_STATES`.
+        started_s, ended_s: epoch seconds when the ranks started and the job ended (``None`` before).
+        attempt: the attempt that runs (or ran last), from 1; ``attempts``: the failed ones before it.
+        exitcodes: ``{rank: exit code}`` once the ranks ended (negative: killed by that signal).
+        failures: the failures the launcher observed (``{"rank", "exitcode", "time_s"}``), root cause first.
+        log_lines: ``{rank: lines}`` in each log once the job ended (a view that skipped shows the count).
+        teardown_ended: ranks the teardown grace ended (``{"rank", "outcome", "grace_s", "signal"}``).
+        waiting: why a Ray job waits for the cluster's resources; ``host_lost``, ``launch_error``: why it failed.
+    """
+
+    state: str = "pending"
+    started_s: float | None = None
+    ended_s: float | None = None
+    attempt: int = 1
+    attempts: tuple = ()
+    exitcodes: dict = field(default_factory=dict)
+    failures: tuple = ()
+    log_lines: dict = field(default_factory=dict)
+    teardown_ended: tuple = ()
+    waiting: str | None = None
+    host_lost: str | None = None
+    launch_error: str | None = None
+
+    @classmethod
+    def from_dict(cls, status: dict) -> HostStatus:
+        return cls(
+            state=status.get("state", "pending"),
+            started_s=status.get("started_s"),
+            ended_s=status.get("ended_s"),
+            attempt=int(status.get("attempt", 1)),
+            attempts=tuple(status.get("attempts", ())),
+            exitcodes={int(k): v for k, v in (status.get("exitcodes") or {}).items()},
+            failures=tuple(status.get("failures", ())),
+            log_lines=dict(status.get("log_lines") or {}),
+            teardown_ended=tuple(status.get("teardown_ended", ())),
+            waiting=status.get("waiting"),
+            host_lost=status.get("host_lost"),
+            launch_error=status.get("launch_error"),
+        )
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+    @property
+    def interrupted(self) -> bool:
+        """Cancelled because the kernel was interrupted (the job's state is ``CANCELLED``)."""
+        return self.state == "interrupted"
+
+
+def write_status(run_dir: RunDir, status: dict) -> None:
     """The launch host's report: ``status.json`` written atomically, then its follower woken.
 
     When even that fails for lack of space, the file is rewritten in place (truncating it frees its
@@ -145,7 +204,7 @@ def write_status(run_dir: "RunDir", status: dict) -> None:
     Raises:
         OSError: the status could not be written at all.
     """
-    data = json.dumps(status, indent=1, default=str).encode()
+    data = json.dumps({"schema": STATUS_SCHEMA, **status}, indent=1, default=str).encode()
     try:
         atomic_write_bytes(run_dir.status_file, data)
     except OSError as exc:
@@ -159,7 +218,7 @@ def write_status(run_dir: "RunDir", status: dict) -> None:
     signal_status(run_dir)
 
 
-def signal_status(run_dir: "RunDir") -> None:
+def signal_status(run_dir: RunDir) -> None:
     """Wake whoever follows ``run_dir`` (one byte into its status FIFO). Does nothing when there is no
     FIFO or nobody reads it; a full FIFO already holds a wake-up."""
     try:
@@ -217,6 +276,24 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
+SUBDIRS = ("logs", "results", "errors", "elastic")
+"""The folders of every run directory."""
+
+
+def host_warm_marker(host_log: str | os.PathLike) -> Path:
+    """``<host log>.warm``: made by the launch host once its forkserver has preloaded (the first launch waits)."""
+    return Path(f"{os.fspath(host_log)}.warm")
+
+
+HOST_WARM_STATS = "warm.json"
+"""Beside the host logs: the forkserver's remembered preload time (see :mod:`sgpu_magic.launch.host.warm_pool`)."""
+
+
+def _entry(name: str, doc: str) -> property:
+    """A :class:`RunDir` property: the path of its entry ``name``."""
+    return property(lambda self: self.path / name, doc=doc)
+
+
 class RunDir:
     """Names every file of one job. ``RunDir.create()`` makes a new private one."""
 
@@ -224,12 +301,12 @@ class RunDir:
         self.path = Path(path)
 
     @classmethod
-    def create(cls, root: Path | None = None, job_id: str | None = None) -> "RunDir":
+    def create(cls, root: Path | None = None, job_id: str | None = None) -> RunDir:
         """Make ``<root>/runs/<job_id>`` and its subfolders, all 0700."""
         runs = make_private_dir((root or default_root()) / "runs")
         rd = cls(runs / (job_id or new_job_id()))
         rd.path.mkdir(mode=0o700)
-        for sub in ("logs", "results", "errors", "elastic"):
+        for sub in SUBDIRS:
             (rd.path / sub).mkdir(mode=0o700)
         try:
             atomic_write_bytes(rd.path / RESERVE_NAME, b"\0" * RESERVE_BYTES)  # written, so the blocks are held
@@ -241,40 +318,39 @@ class RunDir:
     def job_id(self) -> str:
         return self.path.name
 
-    @property
-    def launch_file(self) -> Path:
-        return self.path / "launch.json"
+    launch_file = _entry("launch.json", "What the job runs: world size, backend, env, timeout (written by the kernel).")
+    payload_file = _entry("payload.pkl", "The pickled cell or function and its captured globals.")
+    status_file = _entry("status.json", "The launcher's report (:class:`HostStatus`), written until the final state.")
+    status_signal = _entry(
+        "status.fifo",
+        "A FIFO the kernel makes and reads; the launch host writes a byte to it "
+        "after each status write (see :func:`signal_status`), so a followed job wakes at once.",
+    )
+    elastic_dir = _entry("elastic", "torch elastic's own files (its error files, per attempt).")
+    logs_dir = _entry("logs", "One ``rank_<r>.log`` per rank (stdout and stderr), kept after the job.")
+    results_dir = _entry("results", "Each rank's pickled value (``rank_<r>.pkl``) and ``sys.exit`` note.")
+    errors_dir = _entry("errors", "Each failed rank's error (``rank_<r>.json``); ``attempt_<k>/`` of earlier attempts.")
+    mlflow_ended_file = _entry(
+        "mlflow_ended",
+        "Left by the kernel once it has ended the job's MLflow run (else the launch host ends it on its way out).",
+    )
 
-    @property
-    def payload_file(self) -> Path:
-        return self.path / "payload.pkl"
-
-    @property
-    def status_file(self) -> Path:
-        return self.path / "status.json"
-
-    @property
-    def status_signal(self) -> Path:
-        """A FIFO the kernel makes and reads; the launch host writes a byte to it after each status write
-        (see :func:`signal_status`), so a followed job wakes at once instead of polling."""
-        return self.path / "status.fifo"
-
-    @property
-    def elastic_dir(self) -> Path:
-        return self.path / "elastic"
+    def attempt_errors_dir(self, attempt: int) -> Path:
+        """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""
+        return self.errors_dir / f"attempt_{attempt}"
 
     def log_file(self, rank: int) -> Path:
-        return self.path / "logs" / f"rank_{rank}.log"
+        return self.logs_dir / f"rank_{rank}.log"
 
     def result_file(self, rank: int) -> Path:
-        return self.path / "results" / f"rank_{rank}.pkl"
+        return self.results_dir / f"rank_{rank}.pkl"
 
     def error_file(self, rank: int) -> Path:
-        return self.path / "errors" / f"rank_{rank}.json"
+        return self.errors_dir / f"rank_{rank}.json"
 
     def exit_file(self, rank: int) -> Path:
         """Written by a rank that ended through ``SystemExit(0)``: ``{"code": 0, "where": "file:line", "kind"}``."""
-        return self.path / "results" / f"rank_{rank}.exit.json"
+        return self.results_dir / f"rank_{rank}.exit.json"
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"

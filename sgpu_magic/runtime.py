@@ -24,8 +24,16 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["get_global_rank", "get_local_rank", "get_world_size", "get_local_world_size",
-           "get_node_rank", "get_replica_rank", "backend", "device"]
+__all__ = [
+    "get_global_rank",
+    "get_local_rank",
+    "get_world_size",
+    "get_local_world_size",
+    "get_node_rank",
+    "get_replica_rank",
+    "backend",
+    "device",
+]
 
 
 def _env_int(name: str, default: int) -> int:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from .errors import SpecError
+from sgpu_magic.errors import SpecError
 
 DEFAULT_TIMEOUT_S: float = 3 * 3600.0
 """Default job timeout, 3 hours, as in the serverless GPU API."""
@@ -43,10 +43,10 @@ class LaunchSpec:
         max_restarts: how many times a failed rank group is restarted, all ranks together, before the
             job fails (torchrun's ``--max-restarts``; ranks see ``TORCHELASTIC_RESTART_COUNT``). Default 0.
         cluster: a Ray cluster to run on (``"auto"``, ``"ray://host:port"`` or a GCS ``"host:port"``;
-            see :mod:`sgpu_magic.ray_cluster`); ``None`` = this machine. Default ``None``.
+            see :mod:`sgpu_magic.launch.ray.cluster`); ``None`` = this machine. Default ``None``.
         teardown_grace_s: seconds a rank may take to exit (destructors, ``atexit`` handlers) after its value
             or error is written; a rank still running then is ended (SIGTERM, then SIGKILL) and the job keeps
-            its outcome (see :mod:`sgpu_magic.teardown`). Default 10.
+            its outcome (see :mod:`sgpu_magic.launch.teardown`). Default 10.
     """
 
     gpus: int
@@ -89,7 +89,9 @@ def check_gpus(gpus: object, name: str = "gpus") -> int:
         SpecError: naming ``name`` and the value given.
     """
     if not _is_int(gpus):
-        raise SpecError(f"{name} must be an int >= 1 (the number of ranks), got {shown(gpus)} of type {type(gpus).__name__}")
+        raise SpecError(
+            f"{name} must be an int >= 1 (the number of ranks), got {shown(gpus)} of type {type(gpus).__name__}"
+        )
     if not 1 <= int(gpus) <= MAX_RANKS:
         raise SpecError(f"{name} must be between 1 and {MAX_RANKS}, got {shown(int(gpus))}")
     return int(gpus)
@@ -99,8 +101,10 @@ def _check_gpu_type(gpu_type: object) -> str | None:
     if gpu_type is None:
         return None
     if not isinstance(gpu_type, str) or not gpu_type.strip() or not gpu_type.isprintable():
-        raise SpecError(f"gpu_type must be a non-empty string such as 'H100' (printable characters), or None for any "
-                        f"GPU; got {shown(gpu_type)}")
+        raise SpecError(
+            f"gpu_type must be a non-empty string such as 'H100' (printable characters), or None for any "
+            f"GPU; got {shown(gpu_type)}"
+        )
     return gpu_type.strip()
 
 
@@ -129,15 +133,19 @@ def _check_port(port: object) -> int | None:
 
 def _gpu_id_list(gpu_ids: object) -> list:
     """The items of ``gpu_ids``: a list, tuple, range or array, iterated once."""
-    if (isinstance(gpu_ids, (str, bytes, Mapping, Iterator)) or not isinstance(gpu_ids, Iterable)):
+    if isinstance(gpu_ids, (str, bytes, Mapping, Iterator)) or not isinstance(gpu_ids, Iterable):
         one_shot = " (an iterator can be read only once; pass list(...))" if isinstance(gpu_ids, Iterator) else ""
-        raise SpecError(f"gpu_ids must be a list of GPU indices such as [0, 1], or None for any free GPUs; "
-                        f"got {shown(gpu_ids)}{one_shot}")
+        raise SpecError(
+            f"gpu_ids must be a list of GPU indices such as [0, 1], or None for any free GPUs; "
+            f"got {shown(gpu_ids)}{one_shot}"
+        )
     try:
         return list(gpu_ids)
     except Exception as exc:  # noqa: BLE001 - a broken container is the caller's bad input
-        raise SpecError(f"gpu_ids must be a list of GPU indices such as [0, 1]; {shown(gpu_ids)} could not be read "
-                        f"({type(exc).__name__}: {exc})") from None
+        raise SpecError(
+            f"gpu_ids must be a list of GPU indices such as [0, 1]; {shown(gpu_ids)} could not be read "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def _check_gpu_ids(gpu_ids: object, gpus: int) -> tuple[int, ...] | None:
@@ -156,12 +164,14 @@ def _check_gpu_ids(gpu_ids: object, gpus: int) -> tuple[int, ...] | None:
 
 def _check_max_restarts(max_restarts: object) -> int:
     if not _is_int(max_restarts) or not 0 <= int(max_restarts) <= MAX_RESTARTS:
-        raise SpecError(f"max_restarts must be an int between 0 and {MAX_RESTARTS} (restarts of the whole rank group "
-                        f"after a failure; 0 = none), got {shown(max_restarts)}")
+        raise SpecError(
+            f"max_restarts must be an int between 0 and {MAX_RESTARTS} (restarts of the whole rank group "
+            f"after a failure; 0 = none), got {shown(max_restarts)}"
+        )
     return int(max_restarts)
 
 
-def _check_switch(name: str, value: object, meaning: str, allow_none: bool = False) -> bool | None:
+def check_switch(name: str, value: object, meaning: str, allow_none: bool = False) -> bool | None:
     """``True`` / ``False`` (also ``1`` / ``0``), or ``None`` where allowed; a string such as "false" is refused."""
     if value is None and allow_none:
         return None
@@ -178,8 +188,10 @@ def check_max_capture_bytes(max_capture_bytes: object) -> int:
         SpecError: naming the value given.
     """
     if not _is_int(max_capture_bytes) or max_capture_bytes < 0:
-        raise SpecError(f"max_capture_bytes must be an int >= 0 (bytes; captured globals larger than this get a "
-                        f"warning), got {shown(max_capture_bytes)}")
+        raise SpecError(
+            f"max_capture_bytes must be an int >= 0 (bytes; captured globals larger than this get a "
+            f"warning), got {shown(max_capture_bytes)}"
+        )
     return int(max_capture_bytes)
 
 
@@ -189,8 +201,10 @@ def check_teardown_grace(grace_s: object) -> float:
     Raises:
         SpecError: naming the value given.
     """
-    message = (f"teardown_grace_s must be a number of seconds >= 0 (how long a rank may take to exit after its "
-               f"value is written, before it is ended), got {shown(grace_s)}")
+    message = (
+        f"teardown_grace_s must be a number of seconds >= 0 (how long a rank may take to exit after its "
+        f"value is written, before it is ended), got {shown(grace_s)}"
+    )
     if isinstance(grace_s, bool) or not isinstance(grace_s, numbers.Real):
         raise SpecError(message)
     try:
@@ -202,10 +216,20 @@ def check_teardown_grace(grace_s: object) -> float:
     return value
 
 
-def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_TIMEOUT_S,
-              port: object = None, name: str = "job", widgets: bool | None = None, mlflow: bool = True,
-              gpu_ids: object = None, wait: bool = True, max_restarts: object = 0,
-              cluster: object = None, teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S) -> LaunchSpec:
+def make_spec(
+    gpus: object,
+    gpu_type: object = None,
+    timeout: object = DEFAULT_TIMEOUT_S,
+    port: object = None,
+    name: str = "job",
+    widgets: bool | None = None,
+    mlflow: bool = True,
+    gpu_ids: object = None,
+    wait: bool = True,
+    max_restarts: object = 0,
+    cluster: object = None,
+    teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S,
+) -> LaunchSpec:
     """Validate user input into a :class:`LaunchSpec`.
 
     ``widgets``, ``mlflow`` and ``wait`` take ``True`` / ``False`` (or ``1`` / ``0``); a string such as
@@ -215,15 +239,20 @@ def make_spec(gpus: object, gpu_type: object = None, timeout: object = DEFAULT_T
         SpecError: naming the bad option, the value given (shortened to about 80 characters) and what is allowed.
     """
     count = check_gpus(gpus)
-    return LaunchSpec(gpus=count, gpu_type=_check_gpu_type(gpu_type),
-                      timeout_s=_check_timeout(timeout), port=_check_port(port), name=name,
-                      widgets=_check_switch("widgets", widgets, "the widget panel, plain text, or decide", True),
-                      mlflow=_check_switch("mlflow", mlflow, "track the job as an MLflow run"),
-                      gpu_ids=_check_gpu_ids(gpu_ids, count),
-                      wait=_check_switch("wait", wait, "queue for GPUs other jobs hold, or fail at once"),
-                      max_restarts=_check_max_restarts(max_restarts),
-                      cluster=_check_cluster(cluster, gpu_ids, max_restarts),
-                      teardown_grace_s=check_teardown_grace(teardown_grace_s))
+    return LaunchSpec(
+        gpus=count,
+        gpu_type=_check_gpu_type(gpu_type),
+        timeout_s=_check_timeout(timeout),
+        port=_check_port(port),
+        name=name,
+        widgets=check_switch("widgets", widgets, "the widget panel, plain text, or decide", True),
+        mlflow=check_switch("mlflow", mlflow, "track the job as an MLflow run"),
+        gpu_ids=_check_gpu_ids(gpu_ids, count),
+        wait=check_switch("wait", wait, "queue for GPUs other jobs hold, or fail at once"),
+        max_restarts=_check_max_restarts(max_restarts),
+        cluster=_check_cluster(cluster, gpu_ids, max_restarts),
+        teardown_grace_s=check_teardown_grace(teardown_grace_s),
+    )
 
 
 _ACCELERATOR_TYPE = re.compile(r"GPU_([0-9]+)x([A-Za-z0-9][A-Za-z0-9_-]*)", re.IGNORECASE)
@@ -241,8 +270,10 @@ def parse_accelerator_type(accelerator_type: object) -> tuple[int, str]:
     """
     match = _ACCELERATOR_TYPE.fullmatch(accelerator_type.strip()) if isinstance(accelerator_type, str) else None
     if match is None or int(match.group(1)) < 1:
-        raise SpecError(f"accelerator_type takes the serverless GPU API's form 'GPU_<n>x<model>' with n >= 1, such as "
-                        f"'GPU_8xH100' or 'GPU_1xA10'; got {shown(accelerator_type)}{_accelerator_hint(accelerator_type)}")
+        raise SpecError(
+            f"accelerator_type takes the serverless GPU API's form 'GPU_<n>x<model>' with n >= 1, such as "
+            f"'GPU_8xH100' or 'GPU_1xA10'; got {shown(accelerator_type)}{_accelerator_hint(accelerator_type)}"
+        )
     return int(match.group(1)), match.group(2)
 
 
@@ -261,8 +292,10 @@ def _check_cluster(cluster: object, gpu_ids: object, max_restarts: object) -> st
     if cluster is None:
         return None
     if not isinstance(cluster, str) or not cluster.strip() or any(c.isspace() for c in cluster.strip()):
-        raise SpecError(f"cluster must be 'auto' (an already running or initialised Ray), 'ray://host:port' (a Ray "
-                        f"client address) or 'host:port' (a Ray GCS address), got {shown(cluster)}")
+        raise SpecError(
+            f"cluster must be 'auto' (an already running or initialised Ray), 'ray://host:port' (a Ray "
+            f"client address) or 'host:port' (a Ray GCS address), got {shown(cluster)}"
+        )
     cluster = cluster.strip()
     if cluster != "auto" and ":" not in cluster:
         raise SpecError(f"cluster={cluster!r} is not a Ray address: give 'auto', 'ray://host:port' or 'host:port'")

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# tests/unit, tests/integration, tests/kernel, tests/browser and tests/chaos share helpers.py and kernel_utils.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -19,7 +24,7 @@ def sgpu_home(tmp_path_factory):
     # kernels started by tests inherit this: plain [rank N] text, which the tests read (the panel has its own tests)
     os.environ.setdefault("SGPU_MAGIC_WIDGETS", "0")
     yield home
-    from sgpu_magic.launcher import shutdown_host
+    from sgpu_magic.launch.client import shutdown_host
 
     shutdown_host()
     if old is None:

@@ -44,8 +44,11 @@ def collect_all(kc, msg_id: str, timeout_s: float = 180.0, until=None) -> list[d
         seen.append(msg)
         if until is not None and until(msg):
             return seen
-        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
-                and msg["content"]["execution_state"] == "idle"):
+        if (
+            msg["parent_header"].get("msg_id") == msg_id
+            and msg["msg_type"] == "status"
+            and msg["content"]["execution_state"] == "idle"
+        ):
             return seen
 
 

@@ -30,9 +30,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("SGPU_MAGIC_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 """Flags for a sandboxed root run on a machine with no outside network (no background connections)."""
 SERVER_START_TIMEOUT_S = 120
 
@@ -70,17 +78,26 @@ class Frontend:
 
 
 FRONTENDS = {
-    "jupyterlab": Frontend("jupyterlab", "jupyterlab", (
-        "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-        "--LabApp.extension_manager=readonly"), ""),
+    "jupyterlab": Frontend(
+        "jupyterlab",
+        "jupyterlab",
+        (
+            "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.extension_manager=readonly",
+        ),
+        "",
+    ),
     "notebook7": Frontend("notebook7", "notebook", (), "notebook7-"),
 }
 
 
 def _missing(frontend: Frontend) -> str | None:
     if not Path(CHROMIUM).exists():
-        return (f"Debian's chromium is not installed ({CHROMIUM} is missing): scripts/setup.sh installs it with "
-                f"'apt-get install chromium' when run as root; install it, or set SGPU_MAGIC_CHROMIUM")
+        return (
+            f"Debian's chromium is not installed ({CHROMIUM} is missing): scripts/setup.sh installs it with "
+            f"'apt-get install chromium' when run as root; install it, or set SGPU_MAGIC_CHROMIUM"
+        )
     try:
         import playwright  # noqa: F401
 
@@ -110,8 +127,7 @@ class JupyterServer:
         ipython_dir = base / "ipython"
         (ipython_dir / "profile_default").mkdir(parents=True)
         # what a user writes to have every tracked job's link work on a local store
-        (ipython_dir / "profile_default" / "ipython_config.py").write_text(
-            "c.DistributedMagics.mlflow_ui = True\n")
+        (ipython_dir / "profile_default" / "ipython_config.py").write_text("c.DistributedMagics.mlflow_ui = True\n")
         # JupyterLab's own settings (Notebook 7 shares them): no "notified about Jupyter news?" prompt (no network)
         notification = base / "lab_settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
         notification.parent.mkdir(parents=True, exist_ok=True)
@@ -127,18 +143,34 @@ class JupyterServer:
             "JUPYTER_RUNTIME_DIR": str(base / "jupyter_runtime"),
             "JUPYTERLAB_SETTINGS_DIR": str(base / "lab_settings"),
             "JUPYTERLAB_WORKSPACES_DIR": str(base / "lab_workspaces"),
-            "PYTHONPATH": os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+            ),
         }
         self.env.pop("SGPU_MAGIC_WIDGETS", None)  # the panel, as a user of the frontend gets it
         self.log_path = base / f"{frontend.module}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - open for the server's life
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", frontend.module, "--no-browser", "--ServerApp.ip=127.0.0.1",
-             f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
-             "--ServerApp.terminals_enabled=False", *frontend.args]
+            [
+                sys.executable,
+                "-m",
+                frontend.module,
+                "--no-browser",
+                "--ServerApp.ip=127.0.0.1",
+                f"--ServerApp.port={self.port}",
+                "--ServerApp.port_retries=0",
+                f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={self.root}",
+                "--ServerApp.terminals_enabled=False",
+                *frontend.args,
+            ]
             + (["--allow-root"] if os.geteuid() == 0 else []),  # CI and this machine run as root
-            cwd=self.root, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=self.root,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self._wait_ready()
 
     def url(self, path: str) -> str:
@@ -155,8 +187,9 @@ class JupyterServer:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.frontend.module} exited with {self.proc.returncode}: "
-                                   f"{self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"{self.frontend.module} exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}"
+                )
             try:
                 self.api("status")
                 return
@@ -165,8 +198,10 @@ class JupyterServer:
                     self.proc.wait(timeout=0.25)
                 except subprocess.TimeoutExpired:
                     pass
-        raise RuntimeError(f"{self.frontend.module} did not answer within {SERVER_START_TIMEOUT_S} s: "
-                           f"{self.log_path.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"{self.frontend.module} did not answer within {SERVER_START_TIMEOUT_S} s: "
+            f"{self.log_path.read_text()[-3000:]}"
+        )
 
     def stop(self) -> None:
         """Stop the server (it shuts its kernels down) and wait until everything it started is gone:

@@ -42,7 +42,8 @@ def open_notebook(page, jupyter, name: str):
     else:  # Notebook 7 has no status bar, and its toolbar's indicator says idle before the kernel starts too
         wait_kernel_connected(jupyter, name)
         expect(page.locator(".jp-NotebookPanel-toolbar .jp-Notebook-ExecutionIndicator")).to_have_attribute(
-            "data-status", "idle", timeout=60_000)
+            "data-status", "idle", timeout=60_000
+        )
     notebook.locator(".jp-CodeCell").first.wait_for()
     return notebook
 
@@ -144,12 +145,13 @@ def test_quickstart_panel_tabs_tqdm_and_mlflow_link(jupyter, page, screenshots):
     for rank in (0, 1):
         tabs.nth(rank).click()  # switch tabs as a person does
         expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text(
-            f"rank {rank}: epoch 3/3", timeout=30_000)
+            f"rank {rank}: epoch 3/3", timeout=30_000
+        )
         lines = shown_log(panel).splitlines()
         assert not any(line.startswith(f"rank {1 - rank}") for line in lines), lines  # only this rank's lines
         assert [line for line in lines if line.startswith(f"rank {rank}: epoch ")] == [
-            line for line in lines if re.match(rf"rank {rank}: epoch \d/3 total loss", line)] and len(
-            [line for line in lines if line.startswith(f"rank {rank}: epoch ")]) == 3, lines
+            line for line in lines if re.match(rf"rank {rank}: epoch \d/3 total loss", line)
+        ] and len([line for line in lines if line.startswith(f"rank {rank}: epoch ")]) == 3, lines
         bars = [line for line in lines if line.startswith(f"rank {rank} epochs:")]
         assert len(bars) == 1 and "100%" in bars[0] and "3/3" in bars[0], lines  # the bar is one updating line
         footer = panel.locator(".widget-tab-contents .widget-output:visible").locator("small").first
@@ -184,7 +186,7 @@ def _get_run(base: str, run_id: str, timeout_s: float = 90) -> dict:
             time.sleep(0.5)  # another process's server, not listening yet: ask again shortly
 
 
-SLEEPER = '''\
+SLEEPER = """\
 from sgpu_magic import distributed
 
 @distributed(gpus=2, mlflow=False)
@@ -194,16 +196,19 @@ def sleeper(seconds):
 
     print(f"rank {os.environ['RANK']} sleeping", flush=True)
     time.sleep(seconds)
-'''
+"""
 
 
 @pytest.mark.parametrize("mode", ["blocking", "background"])
 def test_stop_button_cancels_a_running_job(jupyter, page, mode, screenshots):
     from playwright.sync_api import expect
 
-    call = ("sleeper.distributed(600)" if mode == "blocking" else
-            "%%distributed --gpus 2 --background --no-mlflow -o bg\nimport os, time\n"
-            "print(f\"rank {os.environ['RANK']} sleeping\", flush=True)\ntime.sleep(600)")
+    call = (
+        "sleeper.distributed(600)"
+        if mode == "blocking"
+        else "%%distributed --gpus 2 --background --no-mlflow -o bg\nimport os, time\n"
+        "print(f\"rank {os.environ['RANK']} sleeping\", flush=True)\ntime.sleep(600)"
+    )
     name = f"stop_{mode}.ipynb"
     write_notebook(jupyter.root / name, ["%load_ext sgpu_magic", SLEEPER, call])
     notebook = open_notebook(page, jupyter, name)
@@ -214,7 +219,8 @@ def test_stop_button_cancels_a_running_job(jupyter, page, mode, screenshots):
     panel.wait_for(timeout=60_000)
     header = panel.locator(".widget-html").filter(has_text="sgpu_magic job").first
     expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text(
-        "rank 0 sleeping", timeout=JOB_TIMEOUT_MS)
+        "rank 0 sleeping", timeout=JOB_TIMEOUT_MS
+    )
     job_id, pids = running_job_pids(jupyter)
     expect(header).to_contain_text(job_id)
     if mode == "blocking":

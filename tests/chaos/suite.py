@@ -43,8 +43,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers import job_processes  # noqa: E402
-from kernel_utils import collect, execute, start_kernel, stop_kernel  # noqa: E402
+from helpers import job_processes
+from kernel_utils import collect, execute, start_kernel, stop_kernel
 
 BOUND_S = 15.0
 """Seconds from a fault to the job's final state (after the timeout, for faults that end by timeout)."""
@@ -53,8 +53,23 @@ TIMEOUT_S = 6.0
 """The job timeout for faults that only a timeout ends (a hung collective, a rank that never joins)."""
 
 STEPS = 40
-FAULTS = ["raise", "exit", "sigkill", "sigsegv", "hang_collective", "no_rendezvous", "children", "timeout",
-          "cancel_api", "cancel_stop", "kernel_interrupt", "kernel_sigkill", "launcher_killed", "disk_full", "flood"]
+FAULTS = [
+    "raise",
+    "exit",
+    "sigkill",
+    "sigsegv",
+    "hang_collective",
+    "no_rendezvous",
+    "children",
+    "timeout",
+    "cancel_api",
+    "cancel_stop",
+    "kernel_interrupt",
+    "kernel_sigkill",
+    "launcher_killed",
+    "disk_full",
+    "flood",
+]
 
 EXPECT = {
     # fault: (final state, MLflow status, regex the kernel's error must match; {r} = the faulting rank)
@@ -75,7 +90,7 @@ EXPECT = {
     "flood": ("succeeded", "FINISHED", None),
 }
 
-SETUP = r'''
+SETUP = r"""
 import json, os, time
 from sgpu_magic import distributed
 
@@ -153,7 +168,7 @@ def report(job, value=None, error=None):
     print("CHAOS " + json.dumps({"job_id": job.job_id, "run_dir": str(job.run_dir), "state": job.state.value,
                                  "value": value, "error": error, "ended": time.time(),
                                  "mlflow_run_id": job.mlflow_run_id}), flush=True)
-'''
+"""
 
 
 FINAL = ("succeeded", "failed", "cancelled", "timed_out")
@@ -184,9 +199,14 @@ class Runner:
         self.workdir, self.flood_bytes, self.tmpfs = workdir, flood_bytes, tmpfs
         self.home = workdir / "home"
         self.home.mkdir(mode=0o700, exist_ok=True)
-        self.env = {"SGPU_MAGIC_HOME": str(self.home), "SGPU_MAGIC_LEASE_DIR": str(workdir / "leases"),
-                    "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db", "SGPU_MAGIC_FAKE_GPUS": "2 x H100",
-                    "SGPU_MAGIC_WIDGETS": "1", "MLFLOW_EXPERIMENT_NAME": "chaos"}
+        self.env = {
+            "SGPU_MAGIC_HOME": str(self.home),
+            "SGPU_MAGIC_LEASE_DIR": str(workdir / "leases"),
+            "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db",
+            "SGPU_MAGIC_FAKE_GPUS": "2 x H100",
+            "SGPU_MAGIC_WIDGETS": "1",
+            "MLFLOW_EXPERIMENT_NAME": "chaos",
+        }
         self.km = self.kc = None
         self.counter = 0
 
@@ -206,7 +226,11 @@ class Runner:
         kernel = psutil.Process(self.km.provisioner.process.pid) if self.km and self.km.has_kernel else None
         for p in psutil.process_iter(["cmdline"]):
             cmd = " ".join(p.info["cmdline"] or [])
-            if "sgpu_magic.host import main" in cmd and kernel is not None and cmd.endswith(f" {kernel.pid}"):
+            if (
+                "sgpu_magic.launch.host.process import main" in cmd
+                and kernel is not None
+                and cmd.endswith(f" {kernel.pid}")
+            ):
                 return p.pid
         return None
 
@@ -219,8 +243,10 @@ class Runner:
         fault_rank, fault_step = rng.randrange(2), rng.randrange(1, 8)
         timeout = TIMEOUT_S if fault in ("hang_collective", "no_rendezvous", "timeout") else 120
         background = fault in ("cancel_api", "cancel_stop")
-        call = (f"chaos_job({fault!r}, {fault_rank}, {fault_step}, {STEPS}, {str(marks)!r}, {self.flood_bytes}, "
-                f"{timeout}, {background})")
+        call = (
+            f"chaos_job({fault!r}, {fault_rank}, {fault_step}, {STEPS}, {str(marks)!r}, {self.flood_bytes}, "
+            f"{timeout}, {background})"
+        )
         outcome = Outcome(fault)
         old_home = None
         if fault == "disk_full":
@@ -230,8 +256,11 @@ class Runner:
         if fault in ("cancel_api", "cancel_stop"):
             out = execute(self.kc, f"job = {call}")
             self._wait_marks(marks, everyone=True)
-            action = ("job.cancel()" if fault == "cancel_api" else
-                      "[s for s in job._sinks if hasattr(s, 'stop_button')][0].stop_button.click()")
+            action = (
+                "job.cancel()"
+                if fault == "cancel_api"
+                else "[s for s in job._sinks if hasattr(s, 'stop_button')][0].stop_button.click()"
+            )
             out = execute(self.kc, f"{action}\njob.exception(timeout_s=60)\nreport(job)")
             report = self._report(out.stdout)
         elif fault in ("kernel_interrupt", "kernel_sigkill", "launcher_killed"):
@@ -356,7 +385,7 @@ class Runner:
             time.sleep(0.1)
 
     def _lease_held(self, job_id: str) -> bool:
-        from sgpu_magic.leases import LeaseRegistry
+        from sgpu_magic.launch.leases import LeaseRegistry
 
         return any(h["job_id"] == job_id for h in LeaseRegistry(self.workdir / "leases").snapshot()["holders"])
 
@@ -386,8 +415,10 @@ class Runner:
 
         client = MlflowClient(self.env["MLFLOW_TRACKING_URI"])
         if run_id is None:
-            runs = client.search_runs([client.get_experiment_by_name("chaos").experiment_id],
-                                      filter_string=f"tags.`sgpu_magic.job_id` = '{job_id}'")
+            runs = client.search_runs(
+                [client.get_experiment_by_name("chaos").experiment_id],
+                filter_string=f"tags.`sgpu_magic.job_id` = '{job_id}'",
+            )
             if not runs:
                 return "no MLflow run for the job"
             run_id = runs[0].info.run_id
@@ -406,8 +437,9 @@ class Runner:
 def mount_tmpfs(size: str = "4m") -> Path | None:
     """A small tmpfs for the disk-full fault, or ``None`` when this process cannot mount one (not root)."""
     path = Path(tempfile.mkdtemp(prefix="sgpu-chaos-full-"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         path.rmdir()
         return None
@@ -420,8 +452,9 @@ def unmount(path: Path | None) -> None:
         path.rmdir()
 
 
-def run_suite(jobs: int | None, seed: int, flood_bytes: int, workdir: Path, faults: list[str] | None = None,
-              log=print) -> list[Outcome]:
+def run_suite(
+    jobs: int | None, seed: int, flood_bytes: int, workdir: Path, faults: list[str] | None = None, log=print
+) -> list[Outcome]:
     """Run ``jobs`` jobs with random faults (``None``: each of ``faults`` once, in order); return the outcomes."""
     rng = random.Random(seed)
     tmpfs = mount_tmpfs()
@@ -435,9 +468,11 @@ def run_suite(jobs: int | None, seed: int, flood_bytes: int, workdir: Path, faul
             t0 = time.monotonic()
             outcome = runner.run(fault, rng)
             outcomes.append(outcome)
-            log(f"[{i + 1}/{len(plan)}] {fault}: {'ok' if outcome.ok else 'FAILED ' + '; '.join(outcome.problems)} "
+            log(
+                f"[{i + 1}/{len(plan)}] {fault}: {'ok' if outcome.ok else 'FAILED ' + '; '.join(outcome.problems)} "
                 f"({outcome.to_final_s if outcome.to_final_s is None else round(outcome.to_final_s, 2)} s to final, "
-                f"{time.monotonic() - t0:.1f} s in all{''.join('; ' + n for n in outcome.notes)})")
+                f"{time.monotonic() - t0:.1f} s in all{''.join('; ' + n for n in outcome.notes)})"
+            )
     finally:
         runner.stop()
         unmount(tmpfs)
@@ -449,16 +484,20 @@ def table(outcomes: list[Outcome]) -> str:
     rows = collections.defaultdict(list)
     for o in outcomes:
         rows[o.fault].append(o)
-    lines = ["| fault | jobs | survived | worst s to final state | lines lost | processes leaked |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| fault | jobs | survived | worst s to final state | lines lost | processes leaked |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for fault in FAULTS:
         if fault not in rows:
             continue
         got = rows[fault]
         worst = max((o.to_final_s for o in got if o.to_final_s is not None), default=None)
-        lines.append(f"| {fault} | {len(got)} | {sum(o.ok for o in got)} | "
-                     f"{'-' if worst is None else f'{worst:.1f}'} | {sum(o.lines_lost for o in got)} | "
-                     f"{sum(o.leaked for o in got)} |")
+        lines.append(
+            f"| {fault} | {len(got)} | {sum(o.ok for o in got)} | "
+            f"{'-' if worst is None else f'{worst:.1f}'} | {sum(o.lines_lost for o in got)} | "
+            f"{sum(o.leaked for o in got)} |"
+        )
     return "\n".join(lines)
 
 

@@ -1,0 +1,30 @@
+"""Process helpers shared by the rank, the launch host and its forkserver: Linux ``prctl`` switches (one ctypes
+call site). No psutil here: ranks import this module."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, arg: int) -> bool:
+    """``prctl(option, arg)`` through libc; whether it could be called (not on a platform without it)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, arg)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Have the OS send ``sig`` to this process when its parent ends, however it ends (``PR_SET_PDEATHSIG``)."""
+    return _prctl(PR_SET_PDEATHSIG, sig)
+
+
+def adopt_orphans() -> bool:
+    """Become the subreaper of this process's descendants: orphans are re-parented here, not to init
+    (``PR_SET_CHILD_SUBREAPER``), so they can be found and reaped."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)

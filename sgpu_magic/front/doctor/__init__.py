@@ -1,0 +1,237 @@
+"""``python -m sgpu_magic doctor`` and ``%distributed_doctor``: what a job will use here, and what is wrong.
+
+One table, one row per thing a job depends on — Python, torch (its CUDA and NCCL), the GPUs NVML
+sees and who holds them (the lease registry of :mod:`sgpu_magic.launch.leases` and NVML's compute
+processes), the lease directory, rendezvous ports, sgpu_magic's home, the kernel's launch host and
+its warm forkserver, the MLflow tracking URI and whether it answers, ipywidgets and its frontend
+extensions, Jupyter, Ray when a cluster is configured, DeepSpeed's JIT ops — each ``ok``,
+``warning`` or ``error``, with the remedy. Nothing is started, leased or created, and network
+checks give up after ``timeout_s``. Heavy modules (torch, mlflow) are imported only when the checks
+run, never when this module is imported.
+
+Example::
+
+    report = diagnose()                    # the same checks as the command line
+    [row.name for row in report.errors]    # e.g. ['mlflow'] when the tracking server does not answer
+    print(report.to_json())                # what ``python -m sgpu_magic doctor --json`` prints
+"""
+
+from __future__ import annotations
+
+import enum
+import html
+import json
+import logging
+import textwrap
+from dataclasses import dataclass, field
+
+__all__ = ["Status", "Check", "Report", "DoctorConfig", "diagnose"]
+
+_log = logging.getLogger(__name__)
+
+NETWORK_TIMEOUT_S = 2.0
+"""How long the MLflow server and a Ray cluster get to answer the doctor."""
+
+
+class Status(enum.Enum):
+    """A row's verdict: ``ok``; ``warning`` (jobs run, but something is off); ``error`` (jobs will fail, or
+    lose what they should keep, until it is fixed)."""
+
+    OK = "ok"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the report.
+
+    Attributes:
+        name: what was checked (``torch``, ``gpu 0``, ``mlflow`` ...).
+        status: the verdict.
+        details: what was found, in one sentence.
+        remedy: what to do about it; ``""`` for an ``ok`` row.
+    """
+
+    name: str
+    status: Status
+    details: str
+    remedy: str = ""
+
+
+def ok(name: str, details: str) -> Check:
+    return Check(name, Status.OK, details)
+
+
+def warning(name: str, details: str, remedy: str) -> Check:
+    return Check(name, Status.WARNING, details, remedy)
+
+
+def error(name: str, details: str, remedy: str) -> Check:
+    return Check(name, Status.ERROR, details, remedy)
+
+
+@dataclass(frozen=True)
+class DoctorConfig:
+    """What to check against: the kernel's settings (from :class:`~sgpu_magic.front.magics.DistributedMagics`) or
+    the environment's (the command line).
+
+    Attributes:
+        port: a pinned ``MASTER_PORT`` (``port=`` / ``--port``) to check is free; ``None``: none pinned.
+        cluster: a Ray cluster address to check (``cluster=`` / ``--cluster``); ``None``: the configured
+            remote cluster (``remote_cluster`` / ``SGPU_MAGIC_REMOTE_CLUSTER``), if any.
+        lease_dir: the lease directory (``DistributedMagics.lease_dir``); ``None``: ``$SGPU_MAGIC_LEASE_DIR``,
+            else ``<sgpu_magic home>/leases``.
+        mlflow: whether jobs are tracked (``DistributedMagics.mlflow``); default True.
+        widgets: ``DistributedMagics.widgets`` (``None``: decided by where the code runs).
+        remote_cluster: ``DistributedMagics.remote_cluster`` where the kernel has it.
+        in_shell: the checks run inside an IPython shell with the extension loaded (``%distributed_doctor``).
+        timeout_s: seconds a server gets to answer; default :data:`NETWORK_TIMEOUT_S`.
+    """
+
+    port: int | None = None
+    cluster: str | None = None
+    lease_dir: str | None = None
+    mlflow: bool = True
+    widgets: bool | None = None
+    remote_cluster: str | None = None
+    in_shell: bool = False
+    timeout_s: float = NETWORK_TIMEOUT_S
+
+    @classmethod
+    def from_magics(cls, magics, port: int | None = None, cluster: str | None = None) -> DoctorConfig:
+        """The settings of the kernel whose ``DistributedMagics`` instance is ``magics``."""
+        return cls(
+            port=port,
+            cluster=cluster,
+            lease_dir=magics.lease_dir or None,
+            mlflow=magics.mlflow,
+            widgets=magics.widgets,
+            remote_cluster=getattr(magics, "remote_cluster", None) or None,
+            in_shell=True,
+        )
+
+
+@dataclass
+class Report:
+    """The doctor's table: ``rows`` in the order checked. Shown as an HTML table in Jupyter
+    (``_repr_html_``) and as aligned text elsewhere (``str``); :meth:`to_json` for machines."""
+
+    rows: list[Check] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Check]:
+        return [row for row in self.rows if row.status is Status.ERROR]
+
+    @property
+    def warnings(self) -> list[Check]:
+        return [row for row in self.rows if row.status is Status.WARNING]
+
+    @property
+    def ok(self) -> bool:
+        """No row is an error."""
+        return not self.errors
+
+    def summary(self) -> str:
+        """``sgpu_magic doctor: 1 error, 2 warnings`` / ``sgpu_magic doctor: all 17 checks ok``."""
+        if not self.errors and not self.warnings:
+            return f"sgpu_magic doctor: all {len(self.rows)} checks ok"
+        parts = [
+            f"{len(rows)} {word}{'s' if len(rows) != 1 else ''}"
+            for rows, word in ((self.errors, "error"), (self.warnings, "warning"))
+            if rows
+        ]
+        return f"sgpu_magic doctor: {', '.join(parts)} (of {len(self.rows)} checks)"
+
+    def to_json(self) -> str:
+        """``{"ok": bool, "errors": n, "warnings": n, "checks": [{"name", "status", "details", "remedy"}]}``."""
+        return json.dumps(
+            {
+                "ok": self.ok,
+                "errors": len(self.errors),
+                "warnings": len(self.warnings),
+                "checks": [
+                    {"name": r.name, "status": r.status.value, "details": r.details, "remedy": r.remedy}
+                    for r in self.rows
+                ],
+            },
+            indent=1,
+        )
+
+    def __str__(self) -> str:
+        name_w = max([len("check"), *(len(r.name) for r in self.rows)])
+        status_w = len("warning")
+        indent = " " * (name_w + status_w + 4)
+        lines = [self.summary(), f"{'check'.ljust(name_w)}  {'status'.ljust(status_w)}  details"]
+        for row in self.rows:
+            text = textwrap.wrap(row.details, 100, break_long_words=False, break_on_hyphens=False) or [""]
+            lines.append(f"{row.name.ljust(name_w)}  {row.status.value.ljust(status_w)}  {text[0]}")
+            lines += [indent + more for more in text[1:]]
+            if row.remedy:
+                lines += [
+                    indent + part
+                    for part in textwrap.wrap(
+                        "remedy: " + row.remedy, 100, break_long_words=False, break_on_hyphens=False
+                    )
+                ]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    _COLOURS = {Status.OK: "#1a7f37", Status.WARNING: "#9a6700", Status.ERROR: "#cf222e"}
+
+    def _repr_html_(self) -> str:
+        body = []
+        for row in self.rows:
+            colour = self._COLOURS[row.status]
+            remedy = f"<br><i>remedy: {html.escape(row.remedy)}</i>" if row.remedy else ""
+            body.append(
+                f'<tr><td>{html.escape(row.name)}</td><td style="color:{colour};font-weight:bold">'
+                f'{row.status.value}</td><td style="text-align:left">{html.escape(row.details)}{remedy}'
+                f"</td></tr>"
+            )
+        return (
+            f'<b>{html.escape(self.summary())}</b><table class="sgpu-doctor"><thead><tr><th>check</th>'
+            f"<th>status</th><th>details</th></tr></thead><tbody>{''.join(body)}</tbody></table>"
+        )
+
+
+def diagnose(config: DoctorConfig | None = None) -> Report:
+    """Run every check and return the report; nothing is started, leased or created.
+
+    Args:
+        config: what to check against; default ``DoctorConfig()`` (the environment's settings).
+    Returns:
+        Report: one :class:`Check` per row; ``report.ok`` is False when a row is an error.
+    """
+    from sgpu_magic.front.doctor import _machine, _services
+
+    config = config or DoctorConfig()
+    facts = _machine.Facts.gather(config)
+    report = Report()
+    for section in (
+        _machine.python_rows,
+        _machine.torch_rows,
+        _machine.gpu_rows,
+        _machine.lease_rows,
+        _machine.port_rows,
+        _machine.home_rows,
+        _machine.host_rows,
+        _services.mlflow_rows,
+        _services.frontend_rows,
+        _services.ray_rows,
+        _services.deepspeed_rows,
+    ):
+        try:
+            report.rows += section(config, facts)
+        except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
+            _log.warning("sgpu_magic doctor: %s failed", section.__name__, exc_info=True)
+            name = section.__name__.removesuffix("_rows")
+            report.rows.append(
+                warning(
+                    name,
+                    f"could not be checked ({type(exc).__name__}: {exc})",
+                    "report it as a bug of sgpu_magic's doctor, with this line",
+                )
+            )
+    return report

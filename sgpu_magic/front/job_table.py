@@ -1,0 +1,58 @@
+"""``%distributed_jobs``: the table of this kernel's jobs."""
+
+from __future__ import annotations
+
+import html
+
+from sgpu_magic.job.handle import Job
+
+
+class JobTable:
+    """``%distributed_jobs`` output: an HTML table in Jupyter, aligned text elsewhere.
+
+    The MLflow column has each tracked job's run id, linked to its run page whenever a server shows
+    it now (a tracking server, or ``%mlflow_ui`` started before or after the job); the text form
+    adds a ``run page`` column with those links.
+    """
+
+    COLUMNS = ("job", "state", "world size", "GPUs", "elapsed", "MLflow run")
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.rows, self.urls = [], []
+        for job in jobs:
+            elapsed = job.elapsed_s
+            self.rows.append(
+                (
+                    job.job_id,
+                    job.state.label,
+                    str(job.world_size),
+                    ",".join(map(str, job.gpus)) or "cpu" if not job.plan.needs_lease or job.gpus else "-",
+                    "-" if elapsed is None else f"{elapsed:.1f} s",
+                    job.mlflow_run_id or "-",
+                )
+            )
+            self.urls.append(job.run_url)
+
+    def __repr__(self) -> str:
+        if not self.rows:
+            return "no sgpu_magic jobs in this kernel yet"
+        columns, rows = self.COLUMNS, self.rows
+        if any(self.urls):
+            columns += ("run page",)
+            rows = [(*row, url or "-") for row, url in zip(rows, self.urls)]
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [columns, *rows])
+
+    def _repr_html_(self) -> str:
+        if not self.rows:
+            return "<i>no sgpu_magic jobs in this kernel yet</i>"
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)
+        body = ""
+        for (*cells, run_id), url in zip(self.rows, self.urls):
+            run = (
+                f'<a href="{html.escape(url)}" target="_blank">{html.escape(run_id)}</a>'
+                if url
+                else html.escape(run_id)
+            )
+            body += "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f"<td>{run}</td></tr>"
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

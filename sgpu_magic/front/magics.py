@@ -1,0 +1,382 @@
+"""The ``%%distributed`` cell magic and the line magics around it (their help: :mod:`sgpu_magic.front.magic_help`)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Bool, Float, Int, Unicode
+
+from sgpu_magic import capture
+from sgpu_magic._util.redact import redact
+from sgpu_magic.errors import SpecError
+from sgpu_magic.front import script
+from sgpu_magic.front.cell import (
+    CELL_FILENAME,
+    check_output_name,
+    checked_source,
+    ends_quiet,
+    parse_gpu_ids,
+    parse_line,
+    parse_timeout,
+    show_cell_syntax_errors_alone,
+)
+from sgpu_magic.front.decorator import job_spec, start
+from sgpu_magic.front.job_table import JobTable
+from sgpu_magic.front.magic_help import magic_help
+from sgpu_magic.job.handle import jobs
+from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
+
+_JOB_OPTIONS = (
+    argument(
+        "--gpus",
+        type=int,
+        required=True,
+        help="Number of ranks, one GPU each (CPU ranks with gloo when the machine has no GPU).",
+    ),
+    argument(
+        "--gpu-type", default=None, help="GPU model to require, e.g. H100 (case-insensitive match of the device name)."
+    ),
+    argument(
+        "--timeout",
+        default=None,
+        help="Seconds before every rank is stopped, or 'none'. Default: DistributedMagics.timeout_s (3 h).",
+    ),
+    argument("--port", type=int, default=None, help="MASTER_PORT for the rendezvous; default: a free port."),
+    argument("--no-widgets", action="store_true", help="Plain [rank N] text instead of the widget panel."),
+    argument("--no-mlflow", action="store_true", help="Do not track this job as an MLflow run."),
+    argument("--gpu-ids", default=None, metavar="I,J", help="Physical GPU indices to run on, one per rank, e.g. 0,1."),
+    argument(
+        "--background",
+        action="store_true",
+        help="Return the Job at once; the cell ends and the job's "
+        "output keeps coming here. Interrupting the kernel does not stop it (%%distributed_stop does).",
+    ),
+    argument(
+        "--no-wait",
+        action="store_true",
+        help="Fail at once, naming who holds them, when the GPUs are "
+        "leased by other jobs (default: wait in the queue).",
+    ),
+    argument(
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="Run on a Ray cluster: 'auto', 'ray://host:10001' "
+        "or 'host:6379' (needs sgpu_magic[ray]); one placement group of --gpus bundles, one actor per rank.",
+    ),
+    argument(
+        "--remote",
+        action="store_true",
+        help="Run on the kernel's remote cluster (DistributedMagics."
+        "remote_cluster, else $SGPU_MAGIC_REMOTE_CLUSTER), as the serverless GPU API's remote=True.",
+    ),
+    argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Restart all ranks up to N times after a "
+        "rank fails (torchrun's --max-restarts; ranks read TORCHELASTIC_RESTART_COUNT). Default 0.",
+    ),
+    argument(
+        "-o",
+        "--output",
+        default=None,
+        metavar="NAME",
+        help="Store the Job handle (per-rank results, log paths) in this variable.",
+    ),
+)
+
+
+def _job_options(magic):
+    """The options every job magic takes (%%distributed, %distributed_run), in this order in its help."""
+    for option in reversed(_JOB_OPTIONS):
+        magic = option(magic)
+    return magic
+
+
+@magics_class
+class DistributedMagics(Magics):
+    """Run a cell on N ranks. Defaults can be set with ``%config DistributedMagics.<name> = ...``."""
+
+    def __init__(self, shell=None, **kwargs) -> None:
+        super().__init__(shell=shell, **kwargs)
+        if shell is not None:
+            show_cell_syntax_errors_alone(shell)
+
+    timeout_s = Float(
+        DEFAULT_TIMEOUT_S,
+        allow_none=True,
+        help="Default job timeout in seconds when --timeout is not given; None = no limit.",
+    ).tag(config=True)
+    max_capture_bytes = Int(
+        capture.DEFAULT_MAX_BYTES,
+        min=0,
+        help="Captured globals larger than this many bytes get a warning before launch.",
+    ).tag(config=True)
+    max_log_lines = Int(
+        2000, help="Lines each rank's log view in the panel keeps; earlier ones stay in the log file."
+    ).tag(config=True)
+    widgets = Bool(
+        None,
+        allow_none=True,
+        help="Show the ipywidgets panel (True), plain [rank N] text (False), or decide (None: the panel "
+        "in a Jupyter kernel, unless SGPU_MAGIC_WIDGETS=0).",
+    ).tag(config=True)
+    mlflow = Bool(
+        True, help="Track each job as one MLflow run (--no-mlflow / mlflow=False turn it off for one job)."
+    ).tag(config=True)
+    mlflow_ui = Bool(
+        False,
+        help="Start the local MLflow UI server (as %mlflow_ui does) with the first tracked job, so run links work.",
+    ).tag(config=True)
+    lease_dir = Unicode(
+        "",
+        help="Directory of the GPU lease registry shared by the kernels that must not share "
+        "GPUs (default: $SGPU_MAGIC_LEASE_DIR, else <sgpu_magic home>/leases).",
+    ).tag(config=True)
+    mlflow_experiment = Unicode(
+        "sgpu_magic",
+        help="MLflow experiment for jobs when neither mlflow.set_experiment, "
+        "MLFLOW_EXPERIMENT_NAME/ID nor a notebook name gives one.",
+    ).tag(config=True)
+    teardown_grace_s = Float(
+        DEFAULT_TEARDOWN_GRACE_S,
+        min=0.0,
+        help="Seconds a rank may take to exit (destructors, "
+        "atexit handlers) after its value or error is written; a rank still running then is "
+        "ended and the job keeps its outcome, noting which rank needed it.",
+    ).tag(config=True)
+
+    remote_cluster = Unicode(
+        "",
+        help="The cluster remote=True / --remote runs on, e.g. 'ray://head:10001' (a Ray "
+        "address, as cluster=); default: $SGPU_MAGIC_REMOTE_CLUSTER.",
+    ).tag(config=True)
+
+    def _job_spec(self, args, name: str) -> LaunchSpec:
+        """The job's spec from the options both magics share; a bad one is a UsageError naming it."""
+        try:
+            return job_spec(
+                name,
+                args.gpus,
+                args.gpu_type,
+                parse_timeout(args.timeout, self.timeout_s),
+                port=args.port,
+                widgets=False if args.no_widgets else self.widgets,
+                mlflow=self.mlflow and not args.no_mlflow,
+                gpu_ids=parse_gpu_ids(args.gpu_ids),
+                wait=not args.no_wait,
+                max_restarts=args.max_restarts,
+                cluster=args.cluster,
+                teardown_grace_s=self.teardown_grace_s,
+                remote=args.remote,
+            )
+        except SpecError as exc:
+            raise UsageError(str(exc)) from None
+
+    @magic_arguments(name="%distributed")  # a cell magic: the usage line reads %%distributed
+    @_job_options
+    @magic_help(
+        "%%distributed",
+        examples="""
+        %%distributed --gpus 2
+        import torch, torch.distributed as dist
+        from sgpu_magic import runtime
+        dist.init_process_group(runtime.backend())      # "nccl" with CUDA, else "gloo"
+        t = torch.ones(1, device=runtime.device())
+        dist.all_reduce(t)
+        t.item()                                        # the cell's value (rank 0's): 2.0
+
+        %%distributed --gpus 8 --gpu-type H100 --timeout 3600 -o job
+        train(epochs=3)                                 # job.results: one value per rank; job.logs(0)
+
+        %%distributed --gpus 2 --background -o job
+        train(epochs=30)                                # returns at once: job.state, job.result() later
+        """,
+    )
+    @cell_magic
+    def distributed(self, line: str, cell: str):
+        """Run the cell on N ranks; its last expression's value on rank 0 is the cell's output (a ``;`` at the
+        end of the last line suppresses it, as in IPython, and no value is sent back).
+
+        The names the cell reads from the notebook are captured: functions, classes and
+        values by value, modules by reference. Each rank gets torchrun's environment
+        (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), one GPU each, or
+        CPU with gloo on a machine without GPUs. Output streams live into the cell (a panel
+        with one tab per rank in Jupyter, [rank N] lines elsewhere); a failed rank raises
+        its traceback here, every rank is stopped, and the logs stay on disk. Ranks run plain
+        Python: a cell with IPython syntax (%magic, !shell, ? help) or a top-level return is
+        refused with a SyntaxError before anything starts.
+        """
+        args = parse_line(self.distributed.parser, line, "%%distributed")
+        check_output_name(args.output)
+        spec = self._job_spec(args, "%%distributed cell")
+        source = checked_source(cell, self.shell.transform_cell(cell))  # stops bad cells before anything starts
+
+        def payload(warn) -> dict:
+            part = capture.capture_cell(source, self.shell.user_ns, self.max_capture_bytes, warn)
+            part.update(filename=CELL_FILENAME, quiet=ends_quiet(source))
+            return part
+
+        job = start(spec, payload, background=args.background)
+        if args.output:
+            self.shell.user_ns[args.output] = job
+        if args.background:
+            return job
+        job.follow()
+        return job.result()[0]
+
+    @magic_arguments(name="distributed_run")
+    @_job_options
+    @argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="Run a module as `python -m` does (sys.path[0] is the current directory) instead of a script file.",
+    )
+    @argument(
+        "script",
+        metavar="script.py | module",
+        help="The script file (or with -m, the module) each rank runs "
+        "as torchrun does: __name__ == '__main__', sys.argv = [script, *args], its folder first on sys.path.",
+    )
+    @argument("args", nargs=argparse.REMAINDER, help="Arguments for the script, passed on untouched.")
+    @magic_help(
+        "%distributed_run",
+        examples="""
+        %distributed_run --gpus 2 train.py --epochs 3 data/     # each rank: sys.argv = ['train.py', '--epochs', '3', 'data/']
+        %distributed_run --gpus 2 -m mypkg.train --lr 0.1       # as python -m mypkg.train --lr 0.1
+        %distributed_run --gpus 8 --background -o job train.py  # returns at once; job.result() later
+        """,
+    )
+    @line_magic
+    def distributed_run(self, line: str):
+        """Run a script (or ``-m module``) on every rank as torchrun does: ``%distributed_run --gpus 2 train.py 3``.
+
+        Every %%distributed option works here; what follows the script or module goes to it untouched.
+        A rank's result is the script's exit status (0); sys.exit(n) with n != 0 fails the rank with
+        code n. A missing file, a file that is not Python or an unknown module is refused before
+        anything starts. Returns nothing (the Job with -o NAME, or with --background).
+        """
+        args = parse_line(self.distributed_run.parser, line, "%distributed_run")
+        check_output_name(args.output)
+        spec = self._job_spec(args, "script")
+        try:
+            target = script.resolve(args.script, module=args.module)
+        except (FileNotFoundError, ValueError, ModuleNotFoundError) as exc:
+            raise UsageError(str(exc)) from None
+        job = start(replace(spec, name=target.name), lambda warn: target.payload(args.args), background=args.background)
+        if args.output:
+            self.shell.user_ns[args.output] = job
+        if args.background:
+            return job
+        job.follow()
+        job.result()
+        return None
+
+    @magic_help(
+        "%distributed_jobs",
+        examples="""
+        %distributed_jobs
+        job                     state      world size  GPUs  elapsed  MLflow run
+        20261201-101500-a1b2c3  succeeded  2           cpu   3.2 s    3f1c0e...
+        """,
+    )
+    @line_magic
+    def distributed_jobs(self, line: str) -> JobTable:
+        """Show this kernel's jobs: id, state, world size, GPUs, elapsed time and MLflow run.
+
+        The MLflow run id links to its page whenever a server shows it (a tracking server, or
+        %mlflow_ui). Takes no arguments.
+        """
+        if line.strip():
+            raise UsageError(f"%distributed_jobs takes no arguments, got {line.strip()!r}")
+        return JobTable(jobs())
+
+    @magic_arguments(name="distributed_stop")
+    @argument("job_id", nargs="?", default=None, help="Job id (or a unique part of it), as %%distributed_jobs shows.")
+    @argument("--all", action="store_true", help="Stop every job of this kernel that has not ended.")
+    @magic_help(
+        "%distributed_stop",
+        examples="""
+        %distributed_stop a1b2c3          # any unique part of the id %distributed_jobs shows
+        %distributed_stop --all
+        """,
+    )
+    @line_magic
+    def distributed_stop(self, line: str) -> None:
+        """Cancel a job of this kernel (every rank stopped, state cancelled), or all of them with --all."""
+        args = parse_argstring(self.distributed_stop, line)
+        if args.all == (args.job_id is not None):
+            raise UsageError("give one job id (see %distributed_jobs) or --all, e.g. %distributed_stop --all")
+        if args.all:
+            chosen = [job for job in jobs() if not job.done()]
+        else:
+            chosen = [job for job in jobs() if args.job_id in job.job_id]
+            if len(chosen) != 1:
+                known = ", ".join(job.job_id for job in jobs()) or "none yet"
+                what = "matches no job" if not chosen else f"matches {len(chosen)} jobs"
+                raise UsageError(f"{args.job_id!r} {what} of this kernel (jobs: {known}); give more of the id")
+        for job in chosen:
+            if job.done():
+                print(f"job {job.job_id} already ended: {job.state.label}")
+                continue
+            job.cancel()
+            print(f"job {job.job_id}: {job.state.label}")
+        if not chosen:
+            print("no running job to stop")
+
+    @magic_arguments(name="distributed_doctor")
+    @argument("--port", type=int, default=None, help="Also check that this pinned MASTER_PORT is free.")
+    @argument(
+        "--cluster", default=None, metavar="ADDRESS", help="Check this Ray cluster (default: the configured one)."
+    )
+    @magic_help(
+        "%distributed_doctor",
+        examples="""
+        %distributed_doctor
+        %distributed_doctor --port 29500 --cluster ray://head:10001
+        """,
+    )
+    @line_magic
+    def distributed_doctor(self, line: str):
+        """Check what a job of this kernel will use and what is wrong: one row per check (Python, torch, GPUs and
+        their holders, leases, ports, launch host, MLflow, widgets, Ray, DeepSpeed), each ok / warning / error
+        with the remedy. ``python -m sgpu_magic doctor`` runs the same checks outside a kernel."""
+        from sgpu_magic.front.doctor import DoctorConfig, diagnose
+
+        args = parse_argstring(self.distributed_doctor, line)
+        return diagnose(DoctorConfig.from_magics(self, port=args.port, cluster=args.cluster))
+
+    @magic_arguments(name="mlflow_ui")
+    @argument("--port", type=int, default=None, help="Port on 127.0.0.1; default: a free port.")
+    @argument("--stop", action="store_true", help="Stop the server.")
+    @magic_help(
+        "%mlflow_ui",
+        examples="""
+        %mlflow_ui                        # MLflow UI for sqlite:////home/me/proj/mlflow.db: http://127.0.0.1:40123
+        %mlflow_ui --port 5000
+        %mlflow_ui --stop
+        """,
+    )
+    @line_magic("mlflow_ui")
+    def start_mlflow_ui(self, line: str) -> None:
+        """Start a local MLflow UI server for the kernel's tracking URI and print its URL.
+
+        It listens on 127.0.0.1, serves the store the jobs' runs go to, and stops when the kernel
+        ends. From then on each job's run link points at it. ``%config DistributedMagics.mlflow_ui = True``
+        starts it with the first tracked job instead.
+        """
+        from sgpu_magic.tracking import server
+
+        args = parse_argstring(self.start_mlflow_ui, line)
+        if args.stop:
+            print("MLflow UI stopped" if server.stop_ui() else "no MLflow UI was running")
+            return
+        ui = server.start_ui(port=args.port)
+        print(f"MLflow UI for {redact(ui.backend_uri)}: {ui.url}")

@@ -1,0 +1,129 @@
+"""What an ended job leaves: the notes on how its ranks ended and the error that names the root cause."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+from sgpu_magic.errors import (
+    NO_GPU_HINT,
+    JobCancelledError,
+    JobTimeoutError,
+    LauncherError,
+    RankFailedError,
+    RankFailure,
+    SgpuError,
+)
+from sgpu_magic.job.state import JobState, state_from_status
+from sgpu_magic.launch.resources import DevicePlan
+from sgpu_magic.rundir import RunDir, read_json, read_private
+from sgpu_magic.spec import LaunchSpec
+
+
+def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:
+    """:attr:`Job.notes` from the host's status (``teardown_ended``) and the ranks' exit files."""
+    notes = []
+    for entry in status.get("teardown_ended", []):
+        what = "returned its value" if entry.get("outcome") == "value" else "raised"
+        kept = "; its value is kept" if entry.get("outcome") == "value" else ""
+        notes.append(
+            f"rank {entry['rank']} needed the teardown grace: it {what} but had not exited "
+            f"{entry.get('grace_s', 0):g} s later (teardown_grace_s), so sgpu_magic ended it "
+            f"({entry.get('signal', 'SIGTERM')}){kept}"
+        )
+    for rank in range(world_size):
+        ended = read_json(rd.exit_file(rank))
+        if ended and ended.get("kind") != "script":  # a script's sys.exit(0) is its normal end
+            notes.append(f"rank {rank} called sys.exit(0) at {ended.get('where', '?')}; it returned nothing")
+    return notes
+
+
+def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailedError:
+    """Build the :class:`RankFailedError` for a failed job: the earliest failure is the root cause.
+
+    Ranks the host saw exit with an error before it stopped the rest come first: a rank killed outright
+    (SIGKILL, SIGSEGV) leaves no error file, and the exceptions it then causes in the other ranks
+    (connection reset) carry earlier timestamps than the host's observation of its death.
+    """
+    exitcodes = {int(k): v for k, v in (status.get("exitcodes") or {}).items()}
+    observed = {f["rank"]: f for f in status.get("failures", [])}
+    failures = []
+    for rank in range(world_size):
+        err = read_json(rd.error_file(rank))
+        if rank not in observed and err is None:
+            continue
+        seen = observed.get(rank, {})
+        failures.append(
+            RankFailure(
+                rank=rank,
+                exitcode=seen.get("exitcode", exitcodes.get(rank)),
+                exc_type=err and err["exc_type"],
+                message=(err or {}).get("message", ""),
+                traceback=(err or {}).get("traceback", ""),
+                log_path=str(rd.log_file(rank)),
+                time_s=err["time_s"] if err else seen.get("time_s", float("inf")),
+                cuda=bool((err or {}).get("cuda")),
+            )
+        )
+    if not failures:
+        failures.append(RankFailure(rank=0, exitcode=exitcodes.get(0), log_path=str(rd.log_file(0))))
+    failures.sort(key=lambda f: (f.rank not in observed, f.time_s, f.rank))
+    failed = {f.rank for f in failures}
+    stopped = [r for r in range(world_size) if r not in failed and not rd.result_file(r).exists()]
+    return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))
+
+
+def stopped_error(job_id: str, how: str, logs: Path) -> JobCancelledError:
+    """``job <id> was interrupted; every rank was stopped. Logs: <dir>`` (``how``: ``interrupted`` or
+    ``cancelled``), the error of a job stopped once its ranks ran."""
+    return JobCancelledError(f"job {job_id} was {how}; every rank was stopped. Logs: {logs}")
+
+
+def load_result(rd: RunDir, rank: int) -> Any:
+    """Rank ``rank``'s returned value, unpickled from its private result file.
+
+    Raises:
+        SgpuError: the rank left no result, or it cannot be unpickled in the kernel.
+    """
+    path = rd.result_file(rank)
+    try:
+        data = read_private(path, rd.path)
+    except FileNotFoundError:
+        raise SgpuError(f"rank {rank} exited 0 but left no result; see {rd.log_file(rank)}") from None
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        raise SgpuError(
+            f"the result of rank {rank} cannot be unpickled in the kernel "
+            f"({type(exc).__name__}: {exc}); return plain Python, numpy or torch values"
+        ) from exc
+
+
+def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) -> BaseException:
+    """The error of a job that ended without succeeding, from its final ``status``: a timeout, a cancel (or
+    interrupt), a lost launcher, a launch that failed, or the :class:`RankFailedError` naming the root cause."""
+    state, job_id = state_from_status(status), rd.job_id
+    if state is JobState.TIMED_OUT:
+        return JobTimeoutError(
+            f"job {job_id} ran longer than its timeout of {spec.timeout_s:g} s; "
+            f"every rank was stopped. Logs: {rd.logs_dir}"
+        )
+    if state is JobState.CANCELLED:
+        how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
+        if "started_s" not in status:
+            return JobCancelledError(f"job {job_id} was {how} before it started (no rank ran)")
+        return stopped_error(job_id, how, rd.logs_dir)
+    if status.get("host_lost"):
+        return LauncherError(status["host_lost"])
+    if status.get("launch_error"):
+        return LauncherError(f"job {job_id} could not start: {status['launch_error']}")
+    error = failure_from_status(rd, status, plan.world_size)
+    if error.root_cause.cuda and plan.backend == "gloo" and plan.cluster is None:
+        error.hint = NO_GPU_HINT
+    if status.get("attempts"):
+        error.attempt_note = (
+            f"attempt {status.get('attempt', 1)} of {spec.max_restarts + 1} failed, after "
+            f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures"
+        )
+    return error

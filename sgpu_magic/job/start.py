@@ -1,0 +1,102 @@
+"""The shared start pipeline of every front door: check the machine, capture, warn, lease GPUs, start the ranks.
+
+Everything that can be refused is refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.handle import Job
+from sgpu_magic.launch.base import Launcher
+from sgpu_magic.launch.client import get_host
+from sgpu_magic.launch.leases import LeaseRegistry
+from sgpu_magic.launch.resources import DevicePlan, check_port_free, plan_devices
+from sgpu_magic.rundir import RunDir, atomic_write_bytes
+from sgpu_magic.spec import LaunchSpec
+
+
+def start(
+    spec: LaunchSpec,
+    build_payload: Callable[[Callable[[str], None]], dict],
+    sinks: list[JobSink],
+    background: bool = False,
+    lease_dir: str | None = None,
+) -> Job:
+    """Plan the devices (locally, or on the Ray cluster ``spec.cluster``), build the payload (its warnings go to
+    the last sink, the view, as capture finds them), say the plan's note, then lease GPUs (in ``lease_dir``,
+    default :func:`sgpu_magic.launch.leases.default_lease_dir`) and hand the job to its launcher.
+
+    Raises :class:`~sgpu_magic.errors.SpecError` / :class:`~sgpu_magic.errors.ResourceError` before any process
+    starts. A background job is followed by its own thread; for a blocking one the caller runs ``job.follow()``.
+    """
+    view = sinks[-1]
+    if spec.cluster is not None:  # Ray places the ranks: no local GPUs, no leases, no local port
+        from sgpu_magic.launch.ray.cluster import is_connected, plan_on_cluster
+        from sgpu_magic.launch.ray.launcher import RayLauncher
+
+        if not is_connected():
+            view.note(f"sgpu_magic: connecting to the Ray cluster {spec.cluster} ...")
+        plan = plan_on_cluster(spec)
+        launcher = RayLauncher(spec.cluster, spec.gpu_type)
+        host_factory: Callable[[], Launcher] = lambda: launcher  # noqa: E731
+    else:
+        plan = plan_devices(spec)
+        if spec.port is not None:
+            check_port_free(spec.port)
+        host_factory = get_host
+    payload = build_payload(view.warn)  # warnings are shown as capture finds them
+    payload.setdefault("argv", [spec.name])  # the ranks' sys.argv: a script run without arguments
+    _say_note(view, plan, spec)
+    registry = LeaseRegistry(lease_dir) if plan.needs_lease else None
+    return submit(spec, plan, payload, host_factory, sinks, background=background, registry=registry)
+
+
+_NO_GPU_SAID = threading.Event()
+"""Set once this kernel has said that the machine has no GPU; later jobs say it in their panel header."""
+
+
+def _say_note(view: JobSink, plan: DevicePlan, spec: LaunchSpec) -> None:
+    """The plan's note for the user; ``no GPU found; running N CPU rank(s) with gloo`` once per kernel
+    (again for a job whose ``gpu_type`` it ignores)."""
+    if not plan.note:
+        return
+    if plan.no_gpu and not spec.gpu_type:
+        if _NO_GPU_SAID.is_set():
+            return
+        _NO_GPU_SAID.set()
+    view.note(plan.note)
+
+
+def submit(
+    spec: LaunchSpec,
+    plan: DevicePlan,
+    payload: dict,
+    get_host: Callable[[], Launcher],
+    sinks: list[JobSink] = (),
+    root: Path | None = None,
+    background: bool = False,
+    registry: LeaseRegistry | None = None,
+) -> Job:
+    """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
+
+    The first try for the GPUs happens in the calling thread, so ``wait=False`` refusals raise
+    here. A background job is then launched and followed by a daemon thread (its launch errors
+    are the job's error); for a blocking one the launch happens here and the caller runs
+    :meth:`Job.follow` (which waits in the GPU queue if needed; an interrupt cancels
+    the job).
+
+    ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
+    one is asked once more, so a dead host never fails a launch.
+    """
+    rd = RunDir.create(root)
+    atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    if plan.needs_lease and registry is None:
+        registry = LeaseRegistry()
+    job = Job(rd, spec, plan, get_host, sinks, registry)
+    job.start(background)
+    return job

@@ -1,0 +1,39 @@
+"""The :class:`Launcher` protocol: what starts a job's ranks, as the Job handle sees it.
+
+Two launchers implement it: the kernel's client of its local launch host
+(:class:`sgpu_magic.launch.client.LaunchHost`) and the Ray backend
+(:class:`sgpu_magic.launch.ray.launcher.RayLauncher`). Both take a prepared run directory
+(``launch.json``, ``payload.pkl``, the rank log files) and report only through it: the job's
+``status.json`` (written until its final state) and each rank's log, result and error files.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from sgpu_magic.rundir import RunDir
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Starts, stops and outlives the ranks of the jobs handed to it."""
+
+    pid: int
+    """The process the job's GPU lease is tied to while the ranks run (the launch host; the kernel for Ray)."""
+
+    def launch(self, run_dir: RunDir) -> None:
+        """Start the job of ``run_dir``; returns once it is handed over (the ranks start asynchronously).
+
+        Raises:
+            LauncherError: the launcher is gone (a fresh one is asked once more).
+        """
+
+    def cancel(self, run_dir: RunDir, reason: str) -> None:
+        """Stop every rank of the job (SIGTERM, then SIGKILL); ``reason`` (``cancelled``, ``timed_out``,
+        ``interrupted``) becomes its final state."""
+
+    def alive(self) -> bool:
+        """Whether the launcher still runs (a job whose launcher died fails, naming :meth:`where`)."""
+
+    def where(self) -> str:
+        """Where the launcher's own diagnostics are, for error messages (a log file's path)."""

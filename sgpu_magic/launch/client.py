@@ -1,0 +1,168 @@
+"""Kernel-side client of the launch host (see :mod:`sgpu_magic.launch.host.process`).
+
+One host per kernel process, started in the background on first need (the extension
+starts it when it loads). It is detached from the kernel's process group, so Jupyter's
+interrupt does not reach it, and it stops every rank and exits when the kernel ends.
+If it dies, the next launch starts a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+
+from sgpu_magic.errors import LauncherError
+from sgpu_magic.rundir import RunDir, default_root, host_warm_marker, make_private_dir
+
+_HANDSHAKE_TIMEOUT_S = 30.0
+_HOST_MAIN = "import sys; from sgpu_magic.launch.host.process import main; main(sys.argv)"
+"""The host runs from ``-c``, not ``-m``: its ``__main__`` then names no module, so each rank forked
+from its forkserver skips re-running the host module as ``__mp_main__`` (multiprocessing's prepare)."""
+
+
+class LaunchHost:
+    """Handle on a running launch host process: the local :class:`~sgpu_magic.launch.base.Launcher`.
+
+    Attributes:
+        pid: the host's process id.
+        log_path: where the host writes its own diagnostics.
+    """
+
+    def __init__(self, root: Path | None = None) -> None:
+        hosts = make_private_dir((root or default_root()) / "hosts")
+        self.log_path = hosts / f"host-{os.getpid()}-{os.urandom(3).hex()}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _HOST_MAIN, str(self.log_path), str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=os.getcwd(),
+            env=_host_env(),
+        )
+        self.pid = self._handshake(proc)
+        self._proc: psutil.Process | None = None  # for alive(), made on first use
+        self._stdin = proc.stdin
+        self._lock = threading.Lock()
+
+    def _handshake(self, proc: subprocess.Popen) -> int:
+        ready, _, _ = select.select([proc.stdout], [], [], _HANDSHAKE_TIMEOUT_S)
+        line = proc.stdout.readline().decode() if ready else ""
+        proc.stdout.close()
+        proc.wait()
+        if not line.startswith("ready "):
+            proc.stdin.close()
+            raise LauncherError(f"the sgpu_magic launch host did not start (see {self.log_path})")
+        return int(line.split()[1])
+
+    @property
+    def warm_marker(self) -> Path | None:
+        """The file the host's forkserver creates once it has preloaded torch (``None``: every launch is cold,
+        ``SGPU_MAGIC_START_METHOD=subprocess``)."""
+        if os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") == "subprocess":
+            return None
+        return host_warm_marker(self.log_path)
+
+    def where(self) -> str:
+        """The host's log file (its own diagnostics), for error messages."""
+        return str(self.log_path)
+
+    def alive(self) -> bool:
+        """Whether the host process still runs and its command pipe is open."""
+        if self._stdin.closed:
+            return False
+        try:
+            if self._proc is None:
+                self._proc = psutil.Process(self.pid)
+            return self._proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    @property
+    def warm(self) -> bool:
+        """Whether the host's forkserver has finished preloading torch (the marker the host names after its log)."""
+        return host_warm_marker(self.log_path).exists()
+
+    def send(self, cmd: dict) -> None:
+        """Send one command; raises :class:`LauncherError` if the host is gone."""
+        data = (json.dumps(cmd) + "\n").encode()
+        with self._lock:
+            try:
+                self._stdin.write(data)
+                self._stdin.flush()
+            except (BrokenPipeError, ValueError, OSError) as exc:
+                _close_quietly(self._stdin)
+                raise LauncherError(
+                    f"the sgpu_magic launch host (pid {self.pid}) is gone: {exc}; see {self.log_path}"
+                ) from None
+
+    def launch(self, run_dir: RunDir) -> None:
+        """Ask the host to start the ranks of ``run_dir`` with the kernel's current environment."""
+        self.send({"op": "launch", "run_dir": str(run_dir.path), "env": rank_base_env()})
+
+    def cancel(self, run_dir: RunDir, reason: str) -> None:
+        """Ask the host to stop a job; ``reason`` is its final state (cancelled, timed_out, interrupted)."""
+        self.send({"op": "cancel", "run_dir": str(run_dir.path), "reason": reason})
+
+    def close(self) -> None:
+        """Close the command pipe: the host stops its jobs and exits."""
+        with self._lock:
+            _close_quietly(self._stdin)
+
+
+def _close_quietly(pipe) -> None:
+    try:
+        pipe.close()
+    except OSError:  # a broken pipe may fail to flush; it is closed all the same
+        pass
+
+
+def _host_env() -> dict[str, str]:
+    env = dict(os.environ)
+    pkg_parent = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM"
+    return env
+
+
+def rank_base_env() -> dict[str, str]:
+    """The kernel's environment as ranks should see it (inline matplotlib backend dropped)."""
+    env = _host_env()
+    env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+    if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
+        env.pop("MPLBACKEND")
+    return env
+
+
+_host: LaunchHost | None = None
+_host_lock = threading.Lock()
+
+
+def get_host() -> LaunchHost:
+    """This kernel's launch host, started (again) if it is not running."""
+    global _host
+    with _host_lock:
+        if _host is None or not _host.alive():
+            _host = LaunchHost()
+        return _host
+
+
+def running_host() -> LaunchHost | None:
+    """This kernel's launch host if one was started (alive or not), without starting one."""
+    return _host
+
+
+def shutdown_host() -> None:
+    """Stop this kernel's launch host and every job it runs (the kernel's end does this too)."""
+    global _host
+    with _host_lock:
+        if _host is not None:
+            _host.close()
+            _host = None

@@ -1,0 +1,22 @@
+"""Imported first by the launch host's forkserver: it dies with the host, even mid-preload.
+
+PR_SET_PDEATHSIG makes the kernel send SIGKILL to the forkserver when its parent, the
+launch host, ends (however it ends), so no forkserver outlives its kernel.
+
+The cyclic garbage collector is off while the forkserver preloads (``sgpu_magic.launch.host.warm_ready``
+turns it on again): the ~300k objects torch and torch._dynamo create live as long as the
+forkserver, and collecting them during the import was 16% of its CPU time.
+"""
+
+import gc
+import os
+import signal
+
+gc.disable()
+
+from sgpu_magic._util.proc import die_with_parent  # noqa: E402 - after gc.disable(), first of the preload
+
+_host = os.environ.get("SGPU_MAGIC_HOST_PID")
+die_with_parent(signal.SIGKILL)
+if _host and os.getppid() != int(_host):
+    os._exit(1)  # the host is already gone

@@ -1,0 +1,400 @@
+"""One job in the launch host: its ranks on torch elastic (warm forkserver or cold), polled, restarted up to
+``max_restarts`` times, ended with the teardown grace, its status written until the final one."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from sgpu_magic._util.fs import count_lines
+from sgpu_magic._util.redact import redact
+from sgpu_magic.errors import describe_exit
+from sgpu_magic.launch.env import rank_env
+from sgpu_magic.launch.host.warm_pool import WarmPool
+from sgpu_magic.launch.teardown import TeardownGuard
+from sgpu_magic.rundir import RunDir, attempt_marker, read_json, write_status
+from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
+
+GRACE_S = 3.0
+
+
+STORE_TIMEOUT_S = 1800.0
+"""How long the rendezvous store's own operations may wait (torch's default for a process group: 30 min)."""
+
+
+def _rendezvous_store(port: int):
+    """torchrun's agent store for one job: a c10d ``TCPStore`` served by the host and listening on
+    127.0.0.1:``port`` only (``port`` 0 = a free one). Ranks reach it as clients through
+    ``TORCHELASTIC_USE_AGENT_STORE``, so no rank opens a listener on every interface as rank 0's
+    own store would. One store per attempt, as torchrun's agent makes.
+
+    Returns:
+        (store, port): keep ``store`` referenced while the ranks run; dropping it closes the listener.
+    Raises:
+        OSError: ``port`` is in use.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT is not "in use"
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            None,
+            True,
+            timedelta(seconds=STORE_TIMEOUT_S),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+            use_libuv=True,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the listening socket now and closes it when dropped
+    return store, port
+
+
+def _context_class(base):
+    class Context(base):
+        """An elastic PContext that remembers which ranks failed before it stopped the rest, and whose
+        warm ranks exit as soon as they are done (:func:`sgpu_magic.rank.worker.elastic_wrap_no_wait`)."""
+
+        def _start(self) -> None:
+            from torch.distributed.elastic.multiprocessing import api
+
+            from sgpu_magic.rank import worker
+
+            original = getattr(api, "_wrap", None)
+            if original is None or not hasattr(self, "_worker_finished_event"):
+                return super()._start()
+            api._wrap = worker.elastic_wrap_no_wait  # read by MultiprocessContext._start, pickled by name
+            try:
+                super()._start()
+            finally:
+                api._wrap = original
+
+        def close(self, death_sig=None, timeout: float = GRACE_S) -> None:
+            if not getattr(self, "first_failures", None):
+                self.first_failures = dict(getattr(self, "_failures", {}))
+            super().close(death_sig, timeout)
+
+    return Context
+
+
+def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict, warm: bool, restart_count: int = 0):
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, MultiprocessContext, SubprocessContext
+
+    from sgpu_magic.rank import worker
+
+    world = launch["world_size"]
+    envs = {r: rank_env(launch, r, port, env, restart_count) for r in range(world)}
+    logs = DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir))
+    if warm:
+        args = {r: (str(run_dir.path), envs[r]) for r in range(world)}
+        return _context_class(MultiprocessContext)(
+            name=launch["job_id"],
+            entrypoint=worker.rank_entry,
+            args=args,
+            envs=envs,
+            start_method="forkserver",
+            logs_specs=logs,
+        )
+    args = {r: ("-u", "-m", "sgpu_magic.rank.worker", str(run_dir.path)) for r in range(world)}
+    return _context_class(SubprocessContext)(
+        name=launch["job_id"], entrypoint=sys.executable, args=args, envs=envs, logs_specs=logs
+    )
+
+
+def _make_tree_private(top: Path) -> None:
+    """chmod 0700 every folder under ``top`` (folders only: elastic leaves them empty, ranks log to our files)."""
+    for dirpath, _, _ in os.walk(top):
+        try:
+            os.chmod(dirpath, 0o700)
+        except OSError:
+            pass
+
+
+def _exitcodes(ctx) -> dict[int, int | None]:
+    if hasattr(ctx, "subprocess_handlers"):
+        return {r: h.proc.returncode for r, h in ctx.subprocess_handlers.items()}
+    return {r: p.exitcode for r, p in enumerate(ctx._pc.processes)} if ctx._pc else {}
+
+
+class HostJob:
+    """One job's ranks inside the host: start, poll, stop, report."""
+
+    def __init__(self, run_dir: RunDir, env: dict, pool: WarmPool | None) -> None:
+        self.run_dir = run_dir
+        self.launch = read_json(run_dir.launch_file, private=True)
+        self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
+        self.started_s = time.time()
+        timeout_s = self.launch.get("timeout_s")
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.status = {"state": "starting", "port": self.port, "started_s": self.started_s, "host_pid": os.getpid()}
+        self.unwritten = False
+        self.write()
+        env = {**env, **self.launch.get("env", {})}
+        os.environ.clear()
+        os.environ.update(env)
+        if self.launch.get("mlflow"):
+            _import_mlflow_in_background()  # so that ending its run on the way down takes no import time
+        self.env, self.pool = env, pool
+        self.attempt, self.max_restarts = 1, int(self.launch.get("max_restarts") or 0)
+        self.done = False
+        grace_s = self.launch.get("teardown_grace_s")
+        self.guard = TeardownGuard(
+            run_dir, self.launch["world_size"], DEFAULT_TEARDOWN_GRACE_S if grace_s is None else float(grace_s), GRACE_S
+        )
+        self.ctx, self.pids, self.warm_by = None, {}, 0.0
+        self._start_when_warm()
+
+    def _start_when_warm(self) -> None:
+        """Start the ranks now, or once the warming forkserver is ready when it is expected to be ready before
+        cold interpreters would have started (at the latest when they would have: :meth:`WarmPool.wait_s`)."""
+        wait = None if self.pool is None else self.pool.wait_s(self.launch["world_size"], self.launch["sys_path"])
+        if wait:
+            self.warm_by = time.monotonic() + wait
+            return
+        self._start_attempt(warm=wait == 0.0)
+
+    def _start_attempt(self, warm: bool | None = None) -> None:
+        """Start every rank for attempt ``self.attempt`` (1-based; ranks see TORCHELASTIC_RESTART_COUNT = attempt - 1).
+
+        ``warm``: fork them from the forkserver; default: if it is ready (else cold while it warms up)."""
+        if warm is None:
+            warm = self.pool is not None and self.pool.ready(self.launch["sys_path"])
+        self.status["start_method"] = "forkserver" if warm else "subprocess"
+        self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.attempt - 1)
+        self.ctx.start()
+        self.pids = self.ctx.pids()
+        _make_tree_private(self.run_dir.elastic_dir)  # torch elastic made its per-rank folders with the umask
+        self.status.update(
+            state="running", attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()}
+        )
+        self.write()
+
+    def write(self) -> None:
+        """Write status.json; when that fails (a full disk that even the reserve did not cover), keep the
+        status and try again on every turn of the host's loop (:meth:`Host.run`) instead of failing."""
+        try:
+            write_status(self.run_dir, self.status)
+            self.unwritten = False
+        except OSError as exc:
+            if not self.unwritten:
+                host_log(f"sgpu_magic host: cannot write the status of job {self.run_dir.job_id} ({exc}); retrying")
+            self.unwritten = True
+
+    def wake_fds(self) -> list[int]:
+        """File descriptors that become readable when a warm rank returns or exits (its return-value
+        pipe, its process sentinel), so the host polls at once instead of on its next tick."""
+        pc = getattr(self.ctx, "_pc", None)
+        if pc is None:
+            return []
+        fds = list(getattr(pc, "sentinels", {}))
+        for queue in getattr(self.ctx, "_ret_vals", {}).values():
+            reader = getattr(queue, "_reader", None)
+            if reader is not None and not reader.closed:
+                fds.append(reader.fileno())
+        return fds
+
+    def poll(self) -> None:
+        """Check the ranks once; finish the job when they are done, failed, or past the timeout."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.stop("timed_out")
+            return
+        if self.ctx is None:  # waiting for the warming forkserver
+            if self.pool.ready(self.launch["sys_path"]) or time.monotonic() >= self.warm_by:
+                self.status["waited_for_warm_s"] = round(time.time() - self.started_s, 2)
+                self._start_attempt()
+            return
+        self.guard.check(self.pids)
+        result = self.ctx.wait(0)
+        if result is None:
+            return
+        failures = self.guard.spare(getattr(self.ctx, "first_failures", None) or result.failures)
+        now = time.time()
+        self.status["failures"] = [
+            {"rank": r, "exitcode": f.exitcode, "time_s": now} for r, f in sorted(failures.items())
+        ]
+        if failures and self.attempt <= self.max_restarts:
+            self._restart()
+            return
+        self._finish("failed" if failures else "succeeded")
+
+    def _restart(self) -> None:
+        """torchrun's restart policy: stop every rank, keep this attempt's record, start them all again.
+
+        The failed attempt's error files move to ``errors/attempt_<k>/`` and its results are dropped, so
+        the next attempt is judged on its own; the rank logs go on, after a line naming the new attempt.
+        """
+        self.ctx.close(timeout=GRACE_S)
+        kill_leftovers(set(self.pids.values()), self.launch["job_id"])
+        world = self.launch["world_size"]
+        failed = self.status.pop("failures")
+        self.status.setdefault("attempts", []).append(
+            {
+                "attempt": self.attempt,
+                "failures": failed,
+                "ended_s": time.time(),
+                "exitcodes": {str(r): code for r, code in _exitcodes(self.ctx).items()},
+            }
+        )
+        keep = self.run_dir.attempt_errors_dir(self.attempt)
+        self.guard.reset()
+        for rank in range(world):
+            self.run_dir.result_file(rank).unlink(missing_ok=True)
+            self.run_dir.exit_file(rank).unlink(missing_ok=True)
+            error = self.run_dir.error_file(rank)
+            if error.exists():
+                keep.mkdir(mode=0o700, exist_ok=True)
+                os.replace(error, keep / error.name)
+        why = ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failed)
+        self.attempt += 1
+        line = attempt_marker(self.attempt, self.max_restarts + 1, why)
+        for rank in range(world):
+            try:
+                with open(self.run_dir.log_file(rank), "a") as log:
+                    log.write(line + "\n")
+            except OSError as exc:
+                host_log(f"sgpu_magic host: could not mark attempt {self.attempt} in rank {rank}'s log ({exc})")
+        self.store = None  # a fresh store per attempt, as torchrun's agent makes (stale keys of the last one go)
+        self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
+        self._start_attempt()
+
+    def stop(self, state: str) -> None:
+        """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end in ``state``."""
+        if self.ctx is not None:
+            self.ctx.close(timeout=GRACE_S)
+        self._finish(state)
+
+    def _finish(self, state: str) -> None:
+        kill_leftovers(set(self.pids.values()), self.launch["job_id"])
+        if self.guard.ended:
+            self.status["teardown_ended"] = self.guard.report()
+        self.status.update(
+            state=state,
+            ended_s=time.time(),
+            exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()} if self.ctx else {},
+            log_lines=count_lines([self.run_dir.log_file(r) for r in range(self.launch["world_size"])]),
+        )
+        self.store = None  # closes the rendezvous listener before the kernel hears the job ended
+        # the final status is the last thing written: once the kernel reads it, the run dir and the
+        # leases are in their final form (no payload, GPUs free)
+        try:
+            self.run_dir.payload_file.unlink()
+        except FileNotFoundError:
+            pass
+        _release_lease(self.launch)
+        self.write()
+        self.done = True
+
+
+def _release_lease(launch: dict) -> None:
+    """Give back the job's GPUs as soon as its ranks are gone, also when the kernel is gone (a kernel
+    that is shut down or killed never gets to); the kernel's own release is then a no-op."""
+    if not launch.get("lease_dir"):
+        return
+    try:
+        from sgpu_magic.launch.leases import LeaseRegistry
+
+        LeaseRegistry(launch["lease_dir"]).release(launch["job_id"])
+    except Exception as exc:  # noqa: BLE001 - the next job reclaims it once this host is gone
+        print(
+            f"sgpu_magic host: could not release the GPUs of job {launch['job_id']}: {exc}", file=sys.stderr, flush=True
+        )
+
+
+def host_log(message: str) -> None:
+    """A line in the host's own log; nothing (rather than a crash) when that disk is full too."""
+    try:
+        print(redact(message), file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _belongs_to(process: psutil.Process, job_id: str | None) -> bool:
+    """Whether ``process`` was started for job ``job_id``: it carries the job's ``SGPU_MAGIC_JOB_ID``."""
+    if not job_id:
+        return False
+    try:
+        return process.environ().get("SGPU_MAGIC_JOB_ID") == job_id
+    except (psutil.Error, OSError):
+        return False
+
+
+def kill_leftovers(rank_pids: set[int], job_id: str | None = None) -> None:
+    """SIGKILL what the ranks left behind and reap it: every descendant of this host (a subreaper, so it
+    adopts orphans) in a rank's session, or carrying the job's ``SGPU_MAGIC_JOB_ID`` in its environment
+    (children that started their own session, double-forked daemons)."""
+    victims = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.pid in rank_pids or os.getsid(child.pid) in rank_pids or _belongs_to(child, job_id):
+                if child.status() != psutil.STATUS_ZOMBIE and child.pid not in rank_pids:
+                    child.kill()
+                    victims.append(child)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    # A SIGKILLed process takes a moment to die: reaping at once with WNOHANG left it a zombie.
+    # psutil's wait reaps the victims that are already this process's children.
+    psutil.wait_procs(victims, timeout=1.0)
+    reap_adopted(rank_pids)
+
+
+_RUN_STATUS = {"succeeded": "FINISHED", "failed": "FAILED"}  # cancelled, interrupted, timed_out: KILLED
+
+
+_mlflow_import: threading.Thread | None = None
+
+
+def _import_mlflow_in_background() -> None:
+    global _mlflow_import
+    if _mlflow_import is None:
+        _mlflow_import = threading.Thread(target=lambda: __import__("mlflow"), name="import-mlflow", daemon=True)
+        _mlflow_import.start()
+
+
+def end_mlflow_run(launch: dict, state: str) -> None:
+    """End the job's MLflow run if it is still RUNNING: the host is exiting, so the kernel is gone (or let
+    go of the host) and may have died before it ended the run; a job stopped now ends KILLED.
+
+    mlflow is imported only here; a failure is logged, never raised.
+    """
+    info = launch.get("mlflow") or {}
+    if not info.get("run_id"):
+        return
+    status = _RUN_STATUS.get(state, "KILLED")
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(info["tracking_uri"])
+        if client.get_run(info["run_id"]).info.status == "RUNNING":
+            client.set_terminated(info["run_id"], status)
+    except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
+        host_log(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}")
+
+
+def reap_adopted(keep: set[int]) -> None:
+    """Reap exited children of this subreaper, except ``keep`` (live ranks, which their Popen reaps).
+
+    Processes that ranks leave behind are adopted by the host whenever their parent dies (for
+    example DataLoader workers that exit after their rank), so this also runs periodically.
+    """
+    for child in psutil.Process().children():
+        if child.pid not in keep:
+            try:
+                os.waitpid(child.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass

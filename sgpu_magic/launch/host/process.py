@@ -1,0 +1,185 @@
+"""The launch host: one process per kernel that starts and watches ranks with torch elastic.
+
+Started by :mod:`sgpu_magic.launch.client` as ``python -m sgpu_magic.launch.host.process <log> <kernel_pid>``.
+It detaches (its own session, not a child of the kernel, so Jupyter's interrupt does not
+reach it), answers ``ready <pid>`` on stdout, then reads JSON commands from stdin:
+
+- ``{"op": "launch", "run_dir": ..., "env": {...}}``: start the job's ranks.
+- ``{"op": "cancel", "run_dir": ..., "reason": "cancelled" | "timed_out" | "interrupted"}``.
+
+Ranks are started through torch.distributed.elastic's ``SubprocessContext`` with torchrun's
+environment contract; the first failure stops the others (SIGTERM, then SIGKILL after
+``GRACE_S``). The host reports through each RunDir's ``status.json``. It exits, stopping
+every rank, when stdin reaches EOF or the kernel process is gone: so no rank outlives the
+kernel, however it ends.
+
+Its only command channel is that unnamed pipe from the kernel that started it (no socket, no
+named file), so no other process can drive it. For each job it serves the rendezvous store on
+127.0.0.1 (torchrun's agent store) and points gloo and NCCL at the loopback interface, so a
+single-machine job listens on no other address.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from sgpu_magic._util.proc import adopt_orphans
+from sgpu_magic.launch.host.job import HostJob, end_mlflow_run, host_log, reap_adopted
+from sgpu_magic.launch.host.warm_pool import WarmPool
+from sgpu_magic.rundir import HOST_WARM_STATS, RunDir, host_warm_marker, write_status
+
+POLL_S = 0.02
+
+
+IDLE_POLL_S = 0.5
+
+
+def _detach(kernel_pid: int, log_path: str) -> None:
+    """Leave the kernel's process tree (fork; the parent exits), say ready, log to ``log_path``."""
+    if os.fork() > 0:
+        os._exit(0)
+    adopt_orphans()
+    sys.stdout.write(f"ready {os.getpid()}\n")
+    sys.stdout.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+class Host:
+    """The host's loop: commands from stdin, polling of running jobs, shutdown with the kernel."""
+
+    def __init__(self, kernel_pid: int, warm_marker: str | None, warm_stats: Path | None = None) -> None:
+        self.kernel = psutil.Process(kernel_pid)
+        self.pool = WarmPool(warm_marker, warm_stats) if warm_marker else None
+        self.jobs: dict[str, HostJob] = {}
+        self.ended: collections.deque[HostJob] = collections.deque(maxlen=32)
+        """Jobs that ended lately: if the kernel dies before it ends their MLflow runs, the host does."""
+        self.buffer = b""
+
+    def kernel_alive(self) -> bool:
+        try:
+            return self.kernel.is_running() and self.kernel.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def handle(self, cmd: dict) -> None:
+        run_dir = RunDir(cmd["run_dir"])
+        if cmd["op"] == "launch":
+            try:
+                self.jobs[run_dir.job_id] = HostJob(run_dir, cmd["env"], self.pool)
+            except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
+                try:
+                    write_status(run_dir, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
+                except OSError as write_exc:
+                    host_log(f"sgpu_magic host: job {run_dir.job_id} could not start ({exc}) nor say so ({write_exc})")
+        elif cmd["op"] == "cancel" and run_dir.job_id in self.jobs:
+            job = self.jobs.pop(run_dir.job_id)
+            job.stop(cmd.get("reason", "cancelled"))
+            self.ended.append(job)
+
+    def read_commands(self) -> bool:
+        """Handle every complete command line waiting on stdin; ``False`` at EOF."""
+        wake = [fd for job in self.jobs.values() for fd in job.wake_fds()]
+        try:
+            ready, _, _ = select.select([0, *wake], [], [], POLL_S if self.jobs else IDLE_POLL_S)
+        except (OSError, ValueError):  # a rank's fd closed meanwhile
+            ready = []
+        if 0 not in ready:
+            return True
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return False
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            if line.strip():
+                self.handle(json.loads(line))
+        return True
+
+    @staticmethod
+    def _poll(job: HostJob) -> None:
+        try:
+            job.poll()
+        except Exception as exc:  # noqa: BLE001 - one broken job must not take the host down
+            job.status["launch_error"] = f"the launch host lost this job: {type(exc).__name__}: {exc}"
+            job.stop("failed")
+
+    def run(self) -> None:
+        last_check = 0.0
+        try:
+            while self.read_commands():
+                for job_id, job in list(self.jobs.items()):
+                    self._poll(job)
+                    if job.done:
+                        del self.jobs[job_id]
+                        self.ended.append(job)
+                for job in self.ended:
+                    if job.unwritten:
+                        job.write()
+                if time.monotonic() - last_check > 0.5:
+                    last_check = time.monotonic()
+                    if not self.kernel_alive():
+                        break
+                    if self.pool is not None:
+                        self.pool.note_ready()
+                    reap_adopted({pid for job in self.jobs.values() for pid in job.pids.values()})
+        finally:
+            for job in self.jobs.values():
+                job.stop("cancelled")
+            if self.pool is not None:
+                self.pool.stop()
+            for job in [*self.ended, *self.jobs.values()]:
+                if not job.run_dir.mlflow_ended_file.exists():  # the kernel did not get to end it
+                    end_mlflow_run(job.launch, job.status.get("state", "cancelled"))
+
+
+def _plain_elastic_logging() -> None:
+    """Log torch elastic's records through a plain formatter. torch's own formatter imports torch._dynamo
+    the first time it formats an exception (2.7 s of CPU; 9 to 12 s on a busy 2-core machine), and
+    elastic logs one for every failed rank: that held up the host's first failure report (chaos suite)."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s", "%m%d %H:%M:%S")
+    )
+    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic.addHandler(handler)
+    elastic.propagate = False
+
+
+def main(argv: list[str]) -> None:
+    log_path, kernel_pid = argv[1], int(argv[2])
+    _detach(kernel_pid, log_path)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    warm = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess"
+    host = Host(kernel_pid, str(host_warm_marker(log_path)) if warm else None, Path(log_path).parent / HOST_WARM_STATS)
+    if host.pool is not None:
+        host.pool.ready(sys.path)  # the forkserver preloads while this host imports torch: the first launch can be warm
+    started = time.perf_counter()
+    gc.disable()  # torch's ~300k objects live as long as the host: collecting them while importing is wasted CPU
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401 - warm import before the first launch
+
+    gc.freeze()
+    gc.enable()
+    if host.pool is not None:
+        host.pool.import_s = time.perf_counter() - started  # what a cold rank would pay now
+    _plain_elastic_logging()
+    host.run()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,171 @@
+"""The launch host's warm pool: a forkserver with torch preloaded, and when a launch should wait for it.
+
+Ranks fork from the forkserver (torch, ``torch._dynamo`` and elastic's wrapper already imported,
+never CUDA), so a warm launch skips interpreter start-up and ``import torch``. The forkserver
+takes seconds to preload; a launch that arrives meanwhile starts cold interpreters, unless the
+forkserver is expected to be ready before they would have started (:meth:`WarmPool.wait_s`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+from sgpu_magic.rundir import atomic_write_json, read_json
+
+WARM_PRELOAD = [
+    "sgpu_magic.launch.host.forkserver_guard",
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "torch.distributed.elastic.multiprocessing",
+    "sgpu_magic.rank.worker",
+    "sgpu_magic.launch.host.warm_ready",
+]
+"""Modules the forkserver imports once, so warm ranks skip them (the first DDP imports torch._dynamo; elastic's
+per-rank wrapper is unpickled from torch.distributed.elastic.multiprocessing, ~25 ms of CPU per rank otherwise)."""
+
+PRELOAD_PER_IMPORT = 2.0
+"""Preloading takes about this many times the host's own ``import torch`` run alongside it (torch._dynamo adds
+about as much again): the estimate before the ratio has been measured on this machine."""
+INTERPRETER_S = 0.3
+"""A cold rank's own start-up besides ``import torch`` (interpreter, sgpu_magic's worker, the rendezvous)."""
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class WarmPool:
+    """The host's forkserver, with torch preloaded (never CUDA-initialised): ranks fork from it.
+
+    It is restarted when the environment's packages change (a ``%pip install`` after it
+    started), detected from the modification times of the ``site-packages`` folders on the
+    ranks' ``sys.path``. Modules outside them (the notebook's own ``.py`` files) are never
+    preloaded, so each rank imports them fresh.
+
+    Attributes:
+        import_s: seconds the host's own ``import torch`` took, alongside the forkserver's preloading (set by
+            the host; the cost of a cold rank under the machine's load of the moment).
+        ratio: the forkserver's preload time over ``import_s``, last measured on this machine (``None``: never);
+            the load of the moment scales both alike, so ``ratio * import_s`` is the expected preload time.
+    """
+
+    def __init__(self, marker: str, stats_path: Path | None = None) -> None:
+        self.fingerprint: tuple | None = None
+        self.marker = marker
+        self.stats_path = stats_path
+        self.started_s: float | None = None  # time.time() of the forkserver's (re)start
+        self.import_s: float | None = None
+        self.ratio: float | None = _read_ratio(stats_path)
+        self._measured = False
+
+    def ready(self, sys_path: list[str]) -> bool:
+        """Start (or restart) the forkserver as needed; whether it has finished preloading."""
+        import multiprocessing.forkserver as forkserver
+
+        fingerprint = _path_fingerprint(sys_path)
+        if self.fingerprint is not None and fingerprint != self.fingerprint:
+            forkserver._forkserver._stop()
+            if os.path.exists(self.marker):
+                os.unlink(self.marker)
+            self.started_s, self._measured = None, False
+        self.fingerprint = fingerprint
+        os.environ["SGPU_MAGIC_WARM_MARKER"] = self.marker
+        os.environ["SGPU_MAGIC_HOST_PID"] = str(os.getpid())
+        forkserver.set_forkserver_preload(WARM_PRELOAD)
+        if self.started_s is None:
+            self.started_s = time.time()
+        forkserver.ensure_running()
+        if not os.path.exists(self.marker):
+            return False
+        self._record_warm_s()
+        return True
+
+    def note_ready(self) -> None:
+        """Measure the preload time as soon as the forkserver is ready (called by the host's loop every half second,
+        so it is measured even when no launch comes to look)."""
+        if not self._measured and self.started_s is not None and os.path.exists(self.marker):
+            self._record_warm_s()
+
+    def _record_warm_s(self) -> None:
+        """Remember how long this forkserver took to preload (the marker's mtime) against the host's own
+        ``import torch``, for the next host's estimate (:attr:`ratio`)."""
+        if self._measured or self.started_s is None or not self.import_s:
+            return
+        self._measured = True
+        try:
+            warm_s = max(0.0, os.stat(self.marker).st_mtime - self.started_s)
+            self.ratio = warm_s / self.import_s
+            if self.stats_path is not None:
+                atomic_write_json(
+                    self.stats_path,
+                    {"warm_s": round(warm_s, 3), "import_s": round(self.import_s, 3), "ratio": round(self.ratio, 3)},
+                )
+        except OSError:
+            pass
+
+    def cold_start_s(self, world_size: int) -> float:
+        """Estimated seconds until ``world_size`` cold interpreters have imported torch on this machine's cores."""
+        return (self.import_s or 2.0) * math.ceil(world_size / _cores()) + INTERPRETER_S
+
+    def wait_s(self, world_size: int, sys_path: list[str]) -> float | None:
+        """How long a launch of ``world_size`` ranks should wait for the warming forkserver (:func:`warm_wait_s`):
+        ``0.0`` when it is ready, ``None`` to start cold ranks now."""
+        if self.ready(sys_path):
+            return 0.0
+        expected = (self.ratio or PRELOAD_PER_IMPORT) * (self.import_s or 2.0)
+        remaining = expected - (time.time() - (self.started_s or time.time()))
+        return warm_wait_s(False, remaining, self.cold_start_s(world_size))
+
+    @staticmethod
+    def stop() -> None:
+        """Kill the forkserver at once (it may still be importing torch)."""
+        import multiprocessing.forkserver as forkserver
+
+        pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def warm_wait_s(ready: bool, remaining_s: float | None, cold_s: float) -> float | None:
+    """Whether and how long a launch waits for the forkserver: ``0.0`` when it is ready; ``None`` (start cold
+    ranks now) when they would have started before the forkserver is expected to be ready (``remaining_s``,
+    ``None``: unknown); else ``cold_s``, the longest a launch waits, so it is never much slower than a cold one."""
+    if ready:
+        return 0.0
+    if remaining_s is None or remaining_s > cold_s:
+        return None
+    return cold_s
+
+
+def _read_ratio(stats_path: Path | None) -> float | None:
+    if stats_path is None:
+        return None
+    try:
+        value = (read_json(stats_path, private=True) or {}).get("ratio")
+    except (OSError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def _path_fingerprint(sys_path: list[str]) -> tuple:
+    stamps = []
+    for entry in sys_path:
+        if os.path.basename(entry.rstrip(os.sep)) not in ("site-packages", "dist-packages"):
+            continue
+        try:
+            stamps.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            continue
+    return tuple(stamps)

@@ -1,0 +1,1 @@
+"""The Ray backend: one actor per rank on a Ray cluster, supervised from the kernel."""

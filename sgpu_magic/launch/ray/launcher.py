@@ -1,0 +1,355 @@
+"""The Ray launcher: one actor per rank in a placement group, each running ``python -m sgpu_magic.rank.worker`` on its node;
+a supervisor thread in the kernel writes the job's status as the launch host does."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, write_status
+
+LOG_PULL_S = 0.2
+"""How often the supervisor copies new log bytes from the ranks' nodes."""
+
+
+def _bundle(backend: str, gpu_type: str | None) -> dict:
+    """One rank's placement-group bundle: a CPU for gloo, a GPU (of ``gpu_type``) for nccl."""
+    if backend == "gloo":
+        return {"CPU": 1}
+    bundle = {"GPU": 1}
+    if gpu_type:
+        bundle[f"accelerator_type:{gpu_type}"] = 0.001
+    return bundle
+
+
+def _agent_class():
+    ray = ray_module()
+
+    @ray.remote(max_concurrency=4)
+    class _RankAgent:
+        """One rank's agent on its node: runs the rank as a child process and serves its files."""
+
+        def __init__(self) -> None:
+            import tempfile
+
+            self.dir = Path(tempfile.mkdtemp(prefix="sgpu-ray-rank-"))  # 0700
+            self.proc = None
+
+        def node(self) -> tuple[str, str, list[str]]:
+            """(node id, node IP, the GPU ids Ray gave this actor)."""
+            ctx = ray.get_runtime_context()
+            return ctx.get_node_id(), ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
+
+        def free_port(self) -> int:
+            from sgpu_magic.launch.resources import free_port
+
+            return free_port()
+
+        def run(self, rank: int, payload: bytes, launch: dict, env: dict) -> dict:
+            import subprocess
+            import sys
+
+            rd = RunDir(self.dir)
+            for folder in (rd.logs_dir, rd.results_dir, rd.errors_dir):
+                folder.mkdir(mode=0o700, exist_ok=True)
+            atomic_write_bytes(rd.payload_file, payload)
+            atomic_write_json(rd.launch_file, launch)
+            rd.log_file(rank).touch(mode=0o600)
+            env = {**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())}
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "sgpu_magic.rank.worker", str(rd.path)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            from sgpu_magic.launch.teardown import wait_with_grace
+            from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
+
+            grace_s = launch.get("teardown_grace_s")
+            code, ended = wait_with_grace(
+                self.proc, rd, rank, DEFAULT_TEARDOWN_GRACE_S if grace_s is None else grace_s, 3.0
+            )
+            result = rd.result_file(rank).read_bytes() if rd.result_file(rank).exists() else None
+            error = read_json(rd.error_file(rank))
+            return {"exitcode": code, "result": result, "error": error, "teardown": ended}
+
+        def cleanup(self) -> None:
+            """Stop the rank (its whole session) if it still runs, and remove this node's copy of its files."""
+            import shutil
+            import signal
+
+            if self.proc is not None and self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                self.proc.wait()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+        def pid(self) -> int | None:
+            return None if self.proc is None else self.proc.pid
+
+        def read_log(self, rank: int, offset: int) -> bytes:
+            try:
+                with open(RunDir(self.dir).log_file(rank), "rb") as f:
+                    f.seek(offset)
+                    return f.read(8 << 20)
+            except FileNotFoundError:
+                return b""
+
+    return _RankAgent
+
+
+class RayLauncher:
+    """The :class:`~sgpu_magic.launch.base.Launcher` of jobs on a Ray cluster: ``launch`` starts a supervisor
+    thread in the kernel for the run dir, ``cancel`` stops it."""
+
+    def __init__(self, cluster: str, gpu_type: str | None) -> None:
+        self.cluster, self.gpu_type = cluster, gpu_type
+        self.pid = os.getpid()
+        self._jobs: dict[str, _Supervisor] = {}
+
+    def where(self) -> str:
+        return "the kernel's Ray driver"
+
+    def launch(self, run_dir: RunDir) -> None:
+        sup = _Supervisor(run_dir, self.cluster, self.gpu_type)
+        self._jobs[run_dir.job_id] = sup
+        sup.start()
+
+    def cancel(self, run_dir: RunDir, reason: str) -> None:
+        sup = self._jobs.get(run_dir.job_id)
+        if sup is not None:
+            sup.stop(reason)
+
+    def alive(self) -> bool:
+        return all(s.is_alive() or s.finished for s in self._jobs.values())
+
+
+class _Supervisor(threading.Thread):
+    def __init__(self, rd: RunDir, cluster: str, gpu_type: str | None) -> None:
+        super().__init__(name=f"sgpu_magic ray {rd.job_id}", daemon=True)
+        self.rd, self.cluster, self.gpu_type = rd, cluster, gpu_type
+        self.launch = read_json(rd.launch_file, private=True)
+        self.world = self.launch["world_size"]
+        self.status = {
+            "state": "starting",
+            "started_s": time.time(),
+            "host_pid": os.getpid(),
+            "cluster": cluster,
+            "start_method": "ray",
+        }
+        self._stop_reason: str | None = None
+        self.finished = False
+        self.offsets = [0] * self.world
+        self.actors: list = []
+        self.pg = None
+
+    def stop(self, reason: str) -> None:
+        self._stop_reason = reason  # read by the supervisor's loop within 0.1 s
+
+    def _write(self, **change) -> None:
+        self.status.update(change)
+        write_status(self.rd, self.status)
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as exc:  # noqa: BLE001 - reported to the kernel as the job's failure
+            self._finish("failed", launch_error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._release()
+            self.finished = True
+
+    def _deadline(self) -> float | None:
+        timeout_s = self.launch.get("timeout_s")
+        return None if timeout_s is None else self.status["started_s"] + timeout_s
+
+    def _should_stop(self) -> str | None:
+        if self._stop_reason:
+            return self._stop_reason
+        deadline = self._deadline()
+        return "timed_out" if deadline is not None and time.time() > deadline else None
+
+    def _run(self) -> None:
+        ray = ray_module()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gloo = self.launch["backend"] == "gloo"
+        bundle = _bundle(self.launch["backend"], self.gpu_type)
+        self.pg = placement_group(
+            [dict(bundle) for _ in range(self.world)], strategy="PACK", name=f"sgpu_magic-{self.rd.job_id}"
+        )
+        ready, noted = self.pg.ready(), 0.0
+        while not ray.wait([ready], timeout=0.1)[0]:
+            reason = self._should_stop()
+            if reason:
+                return self._finish(reason)
+            if time.time() - noted > PENDING_NOTE_S:
+                noted = time.time()
+                unit = "GPU" if "GPU" in bundle else "CPU"
+                free, total = ray.available_resources().get(unit, 0), ray.cluster_resources().get(unit, 0)
+                self._write(
+                    waiting=f"waiting for {self.world} {unit} bundle(s) on the Ray cluster: {free:g} of "
+                    f"{total:g} {unit}s free now"
+                )
+        self.status.pop("waiting", None)
+        agent = _agent_class()
+        self.actors = [
+            agent.options(
+                num_cpus=int(gloo),
+                num_gpus=int(not gloo),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+            ).remote()
+            for r in range(self.world)
+        ]
+        nodes = ray.get([a.node.remote() for a in self.actors])
+        port = self.launch.get("port") or ray.get(self.actors[0].free_port.remote())
+        payload = self.rd.payload_file.read_bytes()
+        refs = [
+            a.run.remote(r, payload, self._rank_launch(), self._rank_env(r, nodes, port))
+            for r, a in enumerate(self.actors)
+        ]
+        pids = ray.get([a.pid.remote() for a in self.actors])
+        self._write(
+            state="running",
+            port=port,
+            attempt=1,
+            master_addr=nodes[0][1],
+            nodes={str(r): ip for r, (_, ip, _) in enumerate(nodes)},
+            pids={str(r): p for r, p in enumerate(pids) if p is not None},
+        )
+        pending = dict(zip(refs, range(self.world)))
+        exitcodes: dict[str, int | None] = {}
+        last_pull = 0.0
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=0.05)
+            if time.monotonic() - last_pull > LOG_PULL_S:
+                last_pull = time.monotonic()
+                self._pull_logs()
+            for ref in done:
+                rank = pending.pop(ref)
+                try:
+                    out = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - the actor died (node lost, killed)
+                    out = {
+                        "exitcode": -9,
+                        "result": None,
+                        "error": {
+                            "rank": rank,
+                            "exc_type": type(exc).__name__,
+                            "time_s": time.time(),
+                            "message": f"the rank's Ray actor died: {exc}",
+                            "traceback": "",
+                        },
+                    }
+                exitcodes[str(rank)] = out["exitcode"]
+                if out["result"] is not None:
+                    atomic_write_bytes(self.rd.result_file(rank), out["result"])
+                if out["error"]:
+                    atomic_write_json(self.rd.error_file(rank), out["error"])
+                ended = out.get("teardown")
+                if ended:  # it had not exited teardown_grace_s after its outcome: its agent ended it
+                    self.status.setdefault("teardown_ended", []).append(ended)
+                if out["exitcode"] != 0 and not (ended and ended["outcome"] == "value"):
+                    self.status["failures"] = [{"rank": rank, "exitcode": out["exitcode"], "time_s": time.time()}]
+                    return self._finish("failed", exitcodes=exitcodes)
+            reason = self._should_stop()
+            if reason:
+                return self._finish(reason, exitcodes=exitcodes)
+        self._finish("succeeded", exitcodes=exitcodes)
+
+    def _rank_launch(self) -> dict:
+        keep = ("job_id", "name", "world_size", "backend", "cwd", "sys_path", "teardown_grace_s")
+        return {k: self.launch.get(k) for k in keep}
+
+    def _rank_env(self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int) -> dict[str, str]:
+        """torchrun's contract for ``rank``; ``nodes[r]`` = (node id, IP, Ray's GPU ids) of rank ``r``'s actor."""
+        from sgpu_magic.launch.client import rank_base_env
+        from sgpu_magic.launch.env import torchrun_env
+
+        order: list[str] = []
+        for node_id, _, _ in nodes:
+            if node_id not in order:
+                order.append(node_id)
+        node_id = nodes[rank][0]
+        local = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
+        env = {**rank_base_env(), **self.launch.get("env", {})}
+        # rank 0 hosts the rendezvous store (no launcher process on the cluster serves one)
+        env.update(
+            torchrun_env(
+                self.rd.job_id,
+                rank,
+                self.world,
+                local.index(rank),
+                len(local),
+                order.index(node_id),
+                len(order),
+                nodes[0][1],
+                port,
+                agent_store=False,
+            )
+        )
+        env.setdefault("OMP_NUM_THREADS", "1")
+        gpus = [g for r in local for g in nodes[r][2]]
+        if gpus:  # as torchrun on one node: every local rank sees the node's job GPUs, and takes cuda:LOCAL_RANK
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        return env
+
+    def _pull_logs(self) -> None:
+        ray = ray_module()
+        if not self.actors:
+            return
+        refs = [a.read_log.remote(r, self.offsets[r]) for r, a in enumerate(self.actors)]
+        for rank, ref in enumerate(refs):
+            try:
+                chunk = ray.get(ref, timeout=10)
+            except Exception:  # noqa: BLE001 - a dead actor has no more log to give
+                continue
+            if chunk:
+                with open(self.rd.log_file(rank), "ab") as f:
+                    f.write(chunk)
+                self.offsets[rank] += len(chunk)
+
+    def _finish(self, state: str, **change) -> None:
+        ray = ray_module()
+        self._pull_logs()  # what the ranks wrote up to now, before their actors go
+        cleanups = []
+        for actor in self.actors:
+            try:
+                cleanups.append(actor.cleanup.remote())
+            except Exception:  # noqa: BLE001 - a dead actor
+                pass
+        try:
+            ray.wait(cleanups, num_returns=len(cleanups), timeout=10)
+        except Exception:  # noqa: BLE001
+            pass
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+        from sgpu_magic._util.fs import count_lines
+
+        try:  # before the final status, as the launch host does: the kernel then finds the run dir final
+            self.rd.payload_file.unlink()
+        except FileNotFoundError:
+            pass
+        self._write(
+            state=state,
+            ended_s=time.time(),
+            log_lines=count_lines([self.rd.log_file(r) for r in range(self.world)]),
+            **change,
+        )
+
+    def _release(self) -> None:
+        if self.pg is not None:
+            try:
+                ray_module().util.remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001
+                pass
+            self.pg = None

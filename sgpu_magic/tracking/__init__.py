@@ -1,0 +1,1 @@
+"""MLflow (layer 4): the run per job, tracking URIs, the MLflow UI server."""

@@ -1,0 +1,360 @@
+"""MLflow tracking: one run per job, created and ended by the kernel.
+
+:class:`MlflowTracking` is a :class:`~sgpu_magic.job.follow.JobSink`. Before the ranks start it creates
+one MLflow run (nested under the kernel's active run, if any) and hands the ranks its identity
+through their environment (``MLFLOW_TRACKING_URI``, ``MLFLOW_RUN_ID``, ``MLFLOW_EXPERIMENT_ID``,
+``MLFLOW_EXPERIMENT_NAME``), so plain ``mlflow.log_metric(...)`` in rank code lands in the job's
+run. Rank metrics are logged with MLflow's async logging by default (:data:`ASYNC_LOGGING_ENV`),
+flushed before each rank reports (:func:`sgpu_magic.rank.mlflow_guard.flush_async_logging`).
+Ranks never end the run (the worker makes MLflow skip ``set_terminated`` for it); the kernel
+sets the final status when the job ends: FINISHED on success, FAILED when a rank fails, KILLED on
+cancel, timeout or interrupt. If the kernel dies while the job runs, the launch host marks the run
+KILLED on its way down. At the end the rank logs (``logs/rank_N.log``) and the ranks' error files
+(``errors/rank_N.json``) are attached as artifacts; CPU, memory, disk and network metrics (GPU
+too, through NVML) are recorded with MLflow's system metrics monitor while the job runs.
+
+Where runs go:
+
+- tracking URI: the kernel's (``mlflow.get_tracking_uri()``: ``mlflow.set_tracking_uri``, else
+  ``MLFLOW_TRACKING_URI``, else ``sqlite:///<cwd>/mlflow.db``), made absolute for the ranks;
+- experiment, as MLflow's fluent API picks it: the one set with ``mlflow.set_experiment`` in
+  the kernel, else ``MLFLOW_EXPERIMENT_NAME``, else ``MLFLOW_EXPERIMENT_ID``, else one named
+  after the notebook (``JPY_SESSION_NAME``'s stem), else ``DistributedMagics.mlflow_experiment``
+  (``"sgpu_magic"``). A nested run goes into its parent's experiment. Experiments created here in
+  a local sqlite store keep their artifacts next to the database (``<db dir>/mlruns/<name>``).
+
+``import mlflow`` takes seconds, so nothing here imports it at module level; :func:`warm_up`
+imports it in a background thread when the extension loads.
+
+:func:`start_ui` (``%mlflow_ui``) starts a local ``mlflow server`` on 127.0.0.1 for the tracking
+URI, tied to the kernel's life by a small watchdog process; from then on run links point at it.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sgpu_magic._util.kernel_log import divert_info
+from sgpu_magic._util.redact import redact
+from sgpu_magic.errors import SgpuError
+from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.state import JobState
+from sgpu_magic.rank.mlflow_guard import RUN_ID_ENV
+from sgpu_magic.rundir import RunDir, atomic_write_bytes
+from sgpu_magic.tracking.server import run_link, start_ui
+from sgpu_magic.tracking.uri import absolute_tracking_uri, http_base, notebook_path, sqlite_dir
+
+if TYPE_CHECKING:
+    from sgpu_magic.job.handle import Job
+    from sgpu_magic.launch.resources import DevicePlan
+    from sgpu_magic.spec import LaunchSpec
+
+
+DEFAULT_EXPERIMENT = "sgpu_magic"
+"""Experiment for jobs when neither the kernel, the environment nor a notebook name gives one."""
+
+
+STORE_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration")
+"""Loggers whose INFO lines (a new store's tables and migrations) go to the kernel log, not the cell."""
+
+
+_STATUS = {JobState.SUCCEEDED: "FINISHED", JobState.FAILED: "FAILED"}  # every other final state: KILLED
+
+
+_warm_thread: threading.Thread | None = None
+
+
+def warm_up(after: Path | None = None, max_wait_s: float = 30.0) -> None:
+    """Import mlflow in a background thread (about 2 s of CPU), so the first tracked job does not wait for it.
+
+    ``after``: start only once this file exists (the launch host's warm marker: its forkserver has
+    finished preloading) or ``max_wait_s`` have passed, so that on a machine with few cores the
+    import does not slow down the forkserver, nor hold the GIL while the notebook's first cell
+    imports torch. A tracked job that comes earlier imports mlflow itself.
+    """
+    global _warm_thread
+    if _warm_thread is None and "mlflow" not in sys.modules:
+
+        def _import() -> None:
+            deadline = time.monotonic() + max_wait_s
+            while after is not None and not after.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            try:
+                import mlflow  # noqa: F401
+            except Exception:  # noqa: BLE001 - the job reports it when it needs mlflow
+                pass
+
+        _warm_thread = threading.Thread(target=_import, name="sgpu_magic-mlflow-import", daemon=True)
+        _warm_thread.start()
+
+
+def _warn(text: str) -> None:
+    sys.stderr.write(f"sgpu_magic warning: {redact(text)}\n")
+    sys.stderr.flush()
+
+
+def _fluent_context() -> tuple[tuple[str, str] | None, str | None]:
+    """``((run id, experiment id) of the active run or None, experiment set by mlflow.set_experiment)``.
+
+    Nothing is active when mlflow has not been imported by the user."""
+    if "mlflow" not in sys.modules:
+        return None, None
+    import mlflow
+    from mlflow.tracking import fluent
+
+    run = mlflow.active_run()
+    parent = (run.info.run_id, str(run.info.experiment_id)) if run is not None else None
+    return parent, getattr(fluent, "_active_experiment_id", None)
+
+
+ASYNC_LOGGING_ENV = {"MLFLOW_ENABLE_ASYNC_LOGGING": "true", "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS": "1"}
+"""What tracked ranks get unless the kernel's environment sets the variable: MLflow's own async logging,
+with points buffered for up to a second and written as one batch (up to 1000 per batch)."""
+
+
+def rank_logging_env(kernel_env) -> dict[str, str]:
+    """MLflow's async logging for the ranks (``ASYNC_LOGGING_ENV``), except the variables the kernel's
+    environment already sets: ``MLFLOW_ENABLE_ASYNC_LOGGING=false`` there (or
+    ``mlflow.config.enable_async_logging(False)`` in the kernel, which sets it) keeps ranks synchronous."""
+    return {k: v for k, v in ASYNC_LOGGING_ENV.items() if k not in kernel_env}
+
+
+class MlflowTracking(JobSink):
+    """Tracks one job as one MLflow run (see the module docstring for what is recorded where).
+
+    Args:
+        default_experiment: experiment when nothing else names one (``DistributedMagics.mlflow_experiment``).
+        ui: start the ``%mlflow_ui`` server for a local store when the job starts
+            (``DistributedMagics.mlflow_ui``), so the job's run link works.
+
+    Attributes (after ``prepare``): ``tracking_uri``, ``experiment_id``, ``run_id``; ``None`` when
+    tracking could not start, in which case the job runs untracked after a warning.
+    """
+
+    needs_every_line = False  # it reads no output (logs are attached from the files at the end)
+
+    def __init__(self, default_experiment: str = DEFAULT_EXPERIMENT, ui: bool = False) -> None:
+        self.default_experiment = default_experiment or DEFAULT_EXPERIMENT
+        self.ui = ui
+        self.tracking_uri: str | None = None
+        self.experiment_id: str | None = None
+        self.run_id: str | None = None
+        self._experiment_name: str | None = None
+        self._client = None
+        self._monitor = None
+        # read here, in the thread that starts the job: MLflow's active run is thread-local, and a
+        # background job prepares its run on another thread
+        self._parent_run, self._active_experiment_id = _fluent_context()
+
+    # -- before launch
+
+    def prepare(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> dict:
+        """Create the run; return the ranks' MLflow environment and the host's ``mlflow`` entry."""
+        try:
+            self._create_run(job_id, spec, plan)
+        except Exception as exc:  # noqa: BLE001 - tracking must never stop a job
+            self._terminate("FAILED", time.time())
+            self.run_id = None
+            _warn(f"MLflow tracking is off for job {job_id}: {type(exc).__name__}: {exc}")
+            return {}
+        except BaseException:  # interrupted while the run was being set up: the job does not start
+            self._terminate("KILLED", time.time())
+            raise
+        env = {
+            "MLFLOW_TRACKING_URI": self.tracking_uri,
+            "MLFLOW_RUN_ID": self.run_id,
+            "MLFLOW_EXPERIMENT_ID": self.experiment_id,
+            "MLFLOW_EXPERIMENT_NAME": self._experiment_name,
+            RUN_ID_ENV: self.run_id,
+            # the kernel records system metrics for the job; a rank adopting the run must not too
+            "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+            **rank_logging_env(os.environ),
+            **self._registry_env(),
+        }
+        return {
+            "env": env,
+            "mlflow": {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "experiment_id": self.experiment_id},
+        }
+
+    def _registry_env(self) -> dict[str, str]:
+        """``MLFLOW_REGISTRY_URI`` for the ranks: the kernel's registry URI (MLflow's default: the tracking URI).
+
+        Where it is not set, every ``MlflowClient()`` MLflow makes (two per fluent ``log_metric``) looks
+        for a Spark session, a failed ``import pyspark`` each time: 1.3 ms of a 1.5 ms ``log_metric`` here.
+        """
+        if "MLFLOW_REGISTRY_URI" in os.environ:  # reaches the ranks with the rest of the kernel's environment
+            return {}
+        import mlflow
+
+        try:
+            registry = mlflow.get_registry_uri()
+            same = registry == mlflow.get_tracking_uri()
+        except Exception:  # noqa: BLE001 - only a speed-up: the ranks then resolve it themselves
+            return {}
+        return {"MLFLOW_REGISTRY_URI": self.tracking_uri if same else registry} if registry else {}
+
+    def _create_run(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> None:
+        import mlflow
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        divert_info(*STORE_LOGGERS)  # a new store's "Creating initial MLflow database tables" is not for the cell
+        uri = absolute_tracking_uri(mlflow.get_tracking_uri())
+        client = MlflowClient(uri)
+        parent = self._parent_run
+        experiment_id, name = self._experiment(client, uri, parent)
+        notebook = notebook_path()
+        tags = {"sgpu_magic.job_id": job_id, "mlflow.source.type": "NOTEBOOK" if notebook else "LOCAL"}
+        if notebook:
+            tags.update({"sgpu_magic.notebook": notebook, "mlflow.source.name": notebook})
+        if parent is not None:
+            tags["mlflow.parentRunId"] = parent[0]
+        try:
+            tags["mlflow.user"] = getpass.getuser()
+        except Exception:  # noqa: BLE001 - no user name in some containers
+            pass
+        run = client.create_run(experiment_id, run_name=spec.name, tags=tags)
+        self._client, self.tracking_uri, self.run_id = client, uri, run.info.run_id
+        self.experiment_id, self._experiment_name = experiment_id, name
+        params = {
+            "gpus": spec.gpus,
+            "gpu_type": spec.gpu_type or "any",
+            "device": plan.gpus[0].name if plan.gpus else "cpu",
+            "world_size": plan.world_size,
+            "backend": plan.backend,
+            "timeout_s": "none" if spec.timeout_s is None else f"{spec.timeout_s:g}",
+            "name": spec.name,
+            "max_restarts": spec.max_restarts,
+        }
+        client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+
+    def _experiment(self, client, uri: str, parent) -> tuple[str, str]:
+        """(id, name) of the experiment for the run: see the module docstring for the order."""
+        chosen = parent[1] if parent is not None else self._active_experiment_id
+        if chosen:
+            return str(chosen), client.get_experiment(str(chosen)).name
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        if name:
+            return self._get_or_create(client, uri, name), name
+        chosen = os.environ.get("MLFLOW_EXPERIMENT_ID")
+        if chosen:
+            return chosen, client.get_experiment(chosen).name
+        notebook = notebook_path()
+        name = (Path(notebook).stem if notebook else "") or self.default_experiment
+        return self._get_or_create(client, uri, name), name
+
+    @staticmethod
+    def _get_or_create(client, uri: str, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            db_dir = sqlite_dir(uri)
+            location = None
+            if db_dir is not None:
+                location = (db_dir / "mlruns" / (re.sub(r"[^\w.-]+", "_", name).strip("._") or "experiment")).as_uri()
+            try:
+                return client.create_experiment(name, artifact_location=location)
+            except MlflowException:
+                experiment = client.get_experiment_by_name(name)  # created meanwhile by another kernel
+                if experiment is None:
+                    raise
+        if experiment.lifecycle_stage != "active":
+            raise SgpuError(
+                f"the MLflow experiment {name!r} is deleted; restore it with "
+                f"MlflowClient().restore_experiment({experiment.experiment_id!r}) or pick another "
+                f"with mlflow.set_experiment(...)"
+            )
+        return experiment.experiment_id
+
+    # -- while the job runs
+
+    def started(self, job: Job) -> None:
+        """Name the run on the job (``job.mlflow_run_id``); start the system metrics monitor."""
+        if self.run_id is None:
+            return
+        job.mlflow_run_id = self.run_id
+        if self.ui and http_base(self.tracking_uri) is None:
+            try:
+                start_ui(self.tracking_uri, wait=False)
+            except Exception as exc:  # noqa: BLE001 - the link is a convenience
+                _warn(f"the MLflow UI did not start: {exc}")
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            # its INFO lines ("Started monitoring system metrics.") would land in every cell's output
+            logging.getLogger(SystemMetricsMonitor.__module__).setLevel(logging.WARNING)
+            self._monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.tracking_uri)
+            self._monitor.start()
+        except Exception:  # noqa: BLE001 - system metrics are optional (psutil/NVML missing, ...)
+            self._monitor = None
+
+    def finished(self, job: Job) -> None:
+        """Stop the monitor, attach logs and error files, then set the final status and end time."""
+        if self.run_id is None:
+            return
+        status = _STATUS.get(job.state, "KILLED")
+        ended_s = job.status.ended_s or time.time()
+        try:
+            self._stop_monitor()
+            raw = job.status.state
+            self._client.set_tag(self.run_id, "sgpu_magic.state", raw)
+            self._log_artifacts(RunDir(job.run_dir))
+        except Exception as exc:  # noqa: BLE001 - the job's result matters more than its artifacts
+            _warn(
+                f"could not attach the logs of job {job.job_id} to MLflow run {self.run_id}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+        finally:
+            self._terminate(status, ended_s)
+            # tells the launch host this run needs nothing from it when it exits (no mlflow import there)
+            atomic_write_bytes(RunDir(job.run_dir).mlflow_ended_file, b"")  # 0600, as every run dir file
+
+    def run_url(self) -> str | None:
+        """The run's page (``job.run_url``): on the tracking server, or on the ``%mlflow_ui`` server running
+        for the store now; ``None`` when there is neither, or the job is not tracked."""
+        if self.run_id is None:
+            return None
+        return run_link(self.tracking_uri, self.experiment_id, self.run_id)
+
+    def launch_failed(self, job_id: str, error: BaseException) -> None:
+        """The job never started: end its run FAILED (KILLED when the launch was interrupted)."""
+        self._stop_monitor()
+        self._terminate("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", time.time())
+
+    def _terminate(self, status: str, ended_s: float) -> None:
+        if self.run_id is None or self._client is None:
+            return
+        try:
+            self._client.set_terminated(self.run_id, status, end_time=int(ended_s * 1000))
+        except Exception as exc:  # noqa: BLE001
+            _warn(f"could not set MLflow run {self.run_id} to {status}: {type(exc).__name__}: {exc}")
+
+    def _stop_monitor(self) -> None:
+        """Stop the system metrics monitor and log one last sample (a job shorter than the sampling
+        interval would otherwise have none)."""
+        monitor, self._monitor = self._monitor, None
+        if monitor is None:
+            return
+        try:
+            monitor.finish()
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()
+        except Exception:  # noqa: BLE001 - system metrics are optional
+            pass
+
+    def _log_artifacts(self, rd: RunDir) -> None:
+        for folder in (rd.logs_dir, rd.errors_dir):
+            sub = folder.name
+            files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+            for path in files:
+                self._client.log_artifact(self.run_id, str(path), artifact_path=sub)

@@ -1,0 +1,52 @@
+"""MLflow tracking URIs: absolute store paths, the notebook's path, links to a run's page."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """``uri`` with a relative local path made absolute (ranks may run elsewhere than the kernel's cwd).
+
+    ``sqlite:///mlflow.db`` -> ``sqlite:////<cwd>/mlflow.db``; ``mlruns`` -> ``/<cwd>/mlruns``;
+    ``file:mlruns`` -> ``file:///<cwd>/mlruns``; server and database URIs are returned as they are.
+    """
+    if uri.startswith("sqlite:///"):
+        path, sep, query = uri[len("sqlite:///") :].partition("?")
+        if path and not path.startswith("/") and path != ":memory:":
+            path = quote(os.path.abspath(unquote(path)))
+            return "sqlite:///" + path + sep + query
+        return uri
+    parts = urlsplit(uri)
+    if not parts.scheme:
+        return os.path.abspath(uri)
+    if parts.scheme == "file" and not parts.netloc and not parts.path.startswith("/"):
+        return "file://" + quote(os.path.abspath(unquote(parts.path)))
+    return uri
+
+
+def sqlite_dir(uri: str) -> Path | None:
+    """The directory of a local sqlite store's database file, else ``None``."""
+    if not uri.startswith("sqlite:////"):
+        return None
+    path = unquote(uri[len("sqlite:///") :].partition("?")[0])
+    return Path(path).parent
+
+
+def notebook_path() -> str | None:
+    """The notebook this kernel runs, as Jupyter names it (``JPY_SESSION_NAME``), or ``None``."""
+    return os.environ.get("JPY_SESSION_NAME") or None
+
+
+def http_base(uri: str) -> str | None:
+    """``uri`` without credentials and trailing slash when it is an http(s) server, else ``None``."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return None
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))

@@ -1,0 +1,377 @@
+"""What the user sees while a job runs: the ipywidgets panel, or plain ``[rank N]`` lines.
+
+Both views treat carriage returns as a terminal does (a tqdm bar is one updating line),
+follow the job from the thread that waits on it, and batch what they send: the panel
+flushes at most ``MAX_FLUSHES_PER_S`` times a second, and refreshes the tabs not on screen
+at most ``HIDDEN_TAB_FLUSHES_PER_S`` times a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import os
+import re
+import threading
+import time
+
+from sgpu_magic.errors import describe_exit
+from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.handle import Job
+from sgpu_magic.job.state import JobState
+from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES, TerminalBuffer
+from sgpu_magic.ui.text import TextView, restart_reason, summary_lines
+
+MAX_FLUSHES_PER_S = 5.0
+
+
+MAX_BYTES_PER_S = 1 << 20
+"""Flushes are spaced so that the panel sends at most about this much log text a second."""
+
+
+LIVE_LINES = 200
+"""Lines each tab shows while the job runs (all ``max_lines`` kept lines once it has ended)."""
+
+
+HIDDEN_TAB_FLUSHES_PER_S = 0.2
+"""Tabs not on screen are refreshed at most this often (each refresh resends the tab's lines).
+Switching to a tab refreshes it at once, also while a blocking cell runs where the frontend sends
+widget messages to kernel subshells (JupyterLab 4.4+); elsewhere this is how a tab picked during a
+blocking cell catches up."""
+
+
+_BADGE_COLOURS = {
+    JobState.PENDING: "#777",
+    JobState.STARTING: "#1f6feb",
+    JobState.RUNNING: "#1f6feb",
+    JobState.SUCCEEDED: "#1a7f37",
+    JobState.FAILED: "#cf222e",
+    JobState.CANCELLED: "#bf8700",
+    JobState.TIMED_OUT: "#bf8700",
+}
+
+
+_TEXT_STYLE = "line-height: 1.4"
+"""For the panel's HTML text: ipywidgets gives an HTML widget its one-line height as line height, which
+spreads text that wraps or has a second line."""
+
+
+STOP_TOOLTIP = (
+    "Cancel the job: every rank is stopped. If this button does not respond while the cell runs (a "
+    "frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too."
+)
+"""The Stop button's tooltip; the panel itself shows the job's state, and README's "The panel" the rest."""
+
+
+_NO_GPU = ' <small title="this machine has no GPU: the ranks run on CPU with gloo">(no GPU found)</small>'
+"""After the device kind in the header of a job on a machine without GPUs (the cell says so once per kernel)."""
+
+
+def rank_state(exitcode: int | None, running: bool) -> str:
+    """``running``, ``exited 0``, ``failed (exit code 1)``, ``killed by signal SIGTERM (15)``."""
+    if exitcode is None:
+        return "running" if running else "not started"
+    if exitcode == 0:
+        return "exited 0"
+    return describe_exit(exitcode) if exitcode < 0 else f"failed ({describe_exit(exitcode)})"
+
+
+class Footer:
+    """The line above a rank's log in its tab (state, earlier lines, log path), as HTML in ``value``."""
+
+    def __init__(self) -> None:
+        self.value = ""
+
+
+@functools.cache
+def _panel_box_class():
+    """The panel's outer box class, made on first use (ipywidgets is imported only for a panel)."""
+    import ipywidgets as w
+
+    class PanelBox(w.VBox):
+        """The panel's outer box; its plain-text form (computed at every ``display``) is one short line
+        instead of the repr of every child widget and the text they hold."""
+
+        def __repr__(self) -> str:
+            return "sgpu_magic panel"
+
+    return PanelBox
+
+
+class Panel(TextView):
+    """The ipywidgets panel: header (job, state badge, devices, elapsed, MLflow link), Stop, one tab per rank.
+
+    Widgets are composed once; later only trait values change, from whichever thread follows
+    the job. Log views keep the last ``max_lines`` lines of each rank and say how many earlier
+    lines are only in the log file.
+    """
+
+    needs_every_line = False  # it shows the last max_lines lines: fast logs are read from their tail
+
+    def __init__(self, max_lines: int = DEFAULT_MAX_LINES) -> None:
+        import ipywidgets as w
+
+        super().__init__()
+        self._w = w
+        self.max_lines = max_lines
+        self.flushes = 0
+        self._lock = threading.Lock()
+        self._dirty: set[int] = set()
+        self._last_flush = 0.0
+        self._last_hidden_flush = 0.0
+        self._last_bytes = 0
+        self.live_lines = LIVE_LINES
+        # every widget is a comm the kernel opens and keeps in sync: the widgets that set no layout or
+        # style of their own share one default Layout and one HTMLStyle instead of making one each
+        from ipywidgets.widgets.widget_string import HTMLStyle
+
+        layout, style = w.Layout(), HTMLStyle()
+        self.header = w.HTML(layout=layout, style=style)
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", tooltip=STOP_TOOLTIP)
+        self.tabs = w.Tab(layout=layout)
+        self.widget = _panel_box_class()(
+            [w.HBox([self.header, self.stop_button], layout=layout), self.tabs], layout=layout
+        )
+        self._job: Job | None = None
+
+    def created(self, job: Job) -> None:
+        """Build the tabs and show the panel in the cell that starts the job (state pending)."""
+        w = self._w
+        self._job = job
+        self.buffers = [TerminalBuffer(self.max_lines) for _ in range(job.world_size)]
+        # each widget object is a comm the kernel opens and keeps in sync, so a tab is one Output widget
+        # (sharing one Layout): its first output is the footer line, its second the log text
+        self.footers = [Footer() for _ in range(job.world_size)]
+        self._log_names = [html.escape(str(path)) for path in job.log_paths]
+        self._exitcodes: dict[int, int | None] | None = None  # set once the job has ended
+        self._counted: dict[str, int] | None = None
+        self._grace_ended: dict[int, dict] = {}  # ranks the host ended after their teardown grace
+        log_layout = w.Layout(max_height="30em", overflow="auto")
+        self.outputs = [
+            w.Output(layout=log_layout, outputs=self._tab_outputs(rank, "")) for rank in range(job.world_size)
+        ]
+        self.tabs.children = self.outputs
+        self.tabs.titles = [f"rank {r}" for r in range(job.world_size)]
+        self.stop_button.on_click(lambda _: self._stop())
+        self.tabs.observe(self._tab_selected, names="selected_index")
+        self._render_header(job, JobState.PENDING)
+        from IPython.display import display
+
+        display(self.widget)
+        for widget in (self.stop_button, self.tabs):  # clicks and tab switches while the cell runs
+            _forget_reply_route(widget)
+
+    def pending(self, job: Job, why: str) -> None:
+        self._render_header(job, JobState.PENDING)
+
+    def started(self, job: Job) -> None:
+        self._render_header(job, JobState.STARTING)
+
+    def _tab_selected(self, change) -> None:
+        """The user switched tabs (a comm message, maybe on another thread): show that rank's lines now."""
+        rank = change["new"]
+        if rank is None or not 0 <= rank < len(self.outputs):
+            return
+        with self._lock:
+            self._dirty.discard(rank)
+            running = self._job is not None and not self._job.done()
+            text = self.buffers[rank].text(self.live_tail_lines if running else None)
+        self.outputs[rank].outputs = self._tab_outputs(rank, text)
+
+    def _stop(self) -> None:
+        """Stop button handler; may run on a kernel subshell thread while the cell is busy."""
+        if self._job is not None:
+            self.stop_button.disabled = True
+            self.stop_button.description = "Stopping"
+            self._job.request_cancel()
+
+    @property
+    def tail_lines(self) -> int:
+        return self.max_lines
+
+    @property
+    def live_tail_lines(self) -> int:
+        return min(self.live_lines, self.max_lines)
+
+    def ranks_on_screen(self) -> set[int] | None:
+        selected = self.tabs.selected_index
+        return None if selected is None else {selected}
+
+    def output(self, rank: int, text: str) -> None:
+        with self._lock:
+            self.buffers[rank].write(text)
+            self._dirty.add(rank)
+
+    def skipped(self, rank: int, nbytes: int) -> None:
+        with self._lock:
+            self.buffers[rank].skip(nbytes)
+            self._dirty.add(rank)
+
+    def tick(self, job: Job) -> None:
+        interval = max(1.0 / MAX_FLUSHES_PER_S, self._last_bytes / MAX_BYTES_PER_S)
+        if time.monotonic() - self._last_flush >= interval:
+            self._flush(job)
+
+    def restarted(self, job: Job, attempt: int) -> None:
+        self._render_header(job, JobState.RUNNING)
+
+    def state_changed(self, job: Job, state: JobState) -> None:
+        if state.final:
+            self._retire_stop_button()
+        self._render_header(job, state)
+
+    def _retire_stop_button(self) -> None:
+        """The job has ended: Stop is disabled and grey (not a red button that looks live)."""
+        self.stop_button.disabled = True
+        self.stop_button.button_style = ""
+        self.stop_button.description = "Stop"
+
+    def finished(self, job: Job) -> None:
+        self._flush(job, final=True)
+        self._retire_stop_button()
+        error = job.exception() if job.state is not JobState.SUCCEEDED else None
+        root = getattr(error, "root_cause", None)
+        if root is not None:
+            self.tabs.selected_index = root.rank
+        self._render_header(job, job.state, error)
+        for line in summary_lines(job):
+            self.note(line)
+
+    def _flush(self, job: Job, final: bool = False) -> None:
+        now = time.monotonic()
+        on_screen = self.tabs.selected_index
+        with self._lock:
+            if final:  # every tab: the one on screen with all its kept lines, the others with their last
+                # live_lines until selected (a selection, once the kernel is free, shows all kept lines)
+                dirty, self._dirty = set(range(len(self.buffers))), set()
+            elif now - self._last_hidden_flush >= 1.0 / HIDDEN_TAB_FLUSHES_PER_S:
+                dirty, self._dirty = self._dirty, set()
+                self._last_hidden_flush = now
+            else:  # only the tab on screen
+                dirty = self._dirty & {on_screen}
+                self._dirty -= dirty
+            live = self.live_tail_lines
+            texts = {r: self.buffers[r].text(None if final and r == on_screen else live) for r in dirty}
+        self._last_flush = now
+        self._last_bytes = sum(len(t) for t in texts.values())
+        if final:  # the ranks' exit states and line counts are known only now
+            self._final_footers(job)
+        for rank, text in texts.items():
+            self.outputs[rank].outputs = self._tab_outputs(rank, text)
+        if texts:
+            self.flushes += 1
+        self._render_header(job, job.state if final else self._job_state(job))
+
+    @staticmethod
+    def _job_state(job: Job) -> JobState:
+        return job.shown_state
+
+    def _tab_outputs(self, rank: int, text: str) -> tuple[dict, dict]:
+        """A tab's content, in nbformat output form: the footer line (HTML), then the log text (a stream)."""
+        footer = self._render_footer(rank, text.count("\n"))  # complete lines shown (each ends with a newline)
+        return (
+            {
+                "output_type": "display_data",
+                "metadata": {},
+                "data": {"text/html": footer, "text/plain": html.unescape(re.sub(r"<[^>]+>", "", footer))},
+            },
+            {"output_type": "stream", "name": "stdout", "text": text},
+        )
+
+    def _final_footers(self, job: Job) -> None:
+        """Once the job has ended: each rank's exit state, and its line count from the launch host."""
+        self._exitcodes = job.rank_exitcodes
+        status = job.status
+        self._counted = status.log_lines
+        self._grace_ended = {e["rank"]: e for e in status.teardown_ended}
+
+    def _render_footer(self, rank: int, shown_lines: int) -> str:
+        """The footer of ``rank``'s tab when it shows ``shown_lines`` complete lines: state, earlier lines, log."""
+        final = self._exitcodes is not None
+        buf = self.buffers[rank]
+        counted = (self._counted or {}).get(str(rank))
+        if buf.skipped_bytes and counted is not None:
+            hidden = f"{counted - shown_lines} earlier lines are only in the log file. "
+        elif buf.skipped_bytes:
+            hidden = f"earlier output ({buf.skipped_bytes / 2**20:.1f} MiB and more) is only in the log file. "
+        else:
+            earlier = buf.total_lines - shown_lines
+            hidden = f"{earlier} earlier lines are only in the log file. " if earlier > 0 else ""
+        state = rank_state((self._exitcodes or {}).get(rank), not final)
+        ended = self._grace_ended.get(rank)
+        if ended is not None:
+            state = f"{'returned' if ended.get('outcome') == 'value' else 'raised'}; ended after the teardown grace"
+        value = f"<small><b>{state}</b> &middot; {hidden}log: <code>{self._log_names[rank]}</code></small>"
+        self.footers[rank].value = value
+        return value
+
+    def _render_header(self, job: Job, state: JobState, error: BaseException | None = None) -> None:
+        colour = _BADGE_COLOURS[state]
+        # whole seconds while running, so the clock alone changes the header at most once a second
+        digits = 1 if state.final else 0
+        elapsed = f"{job.elapsed_s:.{digits}f} s" if job.elapsed_s is not None else "&ndash;"
+        url = getattr(job, "run_url", None)
+        link = f' &middot; <a href="{html.escape(url)}" target="_blank">MLflow run</a>' if url else ""
+        badge = f'<span style="background:{colour};color:white;border-radius:4px;padding:1px 6px">{state.label}</span>'
+        problem = f"<br><code>{html.escape(str(error).splitlines()[0])}</code>" if error else ""
+        if state is JobState.PENDING and job.pending_reason:
+            problem = f"<br><small>{html.escape(job.pending_reason)}</small>"
+        if state.final:
+            problem += "".join(f"<br><small>{html.escape(note)}</small>" for note in job.notes)
+        attempt = job.attempt if job.spec.max_restarts else 1
+        if attempt > 1:
+            badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"
+            if not problem:
+                problem = f"<br><small>{html.escape(restart_reason(job))}; all ranks restarted</small>"
+        self.header.value = (
+            f'<div style="{_TEXT_STYLE}">'
+            f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
+            f"{html.escape(job.plan.device_kind)}{_NO_GPU if job.plan.no_gpu else ''} &middot; "
+            f"{elapsed}{link}{problem}</div>"
+        )
+
+
+def _forget_reply_route(widget) -> None:
+    """Let the frontend's messages on ``widget``'s comm go to the kernel subshell the frontend picked.
+
+    JupyterLab 4.4+ sends widget messages to a kernel subshell, which ipykernel 7 runs on its own
+    thread while a cell runs. But ipykernel 7.4 sends a comm's incoming messages to the subshell that
+    last published on that comm (``BaseComm._reply_subshell_for``, meant for replies to a request a
+    cell waits on): for the panel's widgets, made by the running cell, that is the main shell, so a
+    click on Stop would wait until the cell ends. The Stop button and the tab bar send no replies, so
+    their route is dropped after they are shown. Nothing happens on kernels without that attribute.
+    """
+    comm = getattr(widget, "comm", None)
+    lock = getattr(comm, "_reply_subshell_lock", None)
+    if lock is None:
+        return
+    with lock:
+        vars(comm).pop("_reply_subshell_id", None)
+
+
+def _in_kernel_with_widgets() -> bool:
+    try:
+        import ipywidgets  # noqa: F401
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def use_widgets(widgets: bool | None = None) -> bool:
+    """Whether a job shows the panel (True) or the text view (False).
+
+    ``widgets`` forces the choice; when ``None``, ``SGPU_MAGIC_WIDGETS=0`` / ``1`` in the
+    environment decides, else where the code runs (a Jupyter kernel with ipywidgets: the panel;
+    IPython in a terminal: text).
+    """
+    if widgets is None:
+        env = os.environ.get("SGPU_MAGIC_WIDGETS", "").strip().lower()
+        widgets = {"0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}.get(env)
+    return _in_kernel_with_widgets() if widgets is None else widgets
+
+
+def make_view(widgets: bool | None = None, max_lines: int = DEFAULT_MAX_LINES) -> JobSink:
+    """The panel in a Jupyter kernel with ipywidgets, else the text view (see :func:`use_widgets`)."""
+    return Panel(max_lines) if use_widgets(widgets) else TextView()

@@ -1,0 +1,126 @@
+"""The text view: plain ``[rank N]`` lines in the cell's output, notes and warnings on stderr, and the summary line
+of an ended job (used where there are no widgets, and by the panel for the summary)."""
+
+from __future__ import annotations
+
+import sys
+
+from sgpu_magic.errors import describe_exit
+from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.handle import Job
+from sgpu_magic.job.state import JobState
+from sgpu_magic.rundir import RunDir, is_attempt_marker, is_traceback_marker
+from sgpu_magic.ui.terminal import terminal_line
+
+
+def summary_line(job: Job) -> str:
+    """``sgpu_magic: job <id> succeeded in 3.2 s on 2 x cpu (gloo); logs: <dir>[; MLflow run: <url>]``."""
+    elapsed = f" in {job.elapsed_s:.1f} s" if job.elapsed_s is not None else ""
+    link = f"; MLflow run: {job.run_url}" if getattr(job, "run_url", None) else ""
+    return (
+        f"sgpu_magic: job {job.job_id} {job.state.label}{elapsed} on {job.plan.device_kind}; "
+        f"logs: {RunDir(job.run_dir).logs_dir}{link}"
+    )
+
+
+def summary_lines(job: Job) -> list[str]:
+    """:func:`summary_line`, then one ``sgpu_magic: ...`` line per note on how ranks ended (:attr:`Job.notes`)."""
+    return [summary_line(job)] + [f"sgpu_magic: {note}" for note in job.notes]
+
+
+def restart_reason(job: Job) -> str:
+    """``rank 1 failed (exit code 1)`` for the attempt that ended last."""
+    attempts = job.attempts
+    failures = attempts[-1]["failures"] if attempts else []
+    return ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failures) or "a rank failed"
+
+
+_TRACEBACK_SHOWN = {
+    False: "the error below shows the root cause's traceback (every rank's is in its log file)",
+    True: "job.result() raises the error with the root cause's traceback (every rank's is in its log file)",
+}
+"""What the text view says instead of a rank's traceback, for a blocking and a background job."""
+
+
+class TextView(JobSink):
+    """Streams each rank's lines to the cell's output, prefixed ``[rank N]``; notes and warnings to stderr.
+
+    A rank's traceback is not streamed; the line announcing it says where it is: the kernel
+    shows the root-cause traceback once, in the error it raises (below, or from ``job.result()``
+    for a background job), and every rank's stays in its log file.
+    """
+
+    def __init__(self, out=None, err=None) -> None:
+        self._out = out
+        self._err = err
+        self._partial: dict[int, str] = {}
+        self._failed_ranks: set[int] = set()
+        self._traceback_shown = _TRACEBACK_SHOWN[False]
+
+    def started(self, job: Job) -> None:
+        self._traceback_shown = _TRACEBACK_SHOWN[job.background]
+
+    def output(self, rank: int, text: str) -> None:
+        *lines, self._partial[rank] = (self._partial.get(rank, "") + text).split("\n")
+        self.lines(rank, lines)
+
+    def lines(self, rank: int, lines: list[str]) -> None:
+        """Write complete lines of rank ``rank``."""
+        if rank not in self._failed_ranks and not any(
+            "\r" in line or line.startswith("[sgpu_magic] rank ") for line in lines
+        ):
+            if lines:  # fast path: no carriage return, no traceback marker
+                out = self._out or sys.stdout
+                prefix = f"[rank {rank}] "
+                out.write(prefix + f"\n{prefix}".join(lines) + "\n")
+                out.flush()
+            return
+        shown = []
+        for line in lines:
+            if is_attempt_marker(line):  # a new attempt: this rank's lines are shown again
+                self._failed_ranks.discard(rank)
+            if rank in self._failed_ranks:
+                continue
+            if is_traceback_marker(line):
+                self._failed_ranks.add(rank)
+                line = line.replace("its traceback follows", self._traceback_shown)
+            shown.append(f"[rank {rank}] {terminal_line(line)}\n")
+        if shown:
+            out = self._out or sys.stdout
+            out.write("".join(shown))
+            out.flush()
+
+    def pending(self, job: Job, why: str) -> None:
+        self.note(f"sgpu_magic: job {job.job_id} is pending, {why}")
+
+    def restarted(self, job: Job, attempt: int) -> None:
+        self._failed_ranks.clear()  # the new attempt's lines are shown again
+        self.note(
+            f"sgpu_magic: job {job.job_id}: {restart_reason(job)}; attempt {attempt} of "
+            f"{job.spec.max_restarts + 1} started"
+        )
+
+    def finished(self, job: Job) -> None:
+        for rank, rest in sorted(self._partial.items()):
+            if rest:
+                self.lines(rank, [rest])
+        self._partial.clear()
+        for line in summary_lines(job):
+            self.note(line)
+        if job.background and job.state is not JobState.SUCCEEDED:
+            # nobody waits on a background job to raise its error: say what happened here
+            error = job.exception()
+            if error is not None:
+                self.warn(str(error).splitlines()[0] + " (job.result() raises it)")
+
+    def note(self, text: str) -> None:
+        """One line for the user (e.g. the CPU fallback), on stdout."""
+        out = self._out or sys.stdout
+        out.write(text + "\n")
+        out.flush()
+
+    def warn(self, text: str) -> None:
+        """A warning before launch (a large or unpicklable global), on stderr."""
+        err = self._err or sys.stderr
+        err.write(f"sgpu_magic warning: {text}\n")
+        err.flush()

@@ -1,0 +1,329 @@
+"""The widget panel without a browser: widget values after real jobs, terminal behaviour, throttling, Stop."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from sgpu_magic import JobState, distributed
+from sgpu_magic.errors import JobCancelledError
+from sgpu_magic.front.decorator import start
+from sgpu_magic.rundir import RunDir
+from sgpu_magic.ui.panel import HIDDEN_TAB_FLUSHES_PER_S, MAX_FLUSHES_PER_S, Panel, make_view, rank_state
+from sgpu_magic.ui.terminal import TerminalBuffer
+from sgpu_magic.ui.text import TextView
+
+from helpers import wait_for
+
+
+def run_with_panel(fn, *args, max_lines=2000):
+    panel = Panel(max_lines=max_lines)
+    job = start(fn.spec, lambda warn: fn._payload(args, {}, warn), panel)
+    t0 = time.monotonic()
+    try:
+        job.result()
+    finally:
+        elapsed = time.monotonic() - t0
+    return panel, job, elapsed
+
+
+def shown(panel, rank):
+    footer, log = panel.outputs[rank].outputs
+    assert footer["data"]["text/html"] == panel.footers[rank].value  # the tab's first output is its footer
+    return log["text"]
+
+
+def test_terminal_buffer_folds_carriage_returns_and_bounds_lines():
+    buf = TerminalBuffer(max_lines=3)
+    for i in range(5):
+        buf.write(f"\rbar {i}/4")
+    buf.write("\ndone\n")
+    assert buf.text() == "bar 4/4\ndone\n"
+    for i in range(10):
+        buf.write(f"line {i}\n")
+    assert list(buf.lines) == ["line 7", "line 8", "line 9"] and buf.hidden_lines == 9
+    buf.write("\x1b[31mred\x1b[0m partial")
+    assert buf.text().endswith("\x1b[31mred\x1b[0m partial")
+
+
+def reference_terminal(text: str, max_lines: int) -> tuple[list[str], str, int]:
+    """A plain model of the terminal: (last max_lines complete lines, current line, total lines)."""
+    lines, current, pending_cr = [], "", False
+    for ch in text:
+        if ch == "\n":
+            lines.append(current)
+            current, pending_cr = "", False
+        elif ch == "\r":
+            pending_cr = True
+        else:
+            current = ch if pending_cr else current + ch
+            pending_cr = False
+    return lines[-max_lines:], current, len(lines)
+
+
+def test_terminal_buffer_matches_a_plain_terminal_model_on_random_chunks():
+    import random
+
+    rng = random.Random(1234)
+    for _ in range(2000):
+        max_lines = rng.choice([1, 2, 3, 7, 50])
+        buf, fed = TerminalBuffer(max_lines=max_lines), ""
+        for _ in range(rng.randint(1, 10)):
+            chunk = "".join(rng.choice("ab\n\r") for _ in range(rng.randint(0, 40)))
+            buf.write(chunk)
+            fed += chunk
+            lines, current, total = reference_terminal(fed, max_lines)
+            assert (list(buf.lines), buf.current, buf.total_lines) == (lines, current, total), repr(fed)
+
+
+def test_rank_state_words():
+    assert rank_state(None, True) == "running"
+    assert rank_state(0, False) == "exited 0"
+    assert rank_state(1, False) == "failed (exit code 1)"
+    assert rank_state(-15, False) == "killed by signal SIGTERM (15)"
+
+
+def test_view_choice():
+    assert isinstance(make_view(False), TextView) and not isinstance(make_view(False), Panel)
+    assert isinstance(make_view(True), Panel)
+    assert not isinstance(make_view(None), Panel)  # outside a Jupyter kernel: text
+
+
+@distributed(gpus=2)
+def chatty(n_lines):
+    import os
+    import sys
+
+    from tqdm import tqdm
+
+    rank = int(os.environ["RANK"])
+    for _ in tqdm(range(200), desc=f"rank{rank}", mininterval=0, file=sys.stdout):
+        pass
+    for i in range(n_lines):
+        print(f"r{rank} line {i}")
+    print(f"\x1b[32mdone {rank}\x1b[0m")
+    return rank
+
+
+def test_panel_after_a_job_with_a_tqdm_bar_and_10000_fast_lines():
+    panel, job, elapsed = run_with_panel(chatty, 10_000, max_lines=2000)
+    # the tab off screen shows its last 200 lines until selected (the kernel is free then)
+    assert shown(panel, 1).splitlines()[0] == "r1 line 9801"
+    assert "9802 earlier lines are only in the log file" in panel.footers[1].value
+    panel.tabs.selected_index = 1  # what a click on the tab does
+    for rank in (0, 1):
+        text = shown(panel, rank)
+        lines = text.splitlines()
+        assert len(lines) == 2000 and lines[-1] == f"\x1b[32mdone {rank}\x1b[0m"
+        assert lines[0] == f"r{rank} line 8001"
+        # the bar line, 10,000 lines, "done": all but the last 2000 only in the log file
+        assert "8002 earlier lines are only in the log file" in panel.footers[rank].value
+        assert "exited 0" in panel.footers[rank].value and str(job.log_paths[rank]) in panel.footers[rank].value
+        assert job.logs(rank).count(f"rank{rank}: 100%") >= 1  # the log file keeps the final bar
+    assert "succeeded" in panel.header.value and "2 x cpu (gloo)" in panel.header.value
+    # the header says once more what the cell said once per kernel (issue 18)
+    assert ("(no GPU found)" in panel.header.value) == job.plan.no_gpu
+    assert panel.tabs.titles == ("rank 0", "rank 1")
+    assert panel.stop_button.disabled
+    # the panel shows state, not a manual: the instructions are the Stop button's tooltip (issue 18)
+    assert [type(c).__name__ for c in panel.widget.children] == ["HBox", "Tab"]
+    assert panel.stop_button.tooltip.startswith(
+        "Cancel the job: every rank is stopped. If this button does not respond while the cell runs"
+    )
+    assert "Interrupt" not in panel.header.value and "Interrupt" not in panel.footers[0].value
+    assert panel.flushes <= MAX_FLUSHES_PER_S * elapsed + 2
+
+
+def test_tabs_off_screen_refresh_every_5_s_and_at_once_when_selected():
+    panel = Panel(max_lines=100)
+    updates = {0: 0, 1: 0}
+    job = start(chatty.spec, lambda warn: chatty._payload((60_000,), {}, warn), panel)
+    for rank in (0, 1):
+        panel.outputs[rank].observe(lambda change, r=rank: updates.__setitem__(r, updates[r] + 1), names="outputs")
+    t0 = time.monotonic()
+    job.result()
+    elapsed = time.monotonic() - t0
+    assert updates[0] <= MAX_FLUSHES_PER_S * elapsed + 2, (updates, elapsed)
+    assert updates[1] <= HIDDEN_TAB_FLUSHES_PER_S * elapsed + 2, (updates, elapsed)
+    assert shown(panel, 1).splitlines()[-1] == "\x1b[32mdone 1\x1b[0m"  # the final flush updates every tab
+    panel.buffers[1].write("late line\n")
+    panel._dirty.add(1)
+    panel.tabs.selected_index = 1  # what a click on the tab does
+    assert shown(panel, 1).endswith("late line\n") and 1 not in panel._dirty
+
+
+def test_panel_shows_the_bar_as_one_line():
+    panel, job, _ = run_with_panel(chatty, 0)
+    for rank in (0, 1):
+        lines = shown(panel, rank).splitlines()
+        bars = [line for line in lines if line.startswith(f"rank{rank}:")]
+        assert len(bars) == 1 and "200/200" in bars[0], lines
+        assert lines[-1] == f"\x1b[32mdone {rank}\x1b[0m"
+
+
+def test_failure_selects_the_root_cause_tab_and_names_it_in_the_header():
+    @distributed(gpus=2)
+    def fails_on_rank_1():
+        import os
+
+        if os.environ["RANK"] == "1":
+            raise ValueError("bad batch on rank 1")
+        return 0
+
+    panel = Panel()
+    job = start(fails_on_rank_1.spec, lambda warn: fails_on_rank_1._payload((), {}, warn), panel)
+    assert job.wait() is JobState.FAILED
+    assert panel.tabs.selected_index == 1
+    assert (
+        "failed" in panel.header.value
+        and "rank 1 failed (root cause): ValueError: bad batch on rank 1" in panel.header.value
+    )
+    assert "ValueError: bad batch on rank 1" in shown(panel, 1)  # the tab is the rank's whole log
+
+
+def test_stop_button_from_another_thread_cancels_a_blocking_job(tmp_path):
+    @distributed(gpus=2)
+    def sleeper(piddir):
+        import os
+        import time
+
+        open(os.path.join(piddir, str(os.getpid())), "w").close()
+        time.sleep(600)
+
+    panel = Panel()
+
+    waited: list[BaseException] = []
+
+    def click_when_running():
+        try:
+            wait_for(lambda: len(os.listdir(tmp_path)) >= 2, 60, "both ranks to run before Stop is clicked")
+        except AssertionError as exc:
+            waited.append(exc)  # failed below, in the test's thread; Stop is clicked all the same
+        panel.stop_button.click()  # what a kernel subshell does while the cell is busy
+
+    clicker = threading.Thread(target=click_when_running)
+    clicker.start()
+    job = start(sleeper.spec, lambda warn: sleeper._payload((str(tmp_path),), {}, warn), panel)
+    with pytest.raises(JobCancelledError, match=r"was cancelled; every rank was stopped"):
+        job.result()
+    clicker.join()
+    assert waited == []
+    assert job.state is JobState.CANCELLED
+    assert "cancelled" in panel.header.value and panel.stop_button.disabled
+
+
+def test_max_log_lines_follows_the_config(ip):
+    from sgpu_magic.front.decorator import _sinks
+
+    ip.run_line_magic("config", "DistributedMagics.max_log_lines = 50")
+    try:
+        view = _sinks(distributed(gpus=1, mlflow=False, widgets=True)(len).spec, None)[-1]
+        assert isinstance(view, Panel) and view.max_lines == 50
+    finally:
+        ip.run_line_magic("config", "DistributedMagics.max_log_lines = 2000")
+
+
+def test_log_follower_skips_to_the_last_lines_of_a_fast_log(tmp_path):
+    from sgpu_magic.job.follow import LogFollower
+
+    log = tmp_path / "rank_0.log"
+    log.write_bytes(b"start \xc3\xa9\n" + b"".join(b"line %07d\n" % i for i in range(100_000)))
+    follower = LogFollower(log)
+    skipped, text = follower.read_tail(2000)
+    lines = text.splitlines()
+    assert skipped > 0 and len(lines) >= 2000 and lines[-1] == "line 0099999"
+    assert skipped + len(text.encode()) == log.stat().st_size  # nothing between the skip and the text
+    with open(log, "ab") as f:
+        f.write(b"one more\npartial \xc3")
+    assert follower.read_tail(2000) == (0, "one more\npartial ")  # small news: read whole, UTF-8 kept intact
+    with open(log, "ab") as f:
+        f.write(b"\xa9 done\n")
+    assert follower.read_tail(2000) == (0, "\xe9 done\n")
+
+
+def test_log_follower_reads_a_short_tail_live_and_the_long_one_again_at_the_end(tmp_path):
+    from sgpu_magic.job.follow import LogFollower
+
+    log = tmp_path / "rank_0.log"
+    with open(log, "wb") as f:
+        f.write(b"".join(b"line %07d\n" % i for i in range(50_000)))
+    follower = LogFollower(log)
+    first_skip, text = follower.read_tail(200)  # what the panel reads while the job runs
+    assert first_skip > 0 and len(text.splitlines()) >= 200  # the first window: TAIL_MIN_BYTES
+    with open(log, "ab") as f:  # the file stays open between reads: appended lines are seen
+        f.write(b"".join(b"line %07d\n" % i for i in range(50_000, 100_000)))
+    second_skip, text = follower.read_tail(200)
+    assert text.splitlines()[-1] == "line 0099999" and len(text.splitlines()) < 1000  # the window fits the lines
+    more_skip, text = follower.reread_tail(2000)  # the job ended: the last 2000 lines, read again
+    lines = text.splitlines()
+    assert len(lines) >= 2000 and lines[-1] == "line 0099999"
+    # the skips reported add up to the bytes before the text, each byte counted once
+    assert first_skip + second_skip + more_skip + len(text.encode()) == log.stat().st_size
+    follower.close()
+    with open(log, "ab") as f:
+        f.write(b"after close\n")
+    assert follower.read_tail(2000) == (0, "after close\n")  # reopened where it stopped
+
+
+def test_a_followed_job_removes_its_status_fifo_when_it_ends():
+    panel, job, _ = run_with_panel(chatty, 5)
+    assert job.state is JobState.SUCCEEDED and not RunDir(job.run_dir).status_signal.exists()
+    assert not (job.run_dir / "status.fifo").exists()  # nothing left that would block a copy of the run dir
+
+
+def test_the_launch_host_wakes_the_follower_through_the_status_fifo(tmp_path):
+    import select
+    import stat
+
+    from sgpu_magic.rundir import RunDir, signal_status
+
+    rd = RunDir.create(tmp_path)
+    signal_status(rd)  # no FIFO yet: nothing happens, nothing is made
+    assert not rd.status_signal.exists()
+    os.mkfifo(rd.status_signal, 0o600)
+    signal_status(rd)  # a FIFO nobody reads: the host does not block
+    fd = os.open(rd.status_signal, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        assert select.select([fd], [], [], 0)[0] == []
+        signal_status(rd)
+        assert select.select([fd], [], [], 0)[0] == [fd] and os.read(fd, 16) == b"\n"
+        for _ in range(100_000):  # far more than a pipe holds: the writer never blocks
+            signal_status(rd)
+    finally:
+        os.close(fd)
+    assert stat.S_ISFIFO(rd.status_signal.stat().st_mode) and stat.S_IMODE(rd.status_signal.stat().st_mode) == 0o600
+
+
+def test_a_job_without_its_status_fifo_is_followed_by_polling(monkeypatch):
+    def no_fifos(*args, **kwargs):
+        raise OSError(95, "Operation not supported")  # as on a file system without FIFOs
+
+    monkeypatch.setattr(os, "mkfifo", no_fifos)
+    panel, job, _ = run_with_panel(chatty, 5)
+    assert job.state is JobState.SUCCEEDED and not RunDir(job.run_dir).status_signal.exists()
+    assert shown(panel, 0).splitlines()[-1] == "\x1b[32mdone 0\x1b[0m"
+
+
+@distributed(gpus=2)
+def flood(n_lines):
+    import os
+    import sys
+
+    rank = os.environ["RANK"]
+    write = sys.stdout.write
+    for i in range(n_lines):
+        write(f"r{rank} line {i:07d} " + "x" * 60 + "\n")
+    return n_lines
+
+
+def test_panel_reads_only_the_tail_of_fast_logs_and_counts_every_line_at_the_end():
+    panel, job, _ = run_with_panel(flood, 200_000, max_lines=2000)
+    for rank in (0, 1):
+        panel.tabs.selected_index = rank
+        lines = shown(panel, rank).splitlines()
+        assert lines == job.logs(rank).splitlines()[-2000:]
+        assert panel.buffers[rank].skipped_bytes > 0  # the middle of the log was not read
+        assert "198000 earlier lines are only in the log file" in panel.footers[rank].value

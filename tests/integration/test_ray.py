@@ -1,0 +1,296 @@
+"""Jobs on a Ray cluster (sgpu_magic.launch.ray.cluster): a real two-node Ray cluster on this machine.
+
+``ray.cluster_utils.Cluster`` starts a head node and a worker node (each its own raylet, with 2
+CPUs), as Ray's own tests do; jobs run with ``cluster=<its address>``. Skipped without Ray
+(``pip install "sgpu_magic[ray]"``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+
+import psutil
+import pytest
+
+from sgpu_magic.rundir import RunDir, read_json
+
+ray = pytest.importorskip("ray")
+
+from sgpu_magic import distributed  # noqa: E402
+from sgpu_magic.errors import JobCancelledError, RankFailedError, ResourceError  # noqa: E402
+
+from helpers import job_processes, wait_for  # noqa: E402
+from kernel_utils import start_kernel, stop_kernel  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _status_file(job) -> dict:
+    """The job's status.json as its launcher wrote it (every key, not only the typed ones of job.status)."""
+    return read_json(RunDir(job.run_dir).status_file)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    for attempt in (1, 2):  # a raylet gets 30 s (hard-coded in Ray) to register: a busy 2-core machine may miss it
+        c = Cluster(initialize_head=False, connect=False)
+        try:
+            c.add_node(num_cpus=2, include_dashboard=False)
+            c.add_node(num_cpus=2)
+            c.wait_for_nodes()
+            break
+        except Exception:
+            c.shutdown()
+            if attempt == 2:
+                raise
+    yield c
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+def test_a_4_rank_ddp_job_spreads_over_both_nodes(cluster, monkeypatch):
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "ray-tests")
+
+    @distributed(gpus=4, cluster=cluster.address, timeout=300, widgets=False)
+    def ddp_step():
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        model(torch.ones(8, 4)).sum().backward()
+        grad = model.module.weight.grad.clone()
+        print(f"rank {dist.get_rank()} of {dist.get_world_size()} on node {os.environ['GROUP_RANK']}", flush=True)
+        return {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")} | {
+            "grad": grad.tolist()
+        }
+
+    results = ddp_step.distributed()
+    assert [r["RANK"] for r in results] == ["0", "1", "2", "3"]  # rank order, as on one machine
+    assert [(r["GROUP_RANK"], r["LOCAL_RANK"]) for r in results] == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert {r["LOCAL_WORLD_SIZE"] for r in results} == {"2"}
+    assert len({str(r["grad"]) for r in results}) == 1  # gradients all-reduced across both nodes
+    job = ddp_step.last_job
+    assert _status_file(job)["start_method"] == "ray" and len(set(_status_file(job)["nodes"].values())) >= 1
+    for rank in range(4):
+        assert f"rank {rank} of 4 on node {rank // 2}" in job.logs(rank)  # logs came back into the run dir
+    assert not job_processes(job.job_id)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(job.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.params["world_size"] == "4"
+    assert sorted(a.path for a in client.list_artifacts(job.mlflow_run_id, "logs")) == [
+        f"logs/rank_{r}.log" for r in range(4)
+    ]  # the ranks' logs kept as run artifacts
+
+
+def test_remote_true_and_scripts_run_on_the_kernels_remote_cluster(cluster, ip, monkeypatch, tmp_path):
+    """The serverless GPU API's ``remote=True`` goes to the configured remote cluster through the Ray path, for
+    the decorator (trait), ``run_script`` and ``%distributed_run --remote`` (environment variable)."""
+    from sgpu_magic import run_script
+
+    monkeypatch.delenv("SGPU_MAGIC_REMOTE_CLUSTER", raising=False)
+    ip.run_line_magic("config", f"DistributedMagics.remote_cluster = {cluster.address!r}")
+    try:
+
+        @distributed(gpus=2, remote=True, mlflow=False, widgets=False)
+        def where():
+            import os
+
+            return os.environ["GROUP_RANK"], os.environ["WORLD_SIZE"]
+
+        assert where.spec.cluster == cluster.address
+        assert where.distributed() == [("0", "2"), ("0", "2")]
+        assert _status_file(where.last_job)["start_method"] == "ray"
+    finally:
+        ip.run_line_magic("config", "DistributedMagics.remote_cluster = ''")
+    monkeypatch.setenv("SGPU_MAGIC_REMOTE_CLUSTER", cluster.address)
+    script = tmp_path / "report.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'argv', sys.argv[1:], 'main', __name__)\n")
+    job = run_script(
+        str(script), ["--flag", "x"], num_accelerators=2, remote=True, mlflow=False, widgets=False, background=True
+    )
+    assert job.result(timeout_s=300) == [0, 0] and _status_file(job)["start_method"] == "ray"
+    assert "rank 1 argv ['--flag', 'x'] main __main__" in job.logs(1)
+    ip.run_line_magic("distributed_run", f"--gpus 2 --remote --no-mlflow --no-widgets -o remote_job {script} y")
+    assert ip.user_ns["remote_job"].result() == [0, 0] and "argv ['y']" in ip.user_ns["remote_job"].logs(0)
+
+
+def test_a_job_past_its_timeout_is_stopped(cluster):
+    from sgpu_magic.errors import JobTimeoutError
+
+    @distributed(gpus=2, cluster=cluster.address, timeout=40, mlflow=False, widgets=False)
+    def too_long():
+        import time
+
+        time.sleep(600)
+
+    with pytest.raises(JobTimeoutError, match=r"ran longer than its timeout of 40 s"):
+        too_long.distributed()
+    assert wait_for(lambda: not job_processes(too_long.last_job.job_id), 30, "the ranks to stop")
+
+
+def test_the_first_failing_rank_is_the_root_cause_and_the_rest_stop(cluster):
+    @distributed(gpus=4, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)
+    def fails_on_rank_2():
+        import time
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 2:
+            raise ValueError("bad shard on rank 2")
+        time.sleep(600)
+
+    with pytest.raises(
+        RankFailedError, match=r"rank 2 failed \(root cause\): ValueError: bad shard on rank 2"
+    ) as caught:
+        fails_on_rank_2.distributed()
+    assert "bad shard on rank 2" in caught.value.root_cause.traceback
+    assert wait_for(lambda: not job_processes(fails_on_rank_2.last_job.job_id), 30, "the other ranks to stop")
+
+
+def test_a_rank_that_wedges_after_returning_keeps_its_value_after_the_grace(cluster):
+    """As on one machine: the rank's agent ends it teardown_grace_s after its value is written, and the job succeeds."""
+
+    @distributed(gpus=2, cluster=cluster.address, timeout=300, mlflow=False, widgets=False, teardown_grace_s=1)
+    def returns_then_wedges():
+        import atexit
+        import os
+        import threading
+
+        lock = threading.Lock()
+        lock.acquire()
+        if os.environ["RANK"] == "1":
+            atexit.register(lock.acquire)  # its exit path waits for good
+        return int(os.environ["RANK"])
+
+    assert returns_then_wedges.distributed() == [0, 1]
+    assert returns_then_wedges.last_job.notes == [
+        "rank 1 needed the teardown grace: it returned its value but had not exited 1 s later (teardown_grace_s), "
+        "so sgpu_magic ended it (SIGTERM); its value is kept"
+    ]
+    assert wait_for(lambda: not job_processes(returns_then_wedges.last_job.job_id), 30, "the ranks to stop")
+
+
+def test_cancel_stops_every_rank_and_releases_the_placement_group(cluster):
+    from ray.util.placement_group import placement_group_table
+
+    @distributed(gpus=4, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)
+    def sleeper():
+        import time
+
+        print("sleeping", flush=True)
+        time.sleep(600)
+
+    job = sleeper.submit()
+    wait_for(lambda: all("sleeping" in job.logs(r) for r in range(4)), 120, "every rank to start")
+    job.cancel()
+    assert isinstance(job.exception(timeout_s=60), JobCancelledError)
+    assert job.state.value == "cancelled"
+    wait_for(lambda: not job_processes(job.job_id), 30, "the ranks to stop")
+    ours = [pg for pg in placement_group_table().values() if pg["name"] == f"sgpu_magic-{job.job_id}"]
+    assert all(pg["state"] == "REMOVED" for pg in ours), ours
+
+
+def test_a_cluster_too_small_says_so_and_no_wait_fails_at_once(cluster):
+    with pytest.raises(ResourceError, match=r"has 4 CPUs in all, fewer than the 9 ranks asked for"):
+        distributed(gpus=9, cluster=cluster.address, mlflow=False, widgets=False)(lambda: 1).distributed()
+
+    @distributed(gpus=4, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)
+    def hold():
+        import time
+
+        print("holding", flush=True)
+        time.sleep(600)
+
+    holder = hold.submit()
+    try:
+        wait_for(lambda: all("holding" in holder.logs(r) for r in range(4)), 120, "the holder's ranks")
+        with pytest.raises(ResourceError, match=r"has 0 of 4 CPUs free, the job needs 2; wait=False / --no-wait"):
+            distributed(gpus=2, cluster=cluster.address, wait=False, mlflow=False, widgets=False)(
+                lambda: 1
+            ).distributed()
+        waiting = distributed(gpus=2, cluster=cluster.address, mlflow=False, widgets=False)(lambda: 1).submit()
+        wait_for(
+            lambda: (
+                "waiting for 2 CPU bundle(s) on the Ray cluster: 0 of 4 CPUs free" in (waiting.pending_reason or "")
+            ),
+            60,
+            "the pending job to say what it waits for",
+        )
+        holder.cancel()
+        assert waiting.result(timeout_s=120) == [1, 1]  # it starts once the CPUs are free
+    finally:
+        holder.cancel()
+
+
+def test_kernel_sigkill_leaves_no_actor_or_rank(cluster, tmp_path):
+    """The kernel is the Ray driver: when it is SIGKILLed, Ray removes its actors, and the ranks die with them."""
+    km, kc = start_kernel(cwd=tmp_path, env={"SGPU_MAGIC_WIDGETS": "0"})
+    try:
+        code = (
+            f"%%distributed --gpus 4 --cluster {cluster.address} --no-mlflow\n"
+            "import os, time\nprint('job', os.environ['SGPU_MAGIC_JOB_ID'], flush=True)\ntime.sleep(600)"
+        )
+        kc.execute(code)
+        job_id = None
+
+        def started():
+            nonlocal job_id
+            try:
+                msg = kc.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                msg = {"msg_type": None, "content": {}}
+            text = msg["content"].get("text", "") if msg["msg_type"] == "stream" else ""
+            for line in text.splitlines():
+                if line.startswith("[rank ") and " job " in line:
+                    job_id = line.split()[-1]
+            return job_id is not None and len(job_processes(job_id)) == 4
+
+        wait_for(started, 180, "the 4 ranks to run")
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        wait_for(lambda: not job_processes(job_id), 60, "Ray to remove the dead kernel's actors and their ranks")
+        assert not [p for p in psutil.process_iter(["cmdline"]) if "_RankAgent" in " ".join(p.info["cmdline"] or [])]
+    finally:
+        stop_kernel(km, kc)
+
+
+def test_gpu_ranks_see_their_nodes_gpus_in_local_rank_order(tmp_path):
+    """torchrun's contract on GPU nodes: each local rank sees the node's job GPUs and takes cuda:LOCAL_RANK."""
+    from sgpu_magic.launch.ray.launcher import _Supervisor
+    from sgpu_magic.rundir import RunDir, atomic_write_json
+
+    rd = RunDir.create(tmp_path)
+    atomic_write_json(rd.launch_file, {"job_id": rd.job_id, "world_size": 4, "backend": "nccl", "env": {}})
+    sup = _Supervisor(rd, "auto", None)
+    nodes = [("a", "10.0.0.1", ["3"]), ("a", "10.0.0.1", ["1"]), ("b", "10.0.0.2", ["0"]), ("b", "10.0.0.2", ["5"])]
+    envs = [sup._rank_env(r, nodes, 29500) for r in range(4)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,1", "3,1", "0,5", "0,5"]
+    assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "2"),
+        ("0", "1", "2"),
+        ("1", "0", "2"),
+        ("1", "1", "2"),
+    ]
+    assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and {e["GROUP_WORLD_SIZE"] for e in envs} == {"2"}
+
+
+def test_a_kernel_connected_to_one_cluster_refuses_another(cluster):
+    from sgpu_magic.launch.ray import cluster as ray_cluster
+
+    ray_cluster.connect(cluster.address)
+    with pytest.raises(
+        ResourceError,
+        match=r"this kernel is connected to the Ray cluster '.*', not '127.0.0.1:9'; a "
+        r"kernel uses one Ray cluster at a time",
+    ):
+        distributed(gpus=2, cluster="127.0.0.1:9", mlflow=False, widgets=False)(lambda: 1).distributed()

@@ -1,0 +1,119 @@
+"""Restarts (``max_restarts`` / ``--max-restarts``): torchrun's policy on real gloo ranks.
+
+A rank that fails makes every rank stop and start again, up to ``max_restarts`` times; the ranks
+read ``TORCHELASTIC_RESTART_COUNT``; each attempt's lines stay in the rank logs; the failed
+attempt's error files move to ``errors/attempt_<k>/``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from IPython.core.error import UsageError
+
+from sgpu_magic import JobState, distributed
+from sgpu_magic.errors import RankFailedError, SpecError
+from sgpu_magic.front.decorator import start
+from sgpu_magic.ui.panel import Panel
+
+
+@distributed(gpus=2, max_restarts=2, mlflow=False, timeout=180)
+def flaky(how: str, fail_attempts: int):
+    """Rank 1 fails (``how``: "kill" = SIGKILL itself, "raise" = ValueError) on the first ``fail_attempts`` attempts."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print(f"rank {rank} starts attempt with restart count {attempt}", flush=True)
+    if rank == 1 and attempt < fail_attempts:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError(f"rank 1 fails on restart count {attempt}")
+    dist.barrier()
+    return {"rank": rank, "restart_count": attempt, "max_restarts": int(os.environ["TORCHELASTIC_MAX_RESTARTS"])}
+
+
+def test_a_rank_killed_once_is_restarted_and_attempt_2_succeeds():
+    results = flaky.distributed("kill", 1)
+    assert results == [
+        {"rank": 0, "restart_count": 1, "max_restarts": 2},
+        {"rank": 1, "restart_count": 1, "max_restarts": 2},
+    ]
+    job = flaky.last_job
+    assert job.state is JobState.SUCCEEDED and job.attempt == 2
+    (first,) = job.attempts
+    assert first["attempt"] == 1 and [(f["rank"], f["exitcode"]) for f in first["failures"]] == [(1, -9)]
+    for rank in (0, 1):
+        log = job.logs(rank).splitlines()
+        starts = [i for i, line in enumerate(log) if line.startswith(f"rank {rank} starts attempt")]
+        marker = log.index(
+            "[sgpu_magic] attempt 2 of 3: all ranks restarted after rank 1 failed (killed by signal SIGKILL (9))"
+        )
+        assert log[starts[-1]] == f"rank {rank} starts attempt with restart count 1" and marker < starts[-1]
+    assert "rank 1 starts attempt with restart count 0" in job.logs(1)  # the first attempt's lines stay
+
+
+def test_each_failed_attempts_errors_are_kept_and_the_last_one_fails_the_job():
+    with pytest.raises(
+        RankFailedError,
+        match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails on restart count 2"
+        r"(.|\n)*attempt 3 of 3 failed, after 2 restart\(s\); job.attempts lists "
+        r"the earlier failures",
+    ):
+        flaky.distributed("raise", 3)
+    job = flaky.last_job
+    assert job.attempt == 3 and [a["attempt"] for a in job.attempts] == [1, 2]
+    assert job.attempts[0]["exitcodes"][1] == 1  # rank keys are ints
+    for k in (1, 2):
+        kept = json.loads((job.run_dir / "errors" / f"attempt_{k}" / "rank_1.json").read_text())
+        assert kept["message"] == f"rank 1 fails on restart count {k - 1}"
+
+
+def test_the_panel_header_names_the_attempt():
+    panel = Panel()
+    job = start(flaky.spec, lambda warn: flaky._payload(("raise", 1), {}, warn), panel)
+    assert job.wait() is JobState.SUCCEEDED
+    assert "attempt 2 of 3" in panel.header.value
+    assert "rank 1 failed (exit code 1); all ranks restarted" in panel.header.value
+
+
+def test_the_magic_restarts_and_says_so(ip, capsys):
+    ip.user_ns["flaky_fn"] = flaky
+    capsys.readouterr()
+    ip.run_cell_magic(
+        "distributed",
+        "--gpus 2 --max-restarts 1 --no-mlflow -o restarted_job",
+        "import os\n"
+        "if os.environ['RANK'] == '0' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    raise RuntimeError('first attempt fails')\n"
+        "os.environ['TORCHELASTIC_RESTART_COUNT']\n",
+    )
+    out = capsys.readouterr().out
+    job = ip.user_ns["restarted_job"]
+    assert job.state is JobState.SUCCEEDED and job.results == ["1", "1"]
+    assert f"sgpu_magic: job {job.job_id}: rank 0 failed (exit code 1); attempt 2 of 2 started" in out
+    # the failed rank's lines are hidden after its traceback marker, and shown again from the new attempt on
+    assert "[rank 0] [sgpu_magic] attempt 2 of 2: all ranks restarted after rank 0 failed (exit code 1)" in out
+    assert "[rank 1] [sgpu_magic] attempt 2 of 2: all ranks restarted after rank 0 failed (exit code 1)" in out
+
+
+@pytest.mark.parametrize("bad", [-1, 1001, "2", True, 1.5])
+def test_bad_max_restarts_is_refused_before_anything_starts(bad):
+    with pytest.raises(
+        SpecError,
+        match=r"max_restarts must be an int between 0 and 1000 \(restarts of the whole rank "
+        r"group after a failure; 0 = none\), got ",
+    ):
+        distributed(gpus=2, max_restarts=bad)
+
+
+def test_bad_max_restarts_in_the_magic_is_a_usage_error(ip):
+    with pytest.raises(UsageError, match=r"max_restarts must be an int between 0 and 1000"):
+        ip.run_cell_magic("distributed", "--gpus 2 --max-restarts -1", "1\n")
+    with pytest.raises(UsageError, match=r"argument --max-restarts: invalid int value: 'x'"):
+        ip.run_cell_magic("distributed", "--gpus 2 --max-restarts x", "1\n")

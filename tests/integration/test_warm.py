@@ -1,0 +1,144 @@
+"""Warm launches: ranks fork from the launch host's forkserver (torch preloaded) and stay correct."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from sgpu_magic import distributed
+from sgpu_magic.launch.client import get_host
+from sgpu_magic.rundir import host_warm_marker
+
+from helpers import wait_for
+
+
+@distributed(gpus=2)
+def probe(name):
+    import sys
+
+    return os.getcwd(), os.environ.get(name), sys.path[:], os.getppid(), "torch" in sys.modules
+
+
+def wait_warm(timeout_s: float = 120.0, launch_first: bool = True) -> None:
+    """Poll until the host's forkserver has finished preloading (its marker file exists).
+
+    A launch first, since the launch is what restarts the forkserver when sys.path's packages changed.
+    """
+    if launch_first:
+        probe.distributed("X")
+    marker = host_warm_marker(get_host().log_path)
+    wait_for(marker.exists, timeout_s, f"the forkserver to finish preloading ({marker})")
+
+
+def start_method(fn) -> str:
+    return json.loads((fn.last_job.run_dir / "status.json").read_text())["start_method"]
+
+
+@pytest.mark.slow  # ~20 s: the warm forkserver is started again
+def test_warm_ranks_see_the_kernels_current_cwd_env_and_sys_path(tmp_path, monkeypatch):
+    wait_warm()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SGPU_TEST_VALUE", "one")
+    monkeypatch.syspath_prepend(str(tmp_path / "extra"))
+    (cwd, value, path, _, torch_loaded), _ = probe.distributed("SGPU_TEST_VALUE")
+    assert start_method(probe) == "forkserver" and torch_loaded
+    assert (cwd, value) == (str(tmp_path), "one") and str(tmp_path / "extra") in path
+    monkeypatch.delenv("SGPU_TEST_VALUE")
+    (_, value, _, _, _), _ = probe.distributed("SGPU_TEST_VALUE")
+    assert value is None  # a variable removed in the kernel is gone in the next launch
+
+
+def test_local_module_edited_between_launches_is_imported_fresh(tmp_path, monkeypatch):
+    wait_warm()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "sgpu_local_mod.py"
+
+    @distributed(gpus=1)
+    def read_value():
+        import sgpu_local_mod
+
+        return sgpu_local_mod.VALUE
+
+    module.write_text("VALUE = 1\n")
+    assert read_value.distributed() == [1]
+    module.write_text("VALUE = 2\n")
+    assert read_value.distributed() == [2]
+
+
+@pytest.mark.slow  # ~20 s: the warm forkserver is started again
+def test_a_package_change_restarts_the_warm_state(tmp_path, monkeypatch):
+    """A site-packages folder that changes (as %pip install changes it) makes the next ranks use a new forkserver."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    wait_warm()  # a new site-packages entry on sys.path: the pool restarts
+    probe.distributed("X")
+    assert start_method(probe) == "forkserver"
+    before = probe.distributed("X")[0][3]
+    (site / "newpkg-1.0.dist-info").mkdir()  # what an install does to site-packages
+    parent = probe.distributed("X")[0][3]
+    # cold while the new forkserver preloads, or forked from the new one if the launch waited for it
+    assert start_method(probe) == "subprocess" or parent != before
+    wait_warm(launch_first=False)
+    after = probe.distributed("X")[0][3]
+    assert start_method(probe) == "forkserver" and after != before
+
+
+def test_a_killed_rank_does_not_poison_the_next_warm_launch():
+    wait_warm()
+
+    @distributed(gpus=2)
+    def killed():
+        import signal
+
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return 0
+
+    from sgpu_magic.errors import RankFailedError
+
+    with pytest.raises(
+        RankFailedError,
+        match=r"rank 1 failed \(root cause\): exited without a Python exception "
+        r"\(killed by signal SIGKILL \(9\)\)",
+    ):
+        killed.distributed()
+    assert probe.distributed("X")[1][4] is True
+    assert start_method(probe) == "forkserver"
+
+
+def test_a_warm_rank_imports_no_torch_module_of_its_own():
+    """Everything torch that a warm rank needs before the user's code runs (elastic's per-rank wrapper
+    included) comes preloaded from the forkserver: a module imported after the fork would cost the
+    rank its import time at every launch (elastic's multiprocessing package was ~25 ms of CPU per rank).
+
+    Preloaded objects sit in gc's permanent generation (the forkserver calls gc.freeze()), so the
+    modules that ``gc.get_objects()`` sees in a rank are the ones it imported itself."""
+    wait_warm()
+
+    @distributed(gpus=2)
+    def own_modules():
+        import gc
+        import types
+
+        return sorted(m.__name__ for m in gc.get_objects() if isinstance(m, types.ModuleType))
+
+    results = own_modules.distributed()
+    assert start_method(own_modules) == "forkserver"
+    for names in results:
+        assert not [n for n in names if n.split(".")[0] in ("torch", "sgpu_magic")], names
+
+
+def test_cold_start_method_can_be_forced(monkeypatch):
+    """SGPU_MAGIC_START_METHOD=subprocess makes a new host start every rank as a fresh interpreter."""
+    from sgpu_magic.launch.client import shutdown_host
+
+    shutdown_host()
+    monkeypatch.setenv("SGPU_MAGIC_START_METHOD", "subprocess")
+    try:
+        (_, _, _, _, torch_loaded), _ = probe.distributed("X")
+        assert start_method(probe) == "subprocess" and not torch_loaded
+    finally:
+        shutdown_host()
