@@ -249,7 +249,7 @@ class DistributedMagics(Magics):
     @magic_help(
         "%distributed_run",
         examples="""
-        %distributed_run --gpus 2 train.py --epochs 3 data/     # each rank: sys.argv = ['train.py', '--epochs', '3', 'data/']
+        %distributed_run --gpus 2 train.py --epochs 3 data/     # each rank: sys.argv = ['/abs/path/train.py', '--epochs', '3', 'data/']
         %distributed_run --gpus 2 -m mypkg.train --lr 0.1       # as python -m mypkg.train --lr 0.1
         %distributed_run --gpus 8 --background -o job train.py  # returns at once; job.result() later
         """,

@@ -82,7 +82,7 @@ def _check_args(args: object) -> list[str]:
     bad = [a for a in args if not isinstance(a, str)]
     if bad:
         raise SpecError(
-            f"args must be strings, as on a command line; {shown(bad[0])} is a {type(bad[0]).__name__} "
+            f"args must be strings, as on a command line; {shown(bad[0])} is of type {type(bad[0]).__name__} "
             f"(write str(...) or an f-string)"
         )
     return list(args)

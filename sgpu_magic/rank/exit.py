@@ -24,6 +24,7 @@ once the rank imports it.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import re
 import sys
@@ -101,7 +102,10 @@ def exit_like_python() -> None:
             shutdown()
         except Exception:  # noqa: BLE001 - as at interpreter exit: reported, not fatal
             traceback.print_exc()
-    _skip_torch_library_finalizers()
+    try:
+        _skip_torch_library_finalizers()
+    except Exception:  # noqa: BLE001 - a speed-up only: the finalizers then run, as in a plain process
+        traceback.print_exc()
     run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
     if run_exitfuncs is not None:
         run_exitfuncs()  # prints a handler's exception itself ("Exception ignored in atexit callback")
@@ -121,7 +125,14 @@ def _skip_torch_library_finalizers() -> None:
     registry = getattr(weakref.finalize, "_registry", None)
     if del_library is None or not isinstance(registry, dict):
         return
-    for finalizer, info in list(registry.items()):
+    collecting = gc.isenabled()
+    gc.disable()  # a collection while the registry is copied runs finalizers, which delete their own entries
+    try:
+        entries = list(registry.items())
+    finally:
+        if collecting:
+            gc.enable()
+    for finalizer, info in entries:
         if getattr(info, "func", None) is del_library:
             finalizer.atexit = False
 

@@ -274,7 +274,7 @@ def test_bad_arguments_and_options_are_refused_naming_them(settled, ip, files):
             run_script("fine.py", "--epochs 3", gpus=2)
         with pytest.raises(
             SpecError,
-            match=r"^args must be strings, as on a command line; 3 is a int \(write "
+            match=r"^args must be strings, as on a command line; 3 is of type int \(write "
             r"str\(\.\.\.\) or an f-string\)$",
         ):
             run_script("fine.py", ["--epochs", 3], gpus=2)
