@@ -45,7 +45,7 @@ wheel, sdist = sys.argv[1], sys.argv[2]
 names = zipfile.ZipFile(wheel).namelist()
 stray = [n for n in names if not re.match(r"sgpu_magic/|sgpu_magic-[^/]+\.dist-info/", n)]
 missing = [n for n in ("sgpu_magic/__init__.py", "sgpu_magic/__main__.py", "sgpu_magic/py.typed",
-                       "sgpu_magic/doctor/__init__.py", "sgpu_magic/worker.py") if n not in names]
+                       "sgpu_magic/front/doctor/__init__.py", "sgpu_magic/rank/worker.py") if n not in names]
 if not any(re.fullmatch(r"sgpu_magic-[^/]+\.dist-info/licenses/LICENSE", n) for n in names):
     missing.append("<dist-info>/licenses/LICENSE")
 sdist_tests = [n for n in tarfile.open(sdist).getnames() if "/tests/" in n or n.endswith("/tests")]
