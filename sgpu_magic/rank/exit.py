@@ -54,7 +54,7 @@ def _keep_groups_of(c10d) -> None:
         return original(pg)
 
     update_default_pg.__sgpu_keeps_groups__ = True  # type: ignore[attr-defined] # markers on the function object
-    update_default_pg.__wrapped__ = original  # type: ignore[attr-defined]
+    update_default_pg.__wrapped__ = original  # type: ignore[attr-defined] # (the same)
     c10d._update_default_pg = update_default_pg
 
 
