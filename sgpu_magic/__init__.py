@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 # PEP 562: every public name is imported on first use, so that a rank, the launch host and the forkserver
 # (which import sgpu_magic.rank / sgpu_magic.launch.host) never load the front doors, the panel or MLflow
@@ -40,6 +40,8 @@ _LAZY = {
 _SUBMODULES = {"runtime", "errors", "data", "checkpoint"}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
+    from IPython.core.interactiveshell import InteractiveShell
+
     from sgpu_magic import checkpoint, data, errors, runtime  # noqa: F401 - what type checkers see
     from sgpu_magic.errors import (
         CaptureError,
@@ -98,7 +100,7 @@ def _package_version() -> str:
     return match.group(1) if match else "0+unknown"
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # ``__version__`` is read from the package metadata on first use (~40 ms), not by every rank's import
     if name == "__version__":
         return _package_version()
@@ -116,7 +118,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__) | {"__version__"})
 
 
-def load_ipython_extension(ipython) -> None:
+def load_ipython_extension(ipython: InteractiveShell) -> None:
     """``%load_ext sgpu_magic``: register ``%%distributed``, ``%distributed_run`` and ``%mlflow_ui``, start the
     launch host and import mlflow in the background."""
     from sgpu_magic.front.magics import DistributedMagics

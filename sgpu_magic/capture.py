@@ -78,7 +78,8 @@ def estimate_nbytes(value: object) -> int | None:
     if isinstance(nbytes, int):
         return nbytes
     if type(value).__module__.startswith("torch") and hasattr(value, "element_size"):
-        return int(value.element_size() * value.nelement())
+        tensor: Any = value
+        return int(tensor.element_size() * tensor.nelement())
     return None
 
 
@@ -254,7 +255,7 @@ def _source_cache(filenames: set[str]) -> dict[str, str]:
     out, total = {}, 0
     for filename in filenames:
         entry = linecache.cache.get(filename)
-        if entry and entry[2]:
+        if entry and len(entry) > 2 and entry[2]:  # (a lazy entry, (get_lines,), has no lines yet)
             text = "".join(entry[2])
             total += len(text)
             if total > _MAX_LINECACHE_CHARS:

@@ -29,13 +29,22 @@ Example, inside a decorated function::
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
 
 from sgpu_magic.errors import CheckpointError
 
@@ -45,7 +54,9 @@ METADATA = ".metadata"
 SHARD_SUFFIX = ".distcp"
 
 
-def _resolve(path: str | os.PathLike, storage_options: dict | None):
+def _resolve(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> tuple[AbstractFileSystem, str, bool]:
     import fsspec.core
     from fsspec.implementations.local import LocalFileSystem
 
@@ -53,7 +64,7 @@ def _resolve(path: str | os.PathLike, storage_options: dict | None):
     return fs, root.rstrip("/") or "/", isinstance(fs, LocalFileSystem)
 
 
-def is_complete(path: str | os.PathLike, storage_options: dict | None = None) -> bool:
+def is_complete(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
     """Whether ``path`` holds a checkpoint whose save finished (its ``.metadata`` exists).
 
     Args:
@@ -63,7 +74,7 @@ def is_complete(path: str | os.PathLike, storage_options: dict | None = None) ->
         ``bool``; ``False`` also when ``path`` does not exist.
     """
     fs, root, _ = _resolve(path, storage_options)
-    return fs.exists(f"{root}/{METADATA}")
+    return bool(fs.exists(f"{root}/{METADATA}"))
 
 
 class VolumeWriter(FileSystemWriter):
@@ -74,7 +85,7 @@ class VolumeWriter(FileSystemWriter):
             step to keep the last complete checkpoint while the next one is written.
         stage (bool | None): write shards to a local staging directory and upload them. ``None`` (default)
             stages for every non-local filesystem and writes a local target in place.
-        staging_dir (str | os.PathLike | None): where staging directories are made; default the system temp dir.
+        staging_dir (str | os.PathLike[str] | None): where staging directories are made; default the system temp dir.
         storage_options (dict | None): passed to the fsspec filesystem.
         **kwargs: passed to ``torch.distributed.checkpoint.FileSystemWriter`` (``thread_count``,
             ``single_file_per_rank``, ``sync_files``, ...).
@@ -85,11 +96,11 @@ class VolumeWriter(FileSystemWriter):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         *,
         stage: bool | None = None,
-        staging_dir: str | os.PathLike | None = None,
-        storage_options: dict | None = None,
+        staging_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         self._storage_options = storage_options
@@ -97,7 +108,7 @@ class VolumeWriter(FileSystemWriter):
         self._target(path)
         super().__init__(self._local, **kwargs)
 
-    def _target(self, path) -> None:
+    def _target(self, path: str | os.PathLike[str]) -> None:
         self.url = os.fspath(path)
         self._fs, self._root, is_local = _resolve(path, self._storage_options)
         if type(self._fs).__name__ == "HTTPFileSystem":
@@ -108,7 +119,7 @@ class VolumeWriter(FileSystemWriter):
         self._staged = (not is_local) if self._stage_opt is None else bool(self._stage_opt)
         self._local = tempfile.mkdtemp(prefix="sgpu-dcp-", dir=self._staging_parent) if self._staged else self._root
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.url:
             self._target(checkpoint_id)
         super().reset(self._local)
@@ -119,13 +130,13 @@ class VolumeWriter(FileSystemWriter):
         if is_coordinator and self._fs.exists(f"{self._root}/{METADATA}"):
             self._fs.rm(f"{self._root}/{METADATA}")  # before any shard is written (DCP plans collectively first)
 
-    def prepare_local_plan(self, plan):
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self._staged:
             return super().prepare_local_plan(plan)
         Path(self._local).mkdir(parents=True, exist_ok=True)
         return plan  # staging is always empty: skip FileSystemWriter's "existing checkpoint" warning
 
-    def write_data(self, plan, planner):
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future = super().write_data(plan, planner)
         if self._staged:
             for name in sorted({r.storage_data.relative_path for r in future.wait()}):
@@ -134,7 +145,7 @@ class VolumeWriter(FileSystemWriter):
                 os.remove(local)
         return future
 
-    def finish(self, metadata, results) -> None:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
         if self._staged:
             tmp = f"{self._root}/{METADATA}.{os.getpid()}.tmp"
@@ -151,7 +162,7 @@ class VolumeReader(FileSystemReader):
 
     Args:
         path (str | os.PathLike): checkpoint directory written by :class:`VolumeWriter` or DCP's FileSystemWriter.
-        staging_dir (str | os.PathLike | None): where staging directories are made; default the system temp dir.
+        staging_dir (str | os.PathLike[str] | None): where staging directories are made; default the system temp dir.
         storage_options (dict | None): passed to the fsspec filesystem.
 
     Raises:
@@ -163,10 +174,10 @@ class VolumeReader(FileSystemReader):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         *,
-        staging_dir: str | os.PathLike | None = None,
-        storage_options: dict | None = None,
+        staging_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self._storage_options, self._staging_parent = storage_options, staging_dir
         self._target(path)
@@ -175,18 +186,18 @@ class VolumeReader(FileSystemReader):
         if not self._staged:
             self._check_shards()
 
-    def _target(self, path) -> None:
+    def _target(self, path: str | os.PathLike[str]) -> None:
         self.url = os.fspath(path)
         self._fs, self._root, is_local = _resolve(path, self._storage_options)
         self._staged = not is_local
         self._local = tempfile.mkdtemp(prefix="sgpu-dcp-", dir=self._staging_parent) if self._staged else self._root
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.url:
             self._target(checkpoint_id)
         super().reset(self._local)
 
-    def read_metadata(self, *args: Any, **kwargs: Any):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")  # DCP asks for a rank's own metadata when the global one is missing
         name = METADATA if rank is None else f"__{rank}{METADATA}"
         self._fetch(
@@ -198,10 +209,10 @@ class VolumeReader(FileSystemReader):
             if self._staged:
                 Path(self._local, name).unlink(missing_ok=True)
 
-    def read_data(self, plan, planner):
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         names = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
         for name in names:
-            self._fetch(name, lambda name=name: self._damaged_message(name))
+            self._fetch(name, functools.partial(self._damaged_message, name))
         try:
             return super().read_data(plan, planner)
         finally:
@@ -223,7 +234,7 @@ class VolumeReader(FileSystemReader):
             f"load another checkpoint"
         )
 
-    def _fetch(self, name: str, message) -> None:
+    def _fetch(self, name: str, message: Callable[[], str]) -> None:
         """Make ``name`` readable under the local path (download it when staged), or raise CheckpointError."""
         local = os.path.join(self._local, name)
         if not self._staged:

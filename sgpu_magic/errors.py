@@ -8,8 +8,9 @@ converts :class:`SpecError`), so IPython prints it without a traceback.
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 
 class SgpuError(Exception):
@@ -124,7 +125,7 @@ class RankFailure:
         return f"rank {self.rank}: {self.what()} ({describe_exit(self.exitcode)})"
 
 
-def rank_ranges(ranks) -> str:
+def rank_ranges(ranks: Iterable[int]) -> str:
     """``1-6``, ``1, 3, 5-7``: sorted ranks with runs of consecutive ones folded."""
     ranks = sorted(set(ranks))
     runs: list[list[int]] = []
@@ -229,7 +230,7 @@ class Unpicklable:
     def __init__(self, name: str, type_name: str, reason: str) -> None:
         object.__setattr__(self, "_sgpu_info", (name, type_name, reason))
 
-    def _fail(self, *args: Any, **kwargs: Any) -> Any:
+    def _fail(self, *args: Any, **kwargs: Any) -> NoReturn:
         name, tname, reason = object.__getattribute__(self, "_sgpu_info")
         raise UnpicklableGlobalError(unpicklable_message(name, tname, reason))
 
@@ -238,7 +239,7 @@ class Unpicklable:
             raise AttributeError(attr)
         self._fail()
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         self._fail()  # e.g. returned from a rank: it cannot go back to the kernel either
 
     def __repr__(self) -> str:

@@ -23,6 +23,11 @@ Example::
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "get_global_rank",
@@ -41,7 +46,7 @@ def _env_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
-def get_global_rank(group=None) -> int:
+def get_global_rank(group: ProcessGroup | None = None) -> int:
     """This process's global rank, in ``[0, world_size - 1]``: ``RANK``, 0 outside a job.
 
     Args:
@@ -96,7 +101,7 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def device():
+def device() -> torch.device:
     """This rank's ``torch.device``: ``cuda:<LOCAL_RANK>`` with CUDA, else ``cpu``."""
     import torch
 

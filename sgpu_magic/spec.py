@@ -11,8 +11,12 @@ import numbers
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, cast, overload
 
 from sgpu_magic.errors import SpecError
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 DEFAULT_TIMEOUT_S: float = 3 * 3600.0
 """Default job timeout, 3 hours, as in the serverless GPU API."""
@@ -78,7 +82,7 @@ def shown(value: object) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeIs[numbers.Integral]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -131,7 +135,7 @@ def _check_port(port: object) -> int | None:
     return int(port)
 
 
-def _gpu_id_list(gpu_ids: object) -> list:
+def _gpu_id_list(gpu_ids: object) -> list[object]:
     """The items of ``gpu_ids``: a list, tuple, range or array, iterated once."""
     if isinstance(gpu_ids, (str, bytes, Mapping, Iterator)) or not isinstance(gpu_ids, Iterable):
         one_shot = " (an iterator can be read only once; pass list(...))" if isinstance(gpu_ids, Iterator) else ""
@@ -151,10 +155,10 @@ def _gpu_id_list(gpu_ids: object) -> list:
 def _check_gpu_ids(gpu_ids: object, gpus: int) -> tuple[int, ...] | None:
     if gpu_ids is None:
         return None
-    ids = _gpu_id_list(gpu_ids)
-    if not ids or any(not _is_int(i) or i < 0 for i in ids):
+    items = _gpu_id_list(gpu_ids)
+    if not items or any(not _is_int(i) or i < 0 for i in items):
         raise SpecError(f"gpu_ids must be a non-empty list of GPU indices >= 0 such as [0, 1]; got {shown(gpu_ids)}")
-    ids = [int(i) for i in ids]
+    ids = [int(cast("numbers.Integral", i)) for i in items]  # each checked just above
     if len(set(ids)) != len(ids):
         raise SpecError(f"gpu_ids lists a GPU twice: {shown(ids)}; give each GPU once")
     if len(ids) != gpus:
@@ -171,6 +175,10 @@ def _check_max_restarts(max_restarts: object) -> int:
     return int(max_restarts)
 
 
+@overload
+def check_switch(name: str, value: object, meaning: str, allow_none: Literal[False] = False) -> bool: ...
+@overload
+def check_switch(name: str, value: object, meaning: str, allow_none: bool) -> bool | None: ...
 def check_switch(name: str, value: object, meaning: str, allow_none: bool = False) -> bool | None:
     """``True`` / ``False`` (also ``1`` / ``0``), or ``None`` where allowed; a string such as "false" is refused."""
     if value is None and allow_none:
@@ -222,10 +230,10 @@ def make_spec(
     timeout: object = DEFAULT_TIMEOUT_S,
     port: object = None,
     name: str = "job",
-    widgets: bool | None = None,
-    mlflow: bool = True,
+    widgets: object = None,
+    mlflow: object = True,
     gpu_ids: object = None,
-    wait: bool = True,
+    wait: object = True,
     max_restarts: object = 0,
     cluster: object = None,
     teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S,

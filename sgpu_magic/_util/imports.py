@@ -32,5 +32,5 @@ class AfterImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             callback(module)
 
-        loader.exec_module = exec_then_call
+        loader.exec_module = exec_then_call  # type: ignore[method-assign] # the hook: wrap this loader's exec_module
         return spec

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TextIO
 
 from sgpu_magic.rundir import default_root, make_private_dir
 
@@ -27,7 +28,7 @@ class _KernelLogHandler(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        self._stream = None
+        self._stream: TextIO | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

@@ -9,7 +9,7 @@ Lazy (PEP 562): ``sgpu_magic.data.cache`` alone does not import torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sgpu_magic.data.dataset import DataLoader, VolumeDataset
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["VolumeDataset", "DataLoader"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in __all__:
         from sgpu_magic.data import dataset
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
@@ -80,7 +81,7 @@ class VolumeCache:
             self._pin(local)
         return local
 
-    def get(self, relative: str, size: int | None, fetch) -> tuple[str, bool]:
+    def get(self, relative: str, size: int | None, fetch: Callable[[str], object]) -> tuple[str, bool]:
         """Return ``(local path, fetched)``: the cached copy, calling ``fetch(tmp_path)`` first if there is none.
 
         ``fetch`` writes the whole file to the path it is given; it runs at most once per file on
@@ -130,6 +131,7 @@ class VolumeCache:
 
     def _account(self, added: str) -> None:
         """Add ``added``'s bytes to the ledger; evict least recently served files when over the bound."""
+        assert self.max_bytes is not None  # only a bounded cache keeps a ledger (get)
         with FileLock(str(self.directory / LOCKS_DIR / "cache.lock")):
             ledger = self.directory / LEDGER
             held = (read_json(ledger) or {}).get("bytes")
@@ -166,6 +168,7 @@ class VolumeCache:
 
         Files pinned in the last ``PIN_PROTECT_S`` (queued to be yielded, or yielded and still being read)
         are kept even past the bound."""
+        assert self.max_bytes is not None  # only a bounded cache evicts (_account)
         entries = self._entries()
         held = sum(size for _, size, _ in entries)
         protected_after = time.time() + PIN_S - PIN_PROTECT_S  # mtime of a file pinned PIN_PROTECT_S ago

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.utils.data
@@ -38,10 +38,13 @@ import torch.utils.data
 from sgpu_magic.data.cache import VolumeCache, default_cache_dir, volume_key
 from sgpu_magic.rundir import atomic_write_bytes
 
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
 __all__ = ["VolumeDataset", "DataLoader"]
 
 log = logging.getLogger(__name__)
-_ordinals: dict[str, itertools.count] = {}
+_ordinals: dict[str, itertools.count[int]] = {}
 _CHECK_PREFIX = "sgpu_magic/volume_dataset"
 
 
@@ -58,7 +61,7 @@ def rank_and_world() -> tuple[int, int]:
             f"VolumeDataset: {have} is set but {missing} is not; set both (torchrun and sgpu_magic "
             f"set both for every rank) or neither (one process reads every file)"
         )
-    if rank is None:
+    if rank is None or world is None:  # neither is set (one without the other was refused above)
         return 0, 1
     try:
         r, w = int(rank), int(world)
@@ -69,7 +72,7 @@ def rank_and_world() -> tuple[int, int]:
     return r, w
 
 
-class VolumeDataset(torch.utils.data.IterableDataset):
+class VolumeDataset(torch.utils.data.IterableDataset[Any]):
     """Yield the local, cached path of every file under ``path``, each file to exactly one (rank, worker).
 
     Files are listed once, when the dataset is built (sorted by their path under ``path``; a ``cache_dir``
@@ -111,12 +114,12 @@ class VolumeDataset(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         pattern: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         cache_max_bytes: int | None = None,
         transform: Callable[[str], Any] | None = None,
-        storage_options: dict | None = None,
+        storage_options: dict[str, Any] | None = None,
         prefetch_files: int = 8,
     ) -> None:
         import fsspec.core
@@ -146,7 +149,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         self._listing = hashlib.sha256("\n".join(self.files).encode()).hexdigest()[:16]
         self._check_key = f"{_CHECK_PREFIX}/{ident}/{next(_ordinals.setdefault(ident, itertools.count()))}"
 
-    def _list(self, fs, cache_root: Path) -> tuple[list[str], dict[str, int | None]]:
+    def _list(self, fs: AbstractFileSystem, cache_root: Path) -> tuple[list[str], dict[str, int | None]]:
         try:
             found = fs.find(self._root, detail=True)
         except FileNotFoundError:
@@ -187,7 +190,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
     def _get(self, relative: str, local_path: str) -> None:
         self._filesystem().get_file(f"{self._root}/{relative}", local_path)
 
-    def _filesystem(self):
+    def _filesystem(self) -> AbstractFileSystem:
         """This process's fsspec filesystem (async ones such as HTTP are not fork-safe: a DataLoader worker makes its own)."""
         if self._fs is None or self._fs_pid != os.getpid():
             import fsspec.core
@@ -196,10 +199,10 @@ class VolumeDataset(torch.utils.data.IterableDataset):
             self._fs_pid = os.getpid()
         return self._fs
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fs": None, "_count_lock": None}
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _count_lock=threading.Lock())
 
     def __iter__(self) -> Iterator[Any]:
@@ -221,7 +224,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
 
     def _local_paths(self, files: list[str]) -> Iterator[str]:
         """Local paths of ``files`` in order; files not yet cached are fetched up to ``prefetch_files`` ahead, in threads."""
-        window: collections.deque = collections.deque()
+        window: collections.deque[Any] = collections.deque()
         pool = None
         pending = iter(files)
         reading = None  # the file last yielded: pinned until the reader asks for the next one
@@ -258,7 +261,7 @@ class VolumeDataset(torch.utils.data.IterableDataset):
         Non-blocking: a rank that iterates alone (evaluation on rank 0) is not held up. Of two ranks
         that disagree, the later one to arrive always sees the other's count and raises.
         """
-        store = _rendezvous_store() or self._file_board(world)
+        store: _CountStore | None = _rendezvous_store() or self._file_board(world)
         if store is None:
             return
         key = self._check_key
@@ -291,6 +294,14 @@ class VolumeDataset(torch.utils.data.IterableDataset):
             )
 
 
+class _CountStore(Protocol):
+    """The store calls :meth:`VolumeDataset._check_workers` makes: a c10d ``Store`` or a :class:`_FileBoard`."""
+
+    def set(self, key: str, value: str) -> None: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def get(self, key: str) -> bytes | str: ...
+
+
 class _FileBoard:
     """The three store calls :meth:`VolumeDataset._check_workers` makes, on files in one directory of this machine."""
 
@@ -311,12 +322,12 @@ class _FileBoard:
         return self._path(key).read_text()
 
 
-def _protocol(fs) -> str:
+def _protocol(fs: AbstractFileSystem) -> str:
     proto = fs.protocol
-    return proto[0] if isinstance(proto, (tuple, list)) else proto
+    return str(proto[0] if isinstance(proto, (tuple, list)) else proto)
 
 
-def _rendezvous_store():
+def _rendezvous_store() -> torch.distributed.TCPStore | None:
     """A client of the job's c10d store (``MASTER_ADDR:MASTER_PORT``), or ``None`` when nothing listens there."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
@@ -332,7 +343,7 @@ def _rendezvous_store():
         return None
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader[Any]):
     """``torch.utils.data.DataLoader`` with defaults for streaming files, timing every batch fetch.
 
     Defaults that differ from torch's: ``num_workers`` = ``min(4, cpus // LOCAL_WORLD_SIZE)`` (at least 1),
@@ -348,7 +359,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __init__(
         self,
-        dataset,
+        dataset: torch.utils.data.Dataset[Any],
         batch_size: int | None = 1,
         *,
         num_workers: int | None = None,
@@ -356,7 +367,7 @@ class DataLoader(torch.utils.data.DataLoader):
         pin_memory: bool | None = None,
         persistent_workers: bool | None = None,
         log_to_mlflow: bool = True,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         if num_workers is None:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
@@ -378,7 +389,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.fetch_times_s: list[float] = []
         self.passes = 0
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override] # a generator timing each batch, over torch's iterator
         it = super().__iter__()
         start = len(self.fetch_times_s)
         while True:

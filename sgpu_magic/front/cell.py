@@ -103,7 +103,8 @@ def _compile_cell(source: str) -> ast.Module:
     except SyntaxError as exc:
         hint = _OUTSIDE_FUNCTION_HINTS.get(exc.msg)
         lines = source.splitlines()
-        text = exc.text if exc.text is not None or not 0 < (exc.lineno or 0) <= len(lines) else lines[exc.lineno - 1]
+        lineno = exc.lineno or 0
+        text = exc.text if exc.text is not None or not 0 < lineno <= len(lines) else lines[lineno - 1]
         raise CellSyntaxError(
             f"{exc.msg}: {hint}" if hint else exc.msg,
             (exc.filename, exc.lineno, exc.offset, text, exc.end_lineno, exc.end_offset),

@@ -19,7 +19,7 @@ import difflib
 import functools
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -63,7 +63,7 @@ def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:
 
 def start(
     spec: LaunchSpec,
-    build_payload: Callable[[Callable[[str], None]], dict],
+    build_payload: Callable[[Callable[[str], None]], dict[str, Any]],
     view: TextView | None = None,
     background: bool = False,
 ) -> Job:
@@ -73,7 +73,7 @@ def start(
     A background job is followed by its own thread; for a blocking one the caller runs ``job.follow()``.
     """
 
-    def build(warn: Callable[[str], None]) -> dict:
+    def build(warn: Callable[[str], None]) -> dict[str, Any]:
         payload = build_payload(warn)
         payload["display_names"] = _cell_labels(payload.get("sources", {}))
         return payload
@@ -87,7 +87,7 @@ def start(
     )
 
 
-def _cell_labels(filenames) -> dict[str, str]:
+def _cell_labels(filenames: Iterable[str]) -> dict[str, str]:
     """``{cell file name: "Cell In[3]"}``, as IPython labels cells in its own tracebacks."""
     try:
         from IPython import get_ipython
@@ -113,8 +113,9 @@ class DistributedFunction:
         last_job: the :class:`~sgpu_magic.job.handle.Job` of the latest ``.distributed`` call, or ``None``.
     """
 
-    def __init__(self, fn: Callable, spec: LaunchSpec, max_capture_bytes: int) -> None:
+    def __init__(self, fn: Callable[..., Any], spec: LaunchSpec, max_capture_bytes: int) -> None:
         functools.update_wrapper(self, fn)
+        self.__qualname__: str  # fn's, as update_wrapper copies it (with __name__, __doc__, __wrapped__)
         self.__sgpu_function__ = fn
         self.spec = spec
         self.max_capture_bytes = max_capture_bytes
@@ -123,7 +124,9 @@ class DistributedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.__sgpu_function__(*args, **kwargs)
 
-    def _payload(self, args: tuple, kwargs: dict, warn: Callable[[str], None] | None = None) -> dict:
+    def _payload(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], warn: Callable[[str], None] | None = None
+    ) -> dict[str, Any]:
         call = f"{self.__sgpu_function__.__name__}.distributed"
         args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
         payload = capture.capture_function(self.__sgpu_function__, self.max_capture_bytes, warn)
@@ -186,6 +189,12 @@ class FromConfig:
 
     def __repr__(self) -> str:
         return repr(self.fallback)
+
+
+def config_default(trait: str, fallback: Any) -> Any:
+    """A parameter's default that follows ``%config DistributedMagics.<trait>`` (a :class:`FromConfig`), typed
+    as whatever the parameter takes: it stands in for the value until :func:`resolve_config` reads it."""
+    return FromConfig(trait, fallback)
 
 
 def resolve_config(value: Any) -> Any:
@@ -318,22 +327,22 @@ def job_spec(
 def distributed(
     gpus: int | None = None,
     gpu_type: str | None = None,
-    timeout: float | None = FromConfig("timeout_s", DEFAULT_TIMEOUT_S),
+    timeout: float | None = config_default("timeout_s", DEFAULT_TIMEOUT_S),
     *,
     port: int | None = None,
-    widgets: bool | None = FromConfig("widgets", None),
-    max_capture_bytes: int = FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
-    mlflow: bool = FromConfig("mlflow", True),
+    widgets: bool | None = config_default("widgets", None),
+    max_capture_bytes: int = config_default("max_capture_bytes", capture.DEFAULT_MAX_BYTES),
+    mlflow: bool = config_default("mlflow", True),
     gpu_ids: list[int] | None = None,
     wait: bool = True,
     max_restarts: int = 0,
     cluster: str | None = None,
-    teardown_grace_s: float = FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
+    teardown_grace_s: float = config_default("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
     remote: bool = False,
     num_accelerators: int | None = None,
     accelerator_type: str | None = None,
     **unknown: Any,
-) -> Callable[[Callable], DistributedFunction]:
+) -> Callable[[Callable[..., Any]], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
     Call-compatible with both generations of the Databricks serverless GPU API's decorator (their public
@@ -425,7 +434,7 @@ def distributed(
     )
     max_capture_bytes = check_max_capture_bytes(max_capture_bytes)
 
-    def wrap(fn: Callable) -> DistributedFunction:
+    def wrap(fn: Callable[..., Any]) -> DistributedFunction:
         problem = capture.function_problem(fn)
         if problem is not None:
             raise SpecError(f"@distributed(...) decorates a function: {problem}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
+from typing import Any
 
 from sgpu_magic.job.handle import Job
 
@@ -36,7 +38,8 @@ class JobTable:
     def __repr__(self) -> str:
         if not self.rows:
             return "no sgpu_magic jobs in this kernel yet"
-        columns, rows = self.COLUMNS, self.rows
+        columns: tuple[str, ...] = self.COLUMNS
+        rows: Sequence[tuple[Any, ...]] = self.rows
         if any(self.urls):
             columns += ("run page",)
             rows = [(*row, url or "-") for row, url in zip(rows, self.urls)]

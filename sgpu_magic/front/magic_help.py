@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import textwrap
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 MAGICS = {
     "%%distributed": "run the cell on N ranks (%%distributed --gpus N [options])",
@@ -38,7 +39,10 @@ SEE_ALSO_EXTRA = (
 )
 
 
-def magic_help(name: str, examples: str) -> Callable:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def magic_help(name: str, examples: str) -> Callable[[_F], _F]:
     """Decorator: append ``Examples`` (``examples``, code as typed in a cell) and ``See also`` (the
     other :data:`MAGICS`) to the magic's docstring.
 
@@ -51,7 +55,7 @@ def magic_help(name: str, examples: str) -> Callable:
         examples: one or more examples, blank-line separated.
     """
 
-    def decorate(fn: Callable) -> Callable:
+    def decorate(fn: _F) -> _F:
         fn.__doc__ = help_text(fn.__doc__ or "", name, examples)
         return fn
 

@@ -216,16 +216,18 @@ class DistributedMagics(Magics):
         args = parse_line(self.distributed.parser, line, "%%distributed")
         check_output_name(args.output)
         spec = self._job_spec(args, "%%distributed cell")
-        source = checked_source(cell, self.shell.transform_cell(cell))  # stops bad cells before anything starts
+        shell = self.shell
+        assert shell is not None  # a magic runs in the shell it is registered with
+        source = checked_source(cell, shell.transform_cell(cell))  # stops bad cells before anything starts
 
         def payload(warn) -> dict:
-            part = capture.capture_cell(source, self.shell.user_ns, self.max_capture_bytes, warn)
+            part = capture.capture_cell(source, shell.user_ns, self.max_capture_bytes, warn)
             part.update(filename=CELL_FILENAME, quiet=ends_quiet(source))
             return part
 
         job = start(spec, payload, background=args.background)
         if args.output:
-            self.shell.user_ns[args.output] = job
+            shell.user_ns[args.output] = job
         if args.background:
             return job
         job.follow()
@@ -272,6 +274,7 @@ class DistributedMagics(Magics):
             raise UsageError(str(exc)) from None
         job = start(replace(spec, name=target.name), lambda warn: target.payload(args.args), background=args.background)
         if args.output:
+            assert self.shell is not None  # a magic runs in the shell it is registered with
             self.shell.user_ns[args.output] = job
         if args.background:
             return job
@@ -364,7 +367,7 @@ class DistributedMagics(Magics):
         %mlflow_ui --stop
         """,
     )
-    @line_magic("mlflow_ui")
+    @line_magic("mlflow_ui")  # type: ignore[arg-type] # IPython's annotations of line_magic("name") do not fit a method
     def start_mlflow_ui(self, line: str) -> None:
         """Start a local MLflow UI server for the kernel's tracking URI and print its URL.
 

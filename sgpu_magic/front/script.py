@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sgpu_magic.errors import SpecError
-from sgpu_magic.front.decorator import FromConfig, job_spec, resolve_config, start
+from sgpu_magic.front.decorator import config_default, job_spec, resolve_config, start
 from sgpu_magic.job.handle import Job
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, check_switch, shown
 
@@ -58,7 +58,7 @@ class ScriptTarget:
         """The job's name (MLflow run, panel): the script's file name, or ``-m module``."""
         return f"-m {self.module}" if self.module else os.path.basename(self.path or "script")
 
-    def payload(self, args: Sequence[str]) -> dict:
+    def payload(self, args: Sequence[str]) -> dict[str, Any]:
         """The payload for the ranks: ``sys.argv`` is ``[script, *args]`` (for a module, its file, as
         ``python -m`` sets it)."""
         argv0 = self.path if self.path is not None else self.module
@@ -181,15 +181,15 @@ def run_script(
     module: bool = False,
     gpus: int | None = None,
     gpu_type: str | None = None,
-    timeout: float | None = FromConfig("timeout_s", DEFAULT_TIMEOUT_S),
+    timeout: float | None = config_default("timeout_s", DEFAULT_TIMEOUT_S),
     port: int | None = None,
-    widgets: bool | None = FromConfig("widgets", None),
-    mlflow: bool = FromConfig("mlflow", True),
+    widgets: bool | None = config_default("widgets", None),
+    mlflow: bool = config_default("mlflow", True),
     gpu_ids: list[int] | None = None,
     wait: bool = True,
     max_restarts: int = 0,
     cluster: str | None = None,
-    teardown_grace_s: float = FromConfig("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
+    teardown_grace_s: float = config_default("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
     remote: bool = False,
     num_accelerators: int | None = None,
     accelerator_type: str | None = None,

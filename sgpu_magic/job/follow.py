@@ -9,7 +9,7 @@ import select
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.rundir import RunDir, read_json
@@ -55,7 +55,7 @@ class LogFollower:
         """Bytes passed over so far (they are only in the log file)."""
         self._line_bytes = 0.0  # mean length of the lines read from the tail last time
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._file = None
+        self._file: IO[bytes] | None = None
 
     def _open(self):
         if self._file is None:
@@ -202,7 +202,7 @@ class StatusFeed:
         self._rd = run_dir
         self.path = run_dir.status_file
         self._path_str = str(self.path)  # stat-ed every poll: no pathlib on that path
-        self._cache: tuple[tuple, float, dict] | None = None
+        self._cache: tuple[tuple[Any, ...] | None, float, dict[str, Any]] | None = None
         self.signal_fd: int | None = None
 
     def stamp(self) -> tuple | None:
@@ -290,23 +290,25 @@ class LogPump:
                 if text:
                     self._emit("output", rank, text)
             return
+        live = self._live_tail_lines
+        assert live is not None  # set whenever _tail_lines is
         now = time.monotonic()
         on_screen = None
         if not final:
             shown = [sink.ranks_on_screen() for sink in self._sinks]
-            on_screen = None if any(s is None for s in shown) else set().union(*shown)
+            on_screen = None if any(s is None for s in shown) else set().union(*(s for s in shown if s is not None))
         for rank, follower in enumerate(self._followers):
             every_s = ON_SCREEN_READ_S if on_screen is None or rank in on_screen else OFF_SCREEN_READ_S
             if not final and now - self._read_at[rank] < every_s:
                 continue
             self._read_at[rank] = now
-            if final and follower.skipped_total and self._live_tail_lines < tail:
+            if final and follower.skipped_total and live < tail:
                 # while running only the last live lines were read: the sinks keep the last tail lines,
                 # read again (the skip clears what they hold)
                 skipped, text = follower.reread_tail(tail)
                 self._emit("skipped", rank, skipped)
             else:
-                skipped, text = follower.read_tail(tail if final else self._live_tail_lines, final)
+                skipped, text = follower.read_tail(tail if final else live, final)
                 if skipped:
                     self._emit("skipped", rank, skipped)
             if text:

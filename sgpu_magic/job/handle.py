@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ class Job:
         spec: LaunchSpec,
         plan: DevicePlan,
         get_host: Callable[[], Launcher],
-        sinks: list[JobSink] = (),
+        sinks: Sequence[JobSink] = (),
         registry: LeaseRegistry | None = None,
     ) -> None:
         self._rd = run_dir
@@ -85,12 +85,12 @@ class Job:
         self._attempt = 1
         self._results: list[Any] | None = None
         self._error: BaseException | None = None
-        self._final_status: dict | None = None
+        self._final_status: dict[str, Any] | None = None
         self._cancel = threading.Event()
         self._cancel_reason = "cancelled"
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stamp: tuple | None = None
+        self._stamp: tuple[Any, ...] | None = None
         self._last_pump = 0.0
         self._host_checked = 0.0
         self._logs = LogPump([run_dir.log_file(r) for r in range(plan.world_size)], self._sinks, self._emit)
@@ -131,7 +131,8 @@ class Job:
         status = self._status()
         if "started_s" not in status:
             return None
-        return status.get("ended_s", time.time()) - status["started_s"]
+        elapsed_s: float = status.get("ended_s", time.time()) - status["started_s"]
+        return elapsed_s
 
     @property
     def log_paths(self) -> list[Path]:
@@ -151,7 +152,7 @@ class Job:
         return int(self._status().get("attempt", 1))
 
     @property
-    def attempts(self) -> list[dict]:
+    def attempts(self) -> list[dict[str, Any]]:
         """The failed attempts before the current one: ``[{"attempt": 1, "failures": [{"rank", "exitcode",
         "time_s"}], "ended_s", "exitcodes"}]``; their error files are in ``<run_dir>/errors/attempt_<k>/``."""
         return [
@@ -170,7 +171,7 @@ class Job:
             self._notes = ending_notes(self._rd, self._status(), self.world_size)
         return self._notes
 
-    def _status(self, stamp: tuple | None = None) -> dict:
+    def _status(self, stamp: tuple[Any, ...] | None = None) -> dict[str, Any]:
         """The job's status as last written (the final one once the job has ended); ``stamp``: the status
         file's :meth:`StatusFeed.stamp` if the caller has just taken it."""
         if self._final_status is not None:
@@ -232,6 +233,7 @@ class Job:
         """One attempt at the GPUs (no queueing unless the job may wait). True when the job may launch."""
         if not self.plan.needs_lease or self._lease is not None:
             return True
+        assert self._registry is not None  # a job whose plan needs a lease is given the registry (job.start)
         lease, why = self._registry.try_acquire(
             self.job_id,
             self.world_size,
@@ -264,6 +266,12 @@ class Job:
         self._emit("pending", self, why)
 
     def _wait_for_lease(self) -> None:
+        assert self._registry is not None  # only a job whose plan needs a lease waits for one (_try_lease)
+
+        def on_wait(why: str) -> None:
+            if why != self.pending_reason:
+                self._set_pending(why)
+
         self._got_lease(
             self._registry.acquire(
                 self.job_id,
@@ -271,7 +279,7 @@ class Job:
                 list(self.plan.candidates),
                 explicit=self.plan.explicit,
                 skip=self._skip,
-                on_wait=lambda why: why != self.pending_reason and self._set_pending(why),
+                on_wait=on_wait,
                 cancelled=self._cancel,
             )
         )
@@ -292,7 +300,7 @@ class Job:
     def _launch(self) -> None:
         """Write launch.json (with what the sinks prepare) and hand the run dir to the launch host."""
         rd, plan, spec = self._rd, self.plan, self.spec
-        launch = {
+        launch: dict[str, Any] = {
             "job_id": rd.job_id,
             "name": spec.name,
             "world_size": plan.world_size,
@@ -309,6 +317,7 @@ class Job:
         if plan.gpus:
             launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
         if self._lease is not None:  # the launch host gives the GPUs back as soon as the ranks are gone
+            assert self._registry is not None  # the lease came from it
             launch["lease_dir"] = str(self._registry.dir)
         prepared: list[JobSink] = []
         try:
@@ -351,7 +360,7 @@ class Job:
         atomic_write_json(self._feed.path, status)
         self._end(status, finished=state_from_status(status) is JobState.CANCELLED)
 
-    def _end(self, status: dict, finished: bool = True) -> None:
+    def _end(self, status: dict[str, Any], finished: bool = True) -> None:
         """The one finalize sequence: keep the final status, release the lease and the status FIFO, tell the
         sinks (``state_changed``, then ``finished`` unless the job never started), wake whoever waits."""
         self._final_status = status
@@ -395,6 +404,7 @@ class Job:
             self._emit("state_changed", self, state)
         self._emit("tick", self)
         if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
+            assert self._host is not None  # _host_alive asked it
             message = (
                 f"the launch host died while job {self.job_id} ran; see {self._host.where()} "
                 f"and the rank logs in {self._rd.logs_dir}"
@@ -406,6 +416,7 @@ class Job:
 
     def _host_alive(self, now: float) -> bool:
         self._host_checked = now
+        assert self._host is not None  # followed only once launched, through the host
         return self._host.alive()
 
     def _run_to_end(self) -> None:

@@ -58,7 +58,7 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
             RankFailure(
                 rank=rank,
                 exitcode=seen.get("exitcode", exitcodes.get(rank)),
-                exc_type=err and err["exc_type"],
+                exc_type=err["exc_type"] if err else None,
                 message=(err or {}).get("message", ""),
                 traceback=(err or {}).get("traceback", ""),
                 log_path=str(rd.log_file(rank)),

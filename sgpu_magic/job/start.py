@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pickle
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol, cast
 
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
@@ -18,6 +19,13 @@ from sgpu_magic.launch.leases import LeaseRegistry
 from sgpu_magic.launch.resources import DevicePlan, check_port_free, plan_devices
 from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.spec import LaunchSpec
+
+
+class _View(Protocol):
+    """What start needs of the job's view (the last sink: ``ui.text.TextView`` or the panel): notes and warnings."""
+
+    def note(self, text: str) -> None: ...
+    def warn(self, text: str) -> None: ...
 
 
 def start(
@@ -34,7 +42,7 @@ def start(
     Raises :class:`~sgpu_magic.errors.SpecError` / :class:`~sgpu_magic.errors.ResourceError` before any process
     starts. A background job is followed by its own thread; for a blocking one the caller runs ``job.follow()``.
     """
-    view = sinks[-1]
+    view = cast(_View, sinks[-1])  # the last sink is the job's view (front.decorator._sinks)
     if spec.cluster is not None:  # Ray places the ranks: no local GPUs, no leases, no local port
         from sgpu_magic.launch.ray.cluster import is_connected, plan_on_cluster
         from sgpu_magic.launch.ray.launcher import RayLauncher
@@ -60,7 +68,7 @@ _NO_GPU_SAID = threading.Event()
 """Set once this kernel has said that the machine has no GPU; later jobs say it in their panel header."""
 
 
-def _say_note(view: JobSink, plan: DevicePlan, spec: LaunchSpec) -> None:
+def _say_note(view: _View, plan: DevicePlan, spec: LaunchSpec) -> None:
     """The plan's note for the user; ``no GPU found; running N CPU rank(s) with gloo`` once per kernel
     (again for a job whose ``gpu_type`` it ignores)."""
     if not plan.note:
@@ -77,7 +85,7 @@ def submit(
     plan: DevicePlan,
     payload: dict,
     get_host: Callable[[], Launcher],
-    sinks: list[JobSink] = (),
+    sinks: Sequence[JobSink] = (),
     root: Path | None = None,
     background: bool = False,
     registry: LeaseRegistry | None = None,

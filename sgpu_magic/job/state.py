@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class JobState(enum.Enum):
@@ -26,7 +27,7 @@ class JobState(enum.Enum):
         return self.value.replace("_", " ")
 
 
-def state_from_status(status: dict) -> JobState:
+def state_from_status(status: dict[str, Any]) -> JobState:
     """The host writes JobState values, plus ``interrupted`` (a cancel caused by a kernel interrupt)."""
     raw = status.get("state", "pending")
     return JobState.CANCELLED if raw == "interrupted" else JobState(raw)

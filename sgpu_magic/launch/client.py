@@ -49,10 +49,12 @@ class LaunchHost:
         )
         self.pid = self._handshake(proc)
         self._proc: psutil.Process | None = None  # for alive(), made on first use
+        assert proc.stdin is not None  # stdin=PIPE
         self._stdin = proc.stdin
         self._lock = threading.Lock()
 
-    def _handshake(self, proc: subprocess.Popen) -> int:
+    def _handshake(self, proc: subprocess.Popen[bytes]) -> int:
+        assert proc.stdout is not None and proc.stdin is not None  # both are pipes (stdin=PIPE, stdout=PIPE)
         ready, _, _ = select.select([proc.stdout], [], [], _HANDSHAKE_TIMEOUT_S)
         line = proc.stdout.readline().decode() if ready else ""
         proc.stdout.close()

@@ -53,8 +53,8 @@ def _keep_groups_of(c10d) -> None:
             pass
         return original(pg)
 
-    update_default_pg.__sgpu_keeps_groups__ = True
-    update_default_pg.__wrapped__ = original
+    update_default_pg.__sgpu_keeps_groups__ = True  # type: ignore[attr-defined] # markers on the function object
+    update_default_pg.__wrapped__ = original  # type: ignore[attr-defined] # (the same)
     c10d._update_default_pg = update_default_pg
 
 
@@ -161,9 +161,12 @@ def involves_cuda(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it chains) came from CUDA: raised through ``torch.cuda``'s code (e.g.
     ``torch.cuda.set_device``, the lazy CUDA initialisation behind ``.to("cuda")``), or naming CUDA or NCCL."""
     torch = sys.modules.get("torch")
-    cuda_dir = os.path.join(os.path.dirname(torch.__file__), "cuda") + os.sep if torch is not None else None
+    torch_file = torch.__file__ if torch is not None else None
+    cuda_dir = os.path.join(os.path.dirname(torch_file), "cuda") + os.sep if torch_file is not None else None
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        exc = current
         seen.add(id(exc))
         if _CUDA_WORD.search(str(exc)):
             return True
@@ -172,5 +175,5 @@ def involves_cuda(exc: BaseException) -> bool:
             for frame, _ in traceback.walk_tb(exc.__traceback__)
         ):
             return True
-        exc = exc.__cause__ or exc.__context__
+        current = exc.__cause__ or exc.__context__
     return False

@@ -33,7 +33,7 @@ def _patch(module, run_id: str) -> None:
             return None  # the kernel owns this run's status
         return original(self, run_id_arg, *args, **kwargs)
 
-    set_terminated.__sgpu_guarded__ = run_id
+    set_terminated.__sgpu_guarded__ = run_id  # type: ignore[attr-defined] # a marker on the function object
     cls.set_terminated = set_terminated
 
 
@@ -63,7 +63,7 @@ def _tracking_store_exists() -> bool:
     registry = getattr(utils, "_tracking_store_registry", None)
     cached = getattr(type(registry), "_get_store_with_resolved_uri", None)
     try:
-        return cached.cache_info().currsize > 0
+        return cached.cache_info().currsize > 0  # type: ignore[union-attr] # None: AttributeError, caught below
     except Exception:  # noqa: BLE001 - unknown layout: flushing is harmless
         return True
 

@@ -28,6 +28,7 @@ import time
 import traceback
 import types
 import zipfile
+from typing import Any, cast
 
 import cloudpickle
 
@@ -107,7 +108,7 @@ def _run_cell(source: str, filename: str, ns: dict, quiet: bool = False):
     tree = ast.parse(source, filename)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        last = ast.Expression(cast(ast.Expr, tree.body.pop()).value)
     exec(compile(tree, filename, "exec"), ns)
     value = eval(compile(last, filename, "eval"), ns) if last is not None else None
     return None if quiet else value
@@ -309,7 +310,9 @@ def _run_rank(run_dir: RunDir, expected_parent: int | None) -> int:
     _die_with_parent(expected_parent)
     code = 1
     try:
-        _apply_kernel_context(read_json(run_dir.launch_file, private=True))
+        _apply_kernel_context(
+            cast("dict[str, Any]", read_json(run_dir.launch_file, private=True))
+        )  # None: caught below
         code = _execute(run_dir, rank)
     except BaseException as exc:  # noqa: BLE001 - payload could not even be loaded
         _write_error(run_dir, rank, exc)
@@ -345,7 +348,8 @@ def elastic_wrap_no_wait(local_rank: int, *args: object) -> None:
 
     from torch.distributed.elastic.multiprocessing import api
 
-    api._wrap(local_rank, *(_AlreadySet() if isinstance(arg, Event) else arg for arg in args))
+    # elastic's private _wrap: its arguments as elastic gave them, the finished-reading event swapped
+    api._wrap(local_rank, *(_AlreadySet() if isinstance(arg, Event) else arg for arg in args))  # type: ignore[arg-type]
 
 
 def rank_entry(run_dir: str, env: dict[str, str]) -> None:

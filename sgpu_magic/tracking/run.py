@@ -53,6 +53,9 @@ from sgpu_magic.tracking.server import run_link, start_ui
 from sgpu_magic.tracking.uri import absolute_tracking_uri, http_base, notebook_path, sqlite_dir
 
 if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
     from sgpu_magic.job.handle import Job
     from sgpu_magic.launch.resources import DevicePlan
     from sgpu_magic.spec import LaunchSpec
@@ -148,8 +151,8 @@ class MlflowTracking(JobSink):
         self.experiment_id: str | None = None
         self.run_id: str | None = None
         self._experiment_name: str | None = None
-        self._client = None
-        self._monitor = None
+        self._client: MlflowClient | None = None  # these three are set together, with run_id (_create)
+        self._monitor: SystemMetricsMonitor | None = None
         # read here, in the thread that starts the job: MLflow's active run is thread-local, and a
         # background job prepares its run on another thread
         self._parent_run, self._active_experiment_id = _fluent_context()
@@ -184,7 +187,7 @@ class MlflowTracking(JobSink):
             "mlflow": {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "experiment_id": self.experiment_id},
         }
 
-    def _registry_env(self) -> dict[str, str]:
+    def _registry_env(self) -> dict[str, str | None]:
         """``MLFLOW_REGISTRY_URI`` for the ranks: the kernel's registry URI (MLflow's default: the tracking URI).
 
         Where it is not set, every ``MlflowClient()`` MLflow makes (two per fluent ``log_metric``) looks
@@ -282,6 +285,7 @@ class MlflowTracking(JobSink):
         if self.run_id is None:
             return
         job.mlflow_run_id = self.run_id
+        assert self.tracking_uri is not None  # set with run_id (_create)
         if self.ui and http_base(self.tracking_uri) is None:
             try:
                 start_ui(self.tracking_uri, wait=False)
@@ -306,6 +310,7 @@ class MlflowTracking(JobSink):
         try:
             self._stop_monitor()
             raw = job.status.state
+            assert self._client is not None  # set with run_id (_create)
             self._client.set_tag(self.run_id, "sgpu_magic.state", raw)
             self._log_artifacts(RunDir(job.run_dir))
         except Exception as exc:  # noqa: BLE001 - the job's result matters more than its artifacts
@@ -323,6 +328,7 @@ class MlflowTracking(JobSink):
         for the store now; ``None`` when there is neither, or the job is not tracked."""
         if self.run_id is None:
             return None
+        assert self.tracking_uri is not None and self.experiment_id is not None  # set with run_id (_create)
         return run_link(self.tracking_uri, self.experiment_id, self.run_id)
 
     def launch_failed(self, job_id: str, error: BaseException) -> None:
@@ -353,6 +359,7 @@ class MlflowTracking(JobSink):
             pass
 
     def _log_artifacts(self, rd: RunDir) -> None:
+        assert self._client is not None and self.run_id is not None  # called by finished, for a tracked job
         for folder in (rd.logs_dir, rd.errors_dir):
             sub = folder.name
             files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []

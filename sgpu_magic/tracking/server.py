@@ -118,6 +118,7 @@ class MlflowUI:
     def stop(self) -> None:
         """Stop the server (its watchdog stops the whole group) and wait until it is gone."""
         try:
+            assert self._proc.stdin is not None  # stdin=PIPE
             self._proc.stdin.close()
         except OSError:
             pass

@@ -186,11 +186,11 @@ class Panel(TextView):
             self._job.request_cancel()
 
     @property
-    def tail_lines(self) -> int:
+    def tail_lines(self) -> int:  # type: ignore[override] # read-only here: it follows max_lines
         return self.max_lines
 
     @property
-    def live_tail_lines(self) -> int:
+    def live_tail_lines(self) -> int:  # type: ignore[override] # read-only here: it follows live_lines
         return min(self.live_lines, self.max_lines)
 
     def ranks_on_screen(self) -> set[int] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Sequence
 
 DEFAULT_MAX_LINES = 2000
 
@@ -81,7 +82,7 @@ class TerminalBuffer:
 
     def text(self, last: int | None = None) -> str:
         """What the view shows: the kept lines (only the ``last`` ones if given) and the current line."""
-        lines = self.lines
+        lines: Sequence[str] = self.lines
         if last is not None and len(lines) > last:
             lines = list(itertools.islice(lines, len(lines) - last, None))
         body = "\n".join(lines)

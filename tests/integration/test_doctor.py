@@ -223,6 +223,19 @@ def test_fake_gpus_with_a_lease_held_by_another_process_show_its_holder(clean_en
     assert row(after, "leases").details.endswith(": no GPU leased, no job waiting")
 
 
+def test_real_gpus_show_the_nvml_driver_and_its_cuda_version(clean_env, monkeypatch):
+    # this machine has no NVIDIA driver: the two NVML reads are replaced by what an H200 machine returns (a
+    # regression test: the inventory once took the driver version for an NVML read error, fields shifted by one)
+    from sgpu_magic.front.doctor import _machine
+    from sgpu_magic.launch.resources import Gpu
+
+    h200 = [Gpu(i, "NVIDIA H200", f"GPU-{i:08d}") for i in range(2)]
+    monkeypatch.setattr(_machine, "list_gpus", lambda: h200)
+    monkeypatch.setattr(_machine, "_nvml_driver", lambda: ("570.86.15", (12, 8), 2))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert row(diagnose(), "gpus") == Check("gpus", Status.OK, "2 x NVIDIA H200; NVIDIA driver 570.86.15 (CUDA 12.8)")
+
+
 def test_a_fake_gpu_inventory_that_does_not_parse_is_an_error(clean_env, monkeypatch):
     monkeypatch.setenv("SGPU_MAGIC_FAKE_GPUS", "lots of H100")
     assert row(diagnose(), "gpus") == Check(

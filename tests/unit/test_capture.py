@@ -131,3 +131,21 @@ def test_a_large_array_is_warned_about_before_anything_is_pickled():
     )
     assert events[0].startswith("global 'big' (numpy.ndarray, 8.0 MiB) is larger than 1.0 MiB")
     assert events[1:] == ["pickled"] and out.warnings == [events[0]]
+
+
+def test_a_lazy_linecache_entry_is_passed_over(tmp_path):
+    # traceback.StackSummary.extract(..., lookup_lines=False) leaves (get_lines,) entries in linecache for the
+    # module files it passes; the sources sent to the ranks take only cells whose lines are cached
+    import importlib.util
+    import linecache
+
+    path = tmp_path / "lazy_mod.py"
+    path.write_text("def f():\n    return 1\n")
+    spec = importlib.util.spec_from_file_location("lazy_mod", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        assert linecache.lazycache(str(path), module.__dict__)
+        assert capture._source_cache({str(path)}) == {}
+    finally:
+        linecache.cache.pop(str(path), None)

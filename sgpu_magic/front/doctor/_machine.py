@@ -105,7 +105,7 @@ def _inventory() -> Inventory:
     if gpus and gpus[0].fake:
         return Inventory(gpus)
     driver, cuda, attached = _nvml_driver()
-    return Inventory(gpus, None, driver, cuda, attached)
+    return Inventory(gpus, driver=driver, driver_cuda=cuda, attached=attached)
 
 
 def unwritable(path: Path) -> str | None:

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 
@@ -20,6 +21,13 @@ from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.teardown import TeardownGuard
 from sgpu_magic.rundir import RunDir, attempt_marker, read_json, write_status
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
+
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    _Context = TypeVar("_Context", bound=PContext)
 
 GRACE_S = 3.0
 
@@ -66,8 +74,8 @@ def _rendezvous_store(port: int):
     return store, port
 
 
-def _context_class(base):
-    class Context(base):
+def _context_class(base: type[_Context]) -> type[_Context]:
+    class Context(base):  # type: ignore[misc,valid-type] # a subclass of the elastic context given
         """An elastic PContext that remembers which ranks failed before it stopped the rest, and whose
         warm ranks exit as soon as they are done (:func:`sgpu_magic.rank.worker.elastic_wrap_no_wait`)."""
 
@@ -79,7 +87,7 @@ def _context_class(base):
             original = getattr(api, "_wrap", None)
             if original is None or not hasattr(self, "_worker_finished_event"):
                 return super()._start()
-            api._wrap = worker.elastic_wrap_no_wait  # read by MultiprocessContext._start, pickled by name
+            api._wrap = worker.elastic_wrap_no_wait  # type: ignore[assignment] # read by MultiprocessContext._start, pickled by name
             try:
                 super()._start()
             finally:
@@ -93,7 +101,9 @@ def _context_class(base):
     return Context
 
 
-def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict, warm: bool, restart_count: int = 0):
+def _make_context(
+    run_dir: RunDir, launch: dict[str, Any], port: int, env: dict[str, str], warm: bool, restart_count: int = 0
+) -> PContext:
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, MultiprocessContext, SubprocessContext
 
     from sgpu_magic.rank import worker
@@ -102,7 +112,7 @@ def _make_context(run_dir: RunDir, launch: dict, port: int, env: dict, warm: boo
     envs = {r: rank_env(launch, r, port, env, restart_count) for r in range(world)}
     logs = DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir))
     if warm:
-        args = {r: (str(run_dir.path), envs[r]) for r in range(world)}
+        args: dict[int, tuple[Any, ...]] = {r: (str(run_dir.path), envs[r]) for r in range(world)}
         return _context_class(MultiprocessContext)(
             name=launch["job_id"],
             entrypoint=worker.rank_entry,
@@ -137,7 +147,8 @@ class HostJob:
 
     def __init__(self, run_dir: RunDir, env: dict, pool: WarmPool | None) -> None:
         self.run_dir = run_dir
-        self.launch = read_json(run_dir.launch_file, private=True)
+        # the kernel wrote launch.json before it handed the run dir over
+        self.launch = cast("dict[str, Any]", read_json(run_dir.launch_file, private=True))
         self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
         self.started_s = time.time()
         timeout_s = self.launch.get("timeout_s")
@@ -157,7 +168,9 @@ class HostJob:
         self.guard = TeardownGuard(
             run_dir, self.launch["world_size"], DEFAULT_TEARDOWN_GRACE_S if grace_s is None else float(grace_s), GRACE_S
         )
-        self.ctx, self.pids, self.warm_by = None, {}, 0.0
+        self.ctx: PContext | None = None
+        self.pids: dict[int, int] = {}
+        self.warm_by = 0.0
         self._start_when_warm()
 
     def _start_when_warm(self) -> None:
@@ -215,6 +228,7 @@ class HostJob:
             self.stop("timed_out")
             return
         if self.ctx is None:  # waiting for the warming forkserver
+            assert self.pool is not None  # only a forkserver that warms is waited for (_start_when_warm)
             if self.pool.ready(self.launch["sys_path"]) or time.monotonic() >= self.warm_by:
                 self.status["waited_for_warm_s"] = round(time.time() - self.started_s, 2)
                 self._start_attempt()
@@ -239,7 +253,8 @@ class HostJob:
         The failed attempt's error files move to ``errors/attempt_<k>/`` and its results are dropped, so
         the next attempt is judged on its own; the rank logs go on, after a line naming the new attempt.
         """
-        self.ctx.close(timeout=GRACE_S)
+        assert self.ctx is not None  # an attempt ran
+        self.ctx.close(timeout=GRACE_S)  # type: ignore[arg-type] # torch says int; its waits take seconds as floats
         kill_leftovers(set(self.pids.values()), self.launch["job_id"])
         world = self.launch["world_size"]
         failed = self.status.pop("failures")
@@ -276,7 +291,7 @@ class HostJob:
     def stop(self, state: str) -> None:
         """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end in ``state``."""
         if self.ctx is not None:
-            self.ctx.close(timeout=GRACE_S)
+            self.ctx.close(timeout=GRACE_S)  # type: ignore[arg-type] # torch says int; its waits take seconds as floats
         self._finish(state)
 
     def _finish(self, state: str) -> None:

@@ -73,7 +73,7 @@ class WarmPool:
 
         fingerprint = _path_fingerprint(sys_path)
         if self.fingerprint is not None and fingerprint != self.fingerprint:
-            forkserver._forkserver._stop()
+            forkserver._forkserver._stop()  # type: ignore[attr-defined] # a private of multiprocessing.forkserver
             if os.path.exists(self.marker):
                 os.unlink(self.marker)
             self.started_s, self._measured = None, False

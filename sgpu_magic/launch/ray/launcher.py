@@ -7,19 +7,25 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, write_status
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from ray.util.placement_group import PlacementGroup
 
 LOG_PULL_S = 0.2
 """How often the supervisor copies new log bytes from the ranks' nodes."""
 
 
-def _bundle(backend: str, gpu_type: str | None) -> dict:
+def _bundle(backend: str, gpu_type: str | None) -> dict[str, float]:
     """One rank's placement-group bundle: a CPU for gloo, a GPU (of ``gpu_type``) for nccl."""
     if backend == "gloo":
         return {"CPU": 1}
-    bundle = {"GPU": 1}
+    bundle: dict[str, float] = {"GPU": 1}
     if gpu_type:
         bundle[f"accelerator_type:{gpu_type}"] = 0.001
     return bundle
@@ -36,7 +42,7 @@ def _agent_class():
             import tempfile
 
             self.dir = Path(tempfile.mkdtemp(prefix="sgpu-ray-rank-"))  # 0700
-            self.proc = None
+            self.proc: subprocess.Popen[bytes] | None = None
 
         def node(self) -> tuple[str, str, list[str]]:
             """(node id, node IP, the GPU ids Ray gave this actor)."""
@@ -133,9 +139,10 @@ class _Supervisor(threading.Thread):
     def __init__(self, rd: RunDir, cluster: str, gpu_type: str | None) -> None:
         super().__init__(name=f"sgpu_magic ray {rd.job_id}", daemon=True)
         self.rd, self.cluster, self.gpu_type = rd, cluster, gpu_type
-        self.launch = read_json(rd.launch_file, private=True)
+        # the kernel wrote launch.json before it handed the run dir over
+        self.launch = cast("dict[str, Any]", read_json(rd.launch_file, private=True))
         self.world = self.launch["world_size"]
-        self.status = {
+        self.status: dict[str, Any] = {
             "state": "starting",
             "started_s": time.time(),
             "host_pid": os.getpid(),
@@ -146,7 +153,7 @@ class _Supervisor(threading.Thread):
         self.finished = False
         self.offsets = [0] * self.world
         self.actors: list = []
-        self.pg = None
+        self.pg: PlacementGroup | None = None
 
     def stop(self, reason: str) -> None:
         self._stop_reason = reason  # read by the supervisor's loop within 0.1 s
