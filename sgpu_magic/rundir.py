@@ -15,6 +15,7 @@ Layout::
         results/rank_<N>.exit.json  how rank N ended when it called sys.exit(0) (written by the rank)
         errors/rank_<N>.json exception of rank N (written by the rank)
         elastic/             torch elastic's own per-rank files
+        session/rank_<N>.cmd, rank_<N>.reply   a live session's channel to rank N (FIFOs, 0600)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import errno
 import json
 import os
 import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +96,33 @@ def read_private(path: Path, run_dir: Path | None = None) -> bytes:
                 f"directory"
             )
         return f.read()
+
+
+def make_private_fifo(path: Path) -> None:
+    """Create the FIFO ``path`` with mode 0600 (its folder must be private: :func:`make_private_dir`)."""
+    os.mkfifo(path, 0o600)
+    os.chmod(path, 0o600)  # mkfifo applies the umask; 0600 is what open_private_fifo checks
+
+
+def open_private_fifo(path: Path, flags: int) -> int:
+    """Open the FIFO ``path`` (``flags``: ``os.O_RDONLY``, ``os.O_WRONLY`` or ``os.O_RDWR``) only when it and its
+    folder are private to this user, as :func:`read_private` checks a pickle: a session's commands are pickles.
+
+    Returns:
+        the file descriptor (close-on-exec).
+    Raises:
+        FileNotFoundError: there is no such FIFO.
+        PermissionError: it is a symlink, not a FIFO, or it or its folder is open to other users.
+    """
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    why = _not_private(st, "the file") or _not_private(os.lstat(path.parent), "its directory")
+    if not why and not stat.S_ISFIFO(st.st_mode):
+        why = "it is not a FIFO"
+    if why:
+        os.close(fd)
+        raise PermissionError(f"refusing to use the session channel {path}: {why}")
+    return fd
 
 
 RESERVE_NAME = ".reserve"
@@ -334,6 +363,20 @@ class RunDir:
         "mlflow_ended",
         "Left by the kernel once it has ended the job's MLflow run (else the launch host ends it on its way out).",
     )
+
+    session_dir = _entry(
+        "session",
+        "A live session's channel (:mod:`sgpu_magic.session`): a command FIFO and a reply FIFO per rank, "
+        "0600 in this 0700 folder, made by the kernel before the ranks start.",
+    )
+
+    def session_command(self, rank: int) -> Path:
+        """The FIFO the kernel writes rank ``rank``'s session commands to (cells, push, pull, stop)."""
+        return self.session_dir / f"rank_{rank}.cmd"
+
+    def session_reply(self, rank: int) -> Path:
+        """The FIFO rank ``rank`` writes its replies to (a cell's outcome, a pulled value)."""
+        return self.session_dir / f"rank_{rank}.reply"
 
     def attempt_errors_dir(self, attempt: int) -> Path:
         """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""

@@ -57,6 +57,7 @@ class Job:
         run_dir: path of its run directory (logs stay there after the job).
         background: whether a background thread follows the job (``submit``), else the caller does.
         mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked.
+        ranks: the ranks that run it, in order (every rank of the world, except for a session cell run on some).
         run_url: a link to that run's page on its tracking server, or on the ``%mlflow_ui`` server
             once one runs for its store (also for a job started before it), else ``None``.
         waited_s: seconds the job waited in the queue for its GPUs.
@@ -70,8 +71,10 @@ class Job:
         get_host: Callable[[], Launcher],
         sinks: Sequence[JobSink] = (),
         registry: LeaseRegistry | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self._rd = run_dir
+        self.ranks: tuple[int, ...] = tuple(range(plan.world_size) if ranks is None else ranks)
         self._feed = StatusFeed(run_dir)
         self.spec = spec
         self.plan = plan
@@ -114,6 +117,11 @@ class Job:
     @property
     def world_size(self) -> int:
         return self.plan.world_size
+
+    @property
+    def view(self) -> JobSink | None:
+        """What shows the job (the panel or the text view: its last sink), or ``None``."""
+        return self._sinks[-1] if self._sinks else None
 
     @property
     def gpus(self) -> list[int]:
@@ -545,7 +553,8 @@ class Job:
         return self._error
 
     def result(self, timeout_s: float | None = None) -> list[Any]:
-        """Wait for the job (at most ``timeout_s``); return one value per rank, in rank order (tensors on CPU).
+        """Wait for the job (at most ``timeout_s``); return one value per rank that ran it (:attr:`ranks`), in rank
+        order (tensors on CPU).
 
         Raises:
             RankFailedError: a rank failed; shows the root-cause rank's traceback and log path.
@@ -558,7 +567,7 @@ class Job:
         if error is not None:
             raise error
         if self._results is None:
-            self._results = [load_result(self._rd, r) for r in range(self.world_size)]
+            self._results = [load_result(self._rd, r) for r in self.ranks]
         return self._results
 
     @property
