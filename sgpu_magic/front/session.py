@@ -98,7 +98,8 @@ class Session:
         cluster: a Ray cluster; not supported for sessions yet (:class:`~sgpu_magic.errors.SpecError`).
         idle_timeout: stop the session after this many seconds without a cell (its GPUs are released);
             ``None``: never. Default: ``%config DistributedMagics.session_idle_timeout_s`` (``None``).
-        widgets, mlflow: as for ``@distributed``; one MLflow run per session, a child run per cell.
+        widgets: the panel (True), plain text (False) or decide (None), as for ``@distributed``.
+        mlflow: track the session as one MLflow run and each cell as a child run. Default True.
         name: the session's name (``%%distributed --session NAME``). Default ``s1``, ``s2``, ...
 
     The ranks start at once (from the launch host's warm forkserver), hold their GPU leases until the session
