@@ -29,7 +29,7 @@ def _magic_help_markdown() -> str:
     from sgpu_magic.front.session_magics import SessionMagics
 
     classes = {name: cls for cls in (DistributedMagics, SessionMagics) for name in cls.magics["line"]}
-    classes.update({name: DistributedMagics for name in DistributedMagics.magics["cell"]})
+    classes.update(dict.fromkeys(DistributedMagics.magics["cell"], DistributedMagics))
     methods = {**SessionMagics.magics["line"], **DistributedMagics.magics["line"], **DistributedMagics.magics["cell"]}
     parts = []
     for magic, summary in MAGICS.items():

@@ -22,9 +22,7 @@ def value(kc, expr: str) -> str:
 
 @pytest.fixture
 def kernel(tmp_path):
-    km, kc = start_kernel(
-        env={"SGPU_MAGIC_FAKE_GPUS": "4 x H100", "SGPU_MAGIC_LEASE_DIR": str(tmp_path / "leases")}
-    )
+    km, kc = start_kernel(env={"SGPU_MAGIC_FAKE_GPUS": "4 x H100", "SGPU_MAGIC_LEASE_DIR": str(tmp_path / "leases")})
     yield km, kc
     stop_kernel(km, kc)
 
@@ -32,7 +30,9 @@ def kernel(tmp_path):
 def test_no_session_then_state_interrupt_and_idle_timeout_in_a_kernel(kernel, tmp_path):
     km, kc = kernel
     out = execute(kc, "%%distributed --session\n1")  # IPython prints a UsageError (no traceback)
-    assert "UsageError: no live session in this kernel; start one with %distributed_session start --gpus N" in out.stderr
+    assert (
+        "UsageError: no live session in this kernel; start one with %distributed_session start --gpus N" in out.stderr
+    )
 
     out = execute(kc, "%distributed_session start --gpus 2 --no-mlflow --idle-timeout 3 -o sess")
     assert out.error is None, out.error
@@ -60,7 +60,8 @@ def test_no_session_then_state_interrupt_and_idle_timeout_in_a_kernel(kernel, tm
     wait_for(lambda: value(kc, "sess.job.state.value") == "'succeeded'", 60, "the idle timeout to end the ranks")
     assert value(kc, "sess.state.value") == "'stopped'"
     holders = value(
-        kc, "from sgpu_magic.launch.leases import LeaseRegistry\n[h['job_id'] for h in LeaseRegistry().snapshot()['holders']]"
+        kc,
+        "from sgpu_magic.launch.leases import LeaseRegistry\n[h['job_id'] for h in LeaseRegistry().snapshot()['holders']]",
     )
     assert holders == "[]"
     out = execute(kc, "%%distributed --session\nw")
@@ -85,7 +86,5 @@ def test_kernel_sigkill_leaves_no_session_rank(tmp_path):
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     wait_for(lambda: client.get_run(run_id).info.status != "RUNNING", 30, "the session's MLflow run to end")
     assert client.get_run(run_id).info.status == "KILLED"
-    children = client.search_runs(
-        [client.get_run(run_id).info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'"
-    )
+    children = client.search_runs([client.get_run(run_id).info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
     assert [c.info.status for c in children] == ["FINISHED"]
