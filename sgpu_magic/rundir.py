@@ -330,13 +330,20 @@ class RunDir:
         self.path = Path(path)
 
     @classmethod
-    def create(cls, root: Path | None = None, job_id: str | None = None) -> RunDir:
-        """Make ``<root>/runs/<job_id>`` and its subfolders, all 0700."""
+    def create(cls, root: Path | None = None, job_id: str | None = None, lean: bool = False) -> RunDir:
+        """Make ``<root>/runs/<job_id>`` and its subfolders, all 0700.
+
+        ``lean``: a live session's cell, whose ranks already run: no ``elastic/`` folder and no ``.reserve`` (the
+        session's own run directory holds one), which halves what a cell costs before it is sent.
+        """
         runs = make_private_dir((root or default_root()) / "runs")
         rd = cls(runs / (job_id or new_job_id()))
         rd.path.mkdir(mode=0o700)
         for sub in SUBDIRS:
-            (rd.path / sub).mkdir(mode=0o700)
+            if not (lean and sub == "elastic"):
+                (rd.path / sub).mkdir(mode=0o700)
+        if lean:
+            return rd
         try:
             atomic_write_bytes(rd.path / RESERVE_NAME, b"\0" * RESERVE_BYTES)  # written, so the blocks are held
         except OSError:

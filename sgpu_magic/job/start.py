@@ -96,6 +96,7 @@ def submit(
     registry: LeaseRegistry | None = None,
     before_launch: Callable[[RunDir], None] | None = None,
     ranks: Sequence[int] | None = None,
+    lean: bool = False,
 ) -> Job:
     """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
 
@@ -107,9 +108,10 @@ def submit(
 
     ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
     one is asked once more, so a dead host never fails a launch. ``before_launch``: see :func:`start`;
-    ``ranks``: the ranks that run it (a session cell on some of the session's ranks), default all.
+    ``ranks``: the ranks that run it (a session cell on some of the session's ranks), default all; ``lean``: a
+    session cell's run directory (see :meth:`RunDir.create`).
     """
-    rd = RunDir.create(root)
+    rd = RunDir.create(root, lean=lean)
     atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
     if before_launch is not None:
         before_launch(rd)

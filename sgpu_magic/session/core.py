@@ -252,7 +252,8 @@ class SessionCore:
         payload = build_payload(self.names_everywhere(ranks), getattr(sinks[-1], "warn", _no_warning))
         launcher = CellLauncher(self, ranks)
         plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none
-        job = submit(spec, plan, payload, lambda: launcher, sinks, ranks=ranks)
+        job = submit(spec, plan, payload, lambda: launcher, sinks, ranks=ranks, lean=True)
+        job.title = label  # the summary line says "session s1 cell 3 succeeded ..." (it is shown once the cell ends)
         self.jobs.append(job)
         return job
 
