@@ -182,6 +182,8 @@ class HostStatus:
         log_lines: ``{rank: lines}`` in each log once the job ended (a view that skipped shows the count).
         teardown_ended: ranks the teardown grace ended (``{"rank", "outcome", "grace_s", "signal"}``).
         waiting: why a Ray job waits for the cluster's resources; ``host_lost``, ``launch_error``: why it failed.
+        rank_outcomes: a live session's cell: ``{rank: "returned" | "raised" | "interrupted" | "did not return"}``
+            (its ranks do not exit, so ``exitcodes`` says nothing of them).
     """
 
     state: str = "pending"
@@ -196,6 +198,7 @@ class HostStatus:
     waiting: str | None = None
     host_lost: str | None = None
     launch_error: str | None = None
+    rank_outcomes: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, status: dict) -> HostStatus:
@@ -212,6 +215,7 @@ class HostStatus:
             waiting=status.get("waiting"),
             host_lost=status.get("host_lost"),
             launch_error=status.get("launch_error"),
+            rank_outcomes={int(k): v for k, v in (status.get("rank_outcomes") or {}).items()},
         )
 
     @property

@@ -412,10 +412,20 @@ def _cell_status(request: Request, broken: str | None) -> dict[str, Any]:
         "ended_s": time.time(),
         "exitcodes": {str(r): (0 if reply.get("ok") else 1) for r, reply in replies.items()},
         "failures": failures,
+        "rank_outcomes": {str(r): _outcome(replies.get(r)) for r in request.ranks},
     }
     if broken is not None:
         status["host_lost"] = broken
     return status
+
+
+def _outcome(reply: dict[str, Any] | None) -> str:
+    """How one rank ended a cell, as the panel's rank tab says it."""
+    if reply is None:
+        return "did not return"
+    if reply.get("ok"):
+        return "returned"
+    return "interrupted" if reply.get("interrupted") else "raised"
 
 
 def _death_message(name: str, job: Job) -> str:
