@@ -373,7 +373,8 @@ def test_magic_help_has_one_usage_examples_and_the_other_magics(ip, capsys):
     usages = re.findall(r"^ *%+distributed\b.*--gpus GPUS.*$", shown, re.MULTILINE)
     assert len(usages) == 1 and usages[0].split()[0] == "%%distributed", usages
     usage = " ".join(shown.split("::", 1)[1].split("\n\n")[1].split())  # the block after the first "::"
-    assert usage.startswith("%%distributed --gpus GPUS [--gpu-type GPU_TYPE]") and usage.endswith("[-o NAME]")
+    assert usage.startswith("%%distributed --gpus GPUS [--gpu-type GPU_TYPE]")
+    assert usage.endswith("[-o NAME] [--session [NAME]] [--ranks I,J]")
     examples = shown.split("Examples\n--------\n", 1)[1].split("See also\n--------\n", 1)
     assert examples[0].count("  %%distributed --gpus ") >= 3  # examples to copy, each a cell as typed
     for magic in ("%distributed_jobs : ", "%distributed_stop : ", "%mlflow_ui : ", "%config DistributedMagics : "):
