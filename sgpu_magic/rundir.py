@@ -15,6 +15,8 @@ Layout::
         results/rank_<N>.exit.json  how rank N ended when it called sys.exit(0) (written by the rank)
         errors/rank_<N>.json exception of rank N (written by the rank)
         elastic/             torch elastic's own per-rank files
+        code.json            the notebook's labels and sources of the job's code, to map stack frames (by the kernel)
+        stacks/rank_<N>.txt  rank N's stack when the job timed out or was cancelled while it ran (by the host)
 """
 
 from __future__ import annotations
@@ -153,6 +155,10 @@ class HostStatus:
         log_lines: ``{rank: lines}`` in each log once the job ended (a view that skipped shows the count).
         teardown_ended: ranks the teardown grace ended (``{"rank", "outcome", "grace_s", "signal"}``).
         waiting: why a Ray job waits for the cluster's resources; ``host_lost``, ``launch_error``: why it failed.
+        pids: ``{rank: process id}`` of the current attempt's ranks on the launch host's machine (``{}`` on Ray).
+        stacks: ``{rank: where}`` for the ranks still running when the job timed out or was cancelled, taken just
+            before they were stopped, e.g. ``{0: "dist.broadcast at Cell In[4] line 7"}`` (their whole stacks:
+            ``stacks/rank_<r>.txt``); ``{}`` when no rank was running then.
     """
 
     state: str = "pending"
@@ -167,6 +173,8 @@ class HostStatus:
     waiting: str | None = None
     host_lost: str | None = None
     launch_error: str | None = None
+    pids: dict[int, int] = field(default_factory=dict)
+    stacks: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, status: dict) -> HostStatus:
@@ -183,6 +191,8 @@ class HostStatus:
             waiting=status.get("waiting"),
             host_lost=status.get("host_lost"),
             launch_error=status.get("launch_error"),
+            pids={int(k): int(v) for k, v in (status.get("pids") or {}).items()},
+            stacks={int(k): str(v) for k, v in (status.get("stacks") or {}).items()},
         )
 
     @property
@@ -334,6 +344,20 @@ class RunDir:
         "mlflow_ended",
         "Left by the kernel once it has ended the job's MLflow run (else the launch host ends it on its way out).",
     )
+
+    code_map_file = _entry(
+        "code.json",
+        "The notebook's names for the job's code (``Cell In[4]``), its sources and line offsets, so stack frames "
+        "read as the notebook shows them (written by the kernel; see :mod:`sgpu_magic.launch.stacks`).",
+    )
+    stacks_dir = _entry(
+        "stacks",
+        "``rank_<r>.txt``: each running rank's stack, taken when the job timed out or was cancelled (0700, files 0600).",
+    )
+
+    def stack_file(self, rank: int) -> Path:
+        """``stacks/rank_<r>.txt``: rank ``rank``'s stack as the launch host took it before stopping the job."""
+        return self.stacks_dir / f"rank_{rank}.txt"
 
     def attempt_errors_dir(self, attempt: int) -> Path:
         """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""

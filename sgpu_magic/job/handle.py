@@ -146,6 +146,33 @@ class Job:
         path = self._rd.log_file(rank)
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def stacks(self, native: bool = False) -> dict[int, str]:
+        """Each running rank's Python stack now, taken from outside the rank by py-spy (no cooperation needed).
+
+        Frames of the notebook's code read as the notebook shows them (``<module> (Cell In[4] line 7)``, followed
+        by the line's source); the first line of each says where the rank is (``rank 0 (pid 4242):
+        dist.broadcast at Cell In[4] line 7``). A rank whose stack cannot be taken gets one line saying why.
+        Takes about 0.1 s (each rank's dump at once, each bounded by
+        :data:`~sgpu_magic.launch.stacks.DUMP_TIMEOUT_S`, 5 s).
+
+        Args:
+            native: also show C/C++ frames (``py-spy dump --native``), e.g. where NCCL or gloo waits; slower.
+
+        Returns:
+            ``{rank: stack text}`` in rank order, innermost frame first as py-spy prints them.
+
+        Raises:
+            SgpuError: the job has ended (the message says where the stacks saved when it timed out or was
+                cancelled are), or its ranks have not started yet.
+
+        Example::
+
+            print(job.stacks()[0])
+        """
+        from sgpu_magic.launch.stacks import live_stacks
+
+        return live_stacks(self._rd, self.status, native)
+
     @property
     def attempt(self) -> int:
         """Which attempt runs (or ran last): 1, then 2 after the first restart (see ``max_restarts``)."""

@@ -137,7 +137,7 @@ class Host:
                     reap_adopted({pid for job in self.jobs.values() for pid in job.pids.values()})
         finally:
             for job in self.jobs.values():
-                job.stop("cancelled")
+                job.stop("cancelled", stacks=False)  # the kernel is gone: end at once
             if self.pool is not None:
                 self.pool.stop()
             for job in [*self.ended, *self.jobs.values()]:
