@@ -223,7 +223,7 @@ class DistributedMagics(Magics):
         def payload(warn) -> dict:
             part = capture.capture_cell(source, shell.user_ns, self.max_capture_bytes, warn)
             part.update(filename=CELL_FILENAME, quiet=ends_quiet(source))
-            part.update(cell_label=f"Cell In[{shell.execution_count}]")  # how stacks name it (launch.stacks)
+            part.update(cell_label=f"Cell In[{shell.displayhook.prompt_count}]")  # as Out[N]; for stacks
             return part
 
         job = start(spec, payload, background=args.background)
