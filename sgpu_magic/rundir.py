@@ -359,6 +359,11 @@ class RunDir:
         """``stacks/rank_<r>.txt``: rank ``rank``'s stack as the launch host took it before stopping the job."""
         return self.stacks_dir / f"rank_{rank}.txt"
 
+    def stacks_reply_file(self, token: str) -> Path:
+        """``.stacks-<token>.json``: the launch host's answer to the kernel's request ``token`` for the running
+        ranks' stacks (read and deleted by the kernel)."""
+        return self.path / f".stacks-{token}.json"
+
     def attempt_errors_dir(self, attempt: int) -> Path:
         """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""
         return self.errors_dir / f"attempt_{attempt}"

@@ -20,6 +20,7 @@ from sgpu_magic.job.follow import PUMP_INTERVAL_S, JobSink, LogPump, StatusFeed
 from sgpu_magic.job.outcome import build_error, ending_notes, load_result, stopped_error
 from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.base import Launcher
+from sgpu_magic.launch.client import LaunchHost
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
 from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_json
@@ -152,8 +153,9 @@ class Job:
         Frames of the notebook's code read as the notebook shows them (``<module> (Cell In[4] line 7)``, followed
         by the line's source); the first line of each says where the rank is (``rank 0 (pid 4242):
         dist.broadcast at Cell In[4] line 7``). A rank whose stack cannot be taken gets one line saying why.
-        Takes about 0.1 s (each rank's dump at once, each bounded by
-        :data:`~sgpu_magic.launch.stacks.DUMP_TIMEOUT_S`, 5 s).
+        The launch host runs py-spy (it is the ranks' ancestor, so Yama's ``ptrace_scope`` 1 lets it trace them),
+        every rank at once, each dump bounded by :data:`~sgpu_magic.launch.stacks.DUMP_TIMEOUT_S` (5 s); it takes
+        about 0.1 s.
 
         Args:
             native: also show C/C++ frames (``py-spy dump --native``), e.g. where NCCL or gloo waits; slower.
@@ -171,7 +173,12 @@ class Job:
         """
         from sgpu_magic.launch.stacks import live_stacks
 
-        return live_stacks(self._rd, self.status, native)
+        host = self._host
+        if isinstance(host, LaunchHost):  # the ranks' ancestor: may trace them where the kernel may not (Yama)
+            return live_stacks(
+                self._rd, lambda: self.status, native, lambda t: host.request_stacks(self._rd, t, native)
+            )
+        return live_stacks(self._rd, lambda: self.status, native)
 
     @property
     def attempt(self) -> int:

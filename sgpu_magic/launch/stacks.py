@@ -20,10 +20,13 @@ import json
 import linecache
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -281,22 +284,67 @@ def summary(stacks: dict[int, str]) -> str:
 
 def saved_note(rd: RunDir) -> str:
     """Where the stacks taken when the job was stopped are, or that none were."""
-    if rd.stacks_dir.is_dir() and any(rd.stacks_dir.iterdir()):
+    if any(rd.stacks_dir.glob("rank_*.txt")):
         return f"the stacks taken when it was stopped are in {rd.stacks_dir}"
     return "no stacks were saved (they are taken when a job times out or is cancelled while ranks run)"
 
 
-def live_stacks(rd: RunDir, status: HostStatus, native: bool = False) -> dict[int, str]:
+REPLY_WAIT_S = DUMP_TIMEOUT_S + 10.0
+"""Seconds :func:`live_stacks` waits for the launch host's answer (its dumps' bound, plus a busy host's delay)."""
+
+
+def answer(rd: RunDir, token: str, pids: dict[int, int] | None, native: bool) -> None:
+    """The launch host's side of :func:`live_stacks`: the stacks of ``pids`` (``None``: the job has ended) into
+    the reply file ``token`` names, for the kernel to read."""
+    if pids is None:
+        reply: dict[str, Any] = {"ended": True}
+    else:
+        reply = {
+            "stacks": {str(r): st.text for r, st in take_stacks(pids, CodeMap.read(rd.code_map_file), native).items()}
+        }
+    atomic_write_json(rd.stacks_reply_file(token), reply)
+
+
+def _asked(rd: RunDir, ask: Callable[[str], None]) -> dict[int, str] | None:
+    """Ask the launch host for the stacks (``ask(token)``) and wait for its answer; ``None`` if the job ended."""
+    token = secrets.token_hex(4)
+    path = rd.stacks_reply_file(token)
+    ask(token)
+    deadline = time.monotonic() + REPLY_WAIT_S
+    while (reply := read_json(path)) is None:
+        if time.monotonic() > deadline:
+            raise SgpuError(f"the launch host did not send the stacks of job {rd.job_id} within {REPLY_WAIT_S:g} s")
+        time.sleep(0.01)
+    path.unlink(missing_ok=True)
+    if reply.get("ended"):
+        return None
+    return {int(rank): text for rank, text in reply["stacks"].items()}
+
+
+def live_stacks(
+    rd: RunDir, status: Callable[[], HostStatus], native: bool = False, ask: Callable[[str], None] | None = None
+) -> dict[int, str]:
     """:meth:`Job.stacks <sgpu_magic.job.handle.Job.stacks>`: each running rank's stack, as text.
 
+    Args:
+        status: the job's status now.
+        ask: sends the launch host a request for the stacks with a reply token (the host, the ranks' ancestor, may
+            trace them where Yama's ``ptrace_scope`` 1 forbids the kernel to); ``None``: py-spy runs here.
+
     Raises:
-        SgpuError: the job has ended (saying where its saved stacks are), or its ranks have not started.
+        SgpuError: the job has ended (saying where its saved stacks are), its ranks have not started, or the
+            launch host did not answer.
     """
-    if status.final:
-        raise SgpuError(f"job {rd.job_id} has ended ({status.state}): its ranks are gone; {saved_note(rd)}")
-    if not status.pids:
-        raise SgpuError(
-            f"job {rd.job_id} has no running ranks yet (state {status.state}); take its stacks once it runs"
-        )
-    stacks = take_stacks(status.pids, CodeMap.read(rd.code_map_file), native)
-    return {rank: stack.text for rank, stack in stacks.items()}
+    now = status()
+    if not now.final and not now.pids:
+        raise SgpuError(f"job {rd.job_id} has no running ranks yet (state {now.state}); take its stacks once it runs")
+    if not now.final:
+        stacks = _asked(rd, ask) if ask is not None else _here(rd, now.pids, native)
+        if stacks is not None:
+            return stacks
+        now = status()
+    raise SgpuError(f"job {rd.job_id} has ended ({now.state}): its ranks are gone; {saved_note(rd)}")
+
+
+def _here(rd: RunDir, pids: dict[int, int], native: bool) -> dict[int, str]:
+    return {rank: stack.text for rank, stack in take_stacks(pids, CodeMap.read(rd.code_map_file), native).items()}

@@ -71,6 +71,7 @@ def test_job_stacks_show_each_ranks_call_and_notebook_line(hung):
     assert re.fullmatch(r"    \.\.\. \d+ frames of sgpu_magic's rank entry", rank0[-1])
     assert f"    <module> ({label} line 11)" in rank1 and "        time.sleep(0.05)" in rank1
     assert "worker.py" not in stacks[0] + stacks[1]
+    assert not list(job.run_dir.glob(".stacks-*"))  # the launch host's answer, read and removed
 
 
 def test_native_stacks_show_where_gloo_waits(hung):
