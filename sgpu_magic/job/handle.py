@@ -153,7 +153,7 @@ class Job:
         Frames of the notebook's code read as the notebook shows them (``<module> (Cell In[4] line 7)``, followed
         by the line's source); the first line of each says where the rank is (``rank 0 (pid 4242):
         dist.broadcast at Cell In[4] line 7``). A rank whose stack cannot be taken gets one line saying why.
-        The launch host runs py-spy (it is the ranks' ancestor, so Yama's ``ptrace_scope`` 1 lets it trace them),
+        The launch host runs py-spy (each rank names it its tracer, so Yama's ``ptrace_scope`` 1 lets it trace them),
         every rank at once, each dump bounded by :data:`~sgpu_magic.launch.stacks.DUMP_TIMEOUT_S` (5 s); it takes
         about 0.1 s.
 
@@ -174,7 +174,7 @@ class Job:
         from sgpu_magic.launch.stacks import live_stacks
 
         host = self._host
-        if isinstance(host, LaunchHost):  # the ranks' ancestor: may trace them where the kernel may not (Yama)
+        if isinstance(host, LaunchHost):  # the ranks' tracer (PR_SET_PTRACER): may trace them where the kernel may not
             return live_stacks(
                 self._rd, lambda: self.status, native, lambda t: host.request_stacks(self._rd, t, native)
             )

@@ -328,8 +328,9 @@ def live_stacks(
 
     Args:
         status: the job's status now.
-        ask: sends the launch host a request for the stacks with a reply token (the host, the ranks' ancestor, may
-            trace them where Yama's ``ptrace_scope`` 1 forbids the kernel to); ``None``: py-spy runs here.
+        ask: sends the launch host a request for the stacks with a reply token (the ranks name the host their
+            tracer, so it may trace them where Yama's ``ptrace_scope`` 1 forbids the kernel to); ``None``: py-spy
+            runs here.
 
     Raises:
         SgpuError: the job has ended (saying where its saved stacks are), its ranks have not started, or the
