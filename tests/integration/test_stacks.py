@@ -126,7 +126,7 @@ def test_stacks_of_an_ended_job_say_it_ended_and_where_its_saved_stacks_are(hung
 WHEN_CANCELLED = """
 from sgpu_magic import distributed
 
-@distributed(gpus=2, timeout=120, mlflow=False)
+@distributed(gpus=2, timeout=120)
 def stuck(go):
     import os, time, torch
     import torch.distributed as dist
@@ -140,7 +140,7 @@ def stuck(go):
 """A notebook function: rank 0 waits in a barrier (cell line 10), rank 1 sleeps (cell line 12)."""
 
 
-def test_cancel_of_a_running_function_saves_its_stacks_and_says_where_the_ranks_were(ip):
+def test_cancel_of_a_running_function_saves_its_stacks_in_the_run_and_says_where_the_ranks_were(ip):
     n = ip.execution_count
     assert ip.run_cell(WHEN_CANCELLED.lstrip("\n"), store_history=True).error_in_exec is None
     job = ip.run_cell("stuck.submit(None)", store_history=True).result
@@ -161,6 +161,11 @@ def test_cancel_of_a_running_function_saves_its_stacks_and_says_where_the_ranks_
         f"{label} line 12 (their stacks: {job.run_dir / 'stacks'})."
     )
     assert (job.run_dir / "stacks" / "rank_1.txt").read_text().startswith("rank 1 (pid ")
+    # and in the job's MLflow run, beside its logs
+    from mlflow import MlflowClient
+
+    artifacts = MlflowClient().list_artifacts(job.mlflow_run_id, "stacks")
+    assert sorted(a.path for a in artifacts) == ["stacks/rank_0.txt", "stacks/rank_1.txt"]
 
 
 def test_a_job_that_ended_on_its_own_saved_no_stacks(ip):
