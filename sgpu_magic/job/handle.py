@@ -478,7 +478,7 @@ class Job:
             else:
                 self.request_cancel("interrupted")
                 self._drain(CANCEL_WAIT_S)
-            raise stopped_error(self.job_id, "interrupted", self._rd.logs_dir) from None
+            raise stopped_error(self._rd, "interrupted", self._final_status) from None
 
     def _follow_background(self) -> None:
         """Body of the background thread of a submitted job."""
@@ -538,7 +538,7 @@ class Job:
                 self._feed.wait()
         except KeyboardInterrupt:
             self.cancel(_reason="interrupted")
-            raise stopped_error(self.job_id, "interrupted", self._rd.logs_dir) from None
+            raise stopped_error(self._rd, "interrupted", self._final_status) from None
         return self.state
 
     def request_cancel(self, _reason: str = "cancelled") -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
 from typing import Any
 
 from sgpu_magic.errors import (
@@ -75,10 +74,12 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
     return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))
 
 
-def stopped_error(job_id: str, how: str, logs: Path) -> JobCancelledError:
+def stopped_error(rd: RunDir, how: str, status: dict | None = None) -> JobCancelledError:
     """``job <id> was interrupted; every rank was stopped. Logs: <dir>`` (``how``: ``interrupted`` or
-    ``cancelled``), the error of a job stopped once its ranks ran."""
-    return JobCancelledError(f"job {job_id} was {how}; every rank was stopped. Logs: {logs}")
+    ``cancelled``), the error of a job stopped once its ranks ran; with its final ``status``, also where the ranks
+    still running then were (``Where the ranks still running were: rank 0: ...``)."""
+    where = _still_running(rd, status) if status is not None else ""
+    return JobCancelledError(f"job {rd.job_id} was {how}; every rank was stopped. Logs: {rd.logs_dir}{where}")
 
 
 def load_result(rd: RunDir, rank: int) -> Any:
@@ -124,9 +125,7 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
         how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
         if "started_s" not in status:
             return JobCancelledError(f"job {job_id} was {how} before it started (no rank ran)")
-        stopped = stopped_error(job_id, how, rd.logs_dir)
-        stopped.args = (f"{stopped}{_still_running(rd, status)}",)
-        return stopped
+        return stopped_error(rd, how, status)
     if status.get("host_lost"):
         return LauncherError(status["host_lost"])
     if status.get("launch_error"):
