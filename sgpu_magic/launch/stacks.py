@@ -296,33 +296,41 @@ REPLY_WAIT_S = DUMP_TIMEOUT_S + 10.0
 def answer(rd: RunDir, token: str, pids: dict[int, int] | None, native: bool) -> None:
     """The launch host's side of :func:`live_stacks`: the stacks of ``pids`` (``None``: the job has ended) into
     the reply file ``token`` names, for the kernel to read."""
-    if pids is None:
-        reply: dict[str, Any] = {"ended": True}
-    else:
-        reply = {
-            "stacks": {str(r): st.text for r, st in take_stacks(pids, CodeMap.read(rd.code_map_file), native).items()}
-        }
+    reply: dict[str, Any] = {"ended": True}
+    try:
+        if pids is not None:
+            stacks = take_stacks(pids, CodeMap.read(rd.code_map_file), native)
+            reply = {"stacks": {str(rank): stack.text for rank, stack in stacks.items()}}
+    except Exception as exc:  # noqa: BLE001 - said to the kernel, which raises it
+        reply = {"error": f"{type(exc).__name__}: {exc}"}
     atomic_write_json(rd.stacks_reply_file(token), reply)
 
 
-def _asked(rd: RunDir, ask: Callable[[str], None]) -> dict[int, str] | None:
-    """Ask the launch host for the stacks (``ask(token)``) and wait for its answer; ``None`` if the job ended."""
+def _asked(rd: RunDir, ask: Callable[[str], None], wait_s: float) -> dict[int, str] | None:
+    """Ask the launch host for the stacks (``ask(token)``) and wait for its answer up to ``wait_s`` seconds;
+    ``None`` if the job ended."""
     token = secrets.token_hex(4)
     path = rd.stacks_reply_file(token)
     ask(token)
-    deadline = time.monotonic() + REPLY_WAIT_S
+    deadline = time.monotonic() + wait_s
     while (reply := read_json(path)) is None:
         if time.monotonic() > deadline:
-            raise SgpuError(f"the launch host did not send the stacks of job {rd.job_id} within {REPLY_WAIT_S:g} s")
+            raise SgpuError(f"the launch host did not send the stacks of job {rd.job_id} within {wait_s:g} s")
         time.sleep(0.01)
     path.unlink(missing_ok=True)
+    if reply.get("error"):
+        raise SgpuError(f"the launch host could not take the stacks of job {rd.job_id}: {reply['error']}")
     if reply.get("ended"):
         return None
     return {int(rank): text for rank, text in reply["stacks"].items()}
 
 
 def live_stacks(
-    rd: RunDir, status: Callable[[], HostStatus], native: bool = False, ask: Callable[[str], None] | None = None
+    rd: RunDir,
+    status: Callable[[], HostStatus],
+    native: bool = False,
+    ask: Callable[[str], None] | None = None,
+    wait_s: float = REPLY_WAIT_S,
 ) -> dict[int, str]:
     """:meth:`Job.stacks <sgpu_magic.job.handle.Job.stacks>`: each running rank's stack, as text.
 
@@ -331,16 +339,17 @@ def live_stacks(
         ask: sends the launch host a request for the stacks with a reply token (the ranks name the host their
             tracer, so it may trace them where Yama's ``ptrace_scope`` 1 forbids the kernel to); ``None``: py-spy
             runs here.
+        wait_s: seconds to wait for the host's answer (default :data:`REPLY_WAIT_S`).
 
     Raises:
         SgpuError: the job has ended (saying where its saved stacks are), its ranks have not started, or the
-            launch host did not answer.
+            launch host did not answer or could not take them.
     """
     now = status()
     if not now.final and not now.pids:
         raise SgpuError(f"job {rd.job_id} has no running ranks yet (state {now.state}); take its stacks once it runs")
     if not now.final:
-        stacks = _asked(rd, ask) if ask is not None else _here(rd, now.pids, native)
+        stacks = _asked(rd, ask, wait_s) if ask is not None else _here(rd, now.pids, native)
         if stacks is not None:
             return stacks
         now = status()

@@ -10,7 +10,19 @@ import textwrap
 
 import pytest
 
-from sgpu_magic.launch.stacks import CodeMap, Frame, Thread, call_name, save_stacks, summary, take_stacks, where
+from sgpu_magic.errors import SgpuError
+from sgpu_magic.launch.stacks import (
+    CodeMap,
+    Frame,
+    Thread,
+    answer,
+    call_name,
+    live_stacks,
+    save_stacks,
+    summary,
+    take_stacks,
+    where,
+)
 from sgpu_magic.rundir import HostStatus, RunDir
 
 from helpers import wait_for
@@ -119,3 +131,24 @@ def test_saved_stacks_are_private_files_and_summed_up(sleeper, tmp_path):
     status = HostStatus.from_dict({"state": "timed_out", "pids": {"0": pid}, "stacks": where_by_rank})
     assert status.pids == {0: pid} and status.stacks == {0: where_by_rank["0"]}
     assert summary({1: "b at y", 0: "a at x"}) == "rank 0: a at x; rank 1: b at y"
+
+
+def test_the_launch_hosts_answers_and_their_absence(sleeper, tmp_path):
+    """live_stacks as the Job handle runs it, with ``answer`` (the launch host's side) answering in this process."""
+    pid, _ = sleeper
+    rd = RunDir.create(tmp_path)
+    states = iter([HostStatus("running", pids={0: pid}), HostStatus("cancelled")])
+    running = HostStatus("running", pids={0: pid})
+
+    stacks = live_stacks(rd, lambda: running, ask=lambda token: answer(rd, token, {0: pid}, False))
+    assert list(stacks) == [0] and stacks[0].startswith(f"rank 0 (pid {pid}): ")
+    assert not list(rd.path.glob(".stacks-*"))  # the answer is read and removed
+    # the job ended between the kernel's look at its status and the host's: said as for an ended job
+    with pytest.raises(SgpuError, match=rf"^job {rd.job_id} has ended \(cancelled\): its ranks are gone; no stacks"):
+        live_stacks(rd, lambda: next(states), ask=lambda token: answer(rd, token, None, False))
+    with pytest.raises(SgpuError, match=rf"^the launch host could not take the stacks of job {rd.job_id}: TypeError"):
+        live_stacks(rd, lambda: running, ask=lambda token: answer(rd, token, {0: pid, "1": pid}, False))
+    with pytest.raises(SgpuError, match=rf"^the launch host did not send the stacks of job {rd.job_id} within 0.05 s$"):
+        live_stacks(rd, lambda: running, ask=lambda token: None, wait_s=0.05)
+    with pytest.raises(SgpuError, match=rf"^job {rd.job_id} has no running ranks yet \(state starting\); take its"):
+        live_stacks(rd, lambda: HostStatus("starting"))
