@@ -114,6 +114,8 @@ class Config:
     cell_timeout_s: float
     launch_timeout_s: float
     teardown_launches: int = 500
+    session_ranks: tuple[int, ...] = (2, 8)
+    session_reps: int = 30
 
     @classmethod
     def make(cls, quick: bool, gpu: bool, only: set[str], soak: int, reps: int | None) -> Config:
@@ -138,6 +140,8 @@ class Config:
                 cell_timeout_s=240,
                 launch_timeout_s=120,
                 teardown_launches=100,
+                session_ranks=(2,),
+                session_reps=10,
             )
         else:
             cfg = cls(

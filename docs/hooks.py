@@ -26,18 +26,21 @@ def _block(text: str) -> str:
 def _magic_help_markdown() -> str:
     from sgpu_magic.front.magic_help import MAGICS
     from sgpu_magic.front.magics import DistributedMagics
+    from sgpu_magic.front.session_magics import SessionMagics
 
-    methods = {**DistributedMagics.magics["line"], **DistributedMagics.magics["cell"]}
+    classes = {name: cls for cls in (DistributedMagics, SessionMagics) for name in cls.magics["line"]}
+    classes.update(dict.fromkeys(DistributedMagics.magics["cell"], DistributedMagics))
+    methods = {**SessionMagics.magics["line"], **DistributedMagics.magics["line"], **DistributedMagics.magics["cell"]}
     parts = []
     for magic, summary in MAGICS.items():
         name = magic.lstrip("%")
         method = methods.get(name)
         if method is None:
             raise RuntimeError(
-                f"docs/hooks.py: {magic} is in sgpu_magic.front.magic_help.MAGICS but DistributedMagics "
-                f"has no magic named {name!r}"
+                f"docs/hooks.py: {magic} is in sgpu_magic.front.magic_help.MAGICS but neither DistributedMagics "
+                f"nor SessionMagics has a magic named {name!r}"
             )
-        doc = getattr(DistributedMagics, method).__doc__ or ""
+        doc = getattr(classes[name], method).__doc__ or ""
         # the help's reST literal-block markers ("::" lines) say nothing on a web page
         doc = "\n".join(line for line in doc.splitlines() if line.strip() != "::")
         parts.append(f"## `{magic}`\n\n{html.escape(summary)}.\n\n{_block(doc)}")

@@ -19,6 +19,8 @@ _LAZY = {
     "distributed": "sgpu_magic.front.decorator",
     "DistributedFunction": "sgpu_magic.front.decorator",
     "run_script": "sgpu_magic.front.script",
+    "Session": "sgpu_magic.front.session",
+    "current_session": "sgpu_magic.front.session",
     "Job": "sgpu_magic.job",
     "JobState": "sgpu_magic.job",
     **dict.fromkeys(
@@ -33,6 +35,8 @@ _LAZY = {
             "JobCancelledError",
             "UnpicklableGlobalError",
             "CheckpointError",
+            "SessionError",
+            "CellInterruptedError",
         ),
         "sgpu_magic.errors",
     ),
@@ -45,24 +49,29 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from sgpu_magic import checkpoint, data, errors, runtime  # noqa: F401 - what type checkers see
     from sgpu_magic.errors import (
         CaptureError,
+        CellInterruptedError,
         CheckpointError,
         JobCancelledError,
         JobTimeoutError,
         LauncherError,
         RankFailedError,
         ResourceError,
+        SessionError,
         SgpuError,
         SpecError,
         UnpicklableGlobalError,
     )
     from sgpu_magic.front.decorator import DistributedFunction, distributed
     from sgpu_magic.front.script import run_script
+    from sgpu_magic.front.session import Session, current_session
     from sgpu_magic.job import Job, JobState
 
 __all__ = [
     "distributed",
     "DistributedFunction",
     "run_script",
+    "Session",
+    "current_session",
     "Job",
     "JobState",
     "runtime",
@@ -76,6 +85,8 @@ __all__ = [
     "JobCancelledError",
     "UnpicklableGlobalError",
     "CheckpointError",
+    "SessionError",
+    "CellInterruptedError",
     "load_ipython_extension",
 ]
 
@@ -122,9 +133,11 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
     """``%load_ext sgpu_magic``: register ``%%distributed``, ``%distributed_run`` and ``%mlflow_ui``, start the
     launch host and import mlflow in the background."""
     from sgpu_magic.front.magics import DistributedMagics
+    from sgpu_magic.front.session_magics import SessionMagics
     from sgpu_magic.launch.client import get_host
 
     ipython.register_magics(DistributedMagics)
+    ipython.register_magics(SessionMagics)
     host = get_host()
     magics = ipython.magics_manager.registry.get("DistributedMagics")
     if magics is None or magics.mlflow:

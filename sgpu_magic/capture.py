@@ -25,7 +25,7 @@ import marshal
 import pickle
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,9 +123,14 @@ def _capture_one(name: str, value: object, max_bytes: int, out: Captured) -> Non
 
 
 def capture_names(
-    names: set[str], namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES, warn: Callable[[str], None] | None = None
+    names: set[str],
+    namespace: dict,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    warn: Callable[[str], None] | None = None,
+    skip: Collection[str] = (),
 ) -> Captured:
-    """Capture ``names`` that exist in ``namespace`` (builtins and dunders skipped).
+    """Capture ``names`` that exist in ``namespace`` (builtins, dunders and ``skip`` left out: a live session's
+    ranks already have those).
 
     ``warn(text)`` is called for each warning as soon as it is known: globals whose size can be
     estimated without pickling (arrays, tensors, byte strings) are warned about before anything
@@ -134,7 +139,7 @@ def capture_names(
     out = Captured(on_warning=warn)
     chosen = []
     for name in sorted(names):
-        if name.startswith("__") or name not in namespace:
+        if name.startswith("__") or name not in namespace or name in skip:
             continue
         value = namespace[name]
         if name in vars(builtins) and value is vars(builtins)[name]:
@@ -273,9 +278,12 @@ def _code_filenames(code: types.CodeType) -> set[str]:
 
 
 def capture_function(
-    fn: Callable, max_bytes: int = DEFAULT_MAX_BYTES, warn: Callable[[str], None] | None = None
+    fn: Callable,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    warn: Callable[[str], None] | None = None,
+    skip: Collection[str] = (),
 ) -> dict:
-    """Payload part for a function: a reference, or its code plus captured globals.
+    """Payload part for a function: a reference, or its code plus captured globals (except ``skip``).
 
     Raises:
         CaptureError: when the function's defaults or closure cannot be pickled.
@@ -284,7 +292,7 @@ def capture_function(
     if ref is not None:
         return {"kind": "ref", "module": ref[0], "qualname": ref[1], "globals": {}, "warnings": [], "sources": {}}
     code = fn.__code__
-    captured = capture_names(code_global_names(code), fn.__globals__, max_bytes, warn)
+    captured = capture_names(code_global_names(code), fn.__globals__, max_bytes, warn, skip)
     closure = [c.cell_contents for c in (fn.__closure__ or ())]
     shell = {
         "code": code,
@@ -323,14 +331,18 @@ def _notebook_filenames(namespace: dict, captured: Captured) -> set[str]:
 
 
 def capture_cell(
-    source: str, namespace: dict, max_bytes: int = DEFAULT_MAX_BYTES, warn: Callable[[str], None] | None = None
+    source: str,
+    namespace: dict,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    warn: Callable[[str], None] | None = None,
+    skip: Collection[str] = (),
 ) -> dict:
-    """Payload part for a cell: its source plus the globals it reads from ``namespace``.
+    """Payload part for a cell: its source plus the globals it reads from ``namespace`` (except ``skip``).
 
     Raises:
         SyntaxError: when the cell is not valid Python.
     """
-    captured = capture_names(cell_global_names(source), namespace, max_bytes, warn)
+    captured = capture_names(cell_global_names(source), namespace, max_bytes, warn, skip)
     return {
         "kind": "cell",
         "source": source,

@@ -69,6 +69,17 @@ class JobCancelledError(KeyboardInterrupt):
         return [f"{type(self).__name__}: {self}"]
 
 
+class SessionError(SgpuError, RuntimeError):
+    """A live session cannot do what was asked: it is stopped or broken (a rank died, or did not return from an
+    interrupt), no session or no such session, a rank outside its world, a name a rank lacks. The message
+    names the session and the remedy; the session itself is left as it was."""
+
+
+class CellInterruptedError(JobCancelledError):
+    """A session cell was interrupted (the kernel's Interrupt, the panel's Stop, ``Session.interrupt()``): every
+    rank running it got ``KeyboardInterrupt``; the ranks and their namespaces are kept. A ``KeyboardInterrupt``."""
+
+
 def describe_exit(exitcode: int | None) -> str:
     """Render a process exit code as a phrase: ``exit code 3`` or ``killed by signal SIGKILL (9)``."""
     if exitcode is None:

@@ -17,6 +17,7 @@ Layout::
         elastic/             torch elastic's own per-rank files
         code.json            the notebook's labels and sources of the job's code, to map stack frames (by the kernel)
         stacks/rank_<N>.txt  rank N's stack when the job timed out or was cancelled while it ran (by the host)
+        session/rank_<N>.cmd, rank_<N>.reply   a live session's channel to rank N (FIFOs, 0600)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import errno
 import json
 import os
 import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +100,33 @@ def read_private(path: Path, run_dir: Path | None = None) -> bytes:
         return f.read()
 
 
+def make_private_fifo(path: Path) -> None:
+    """Create the FIFO ``path`` with mode 0600 (its folder must be private: :func:`make_private_dir`)."""
+    os.mkfifo(path, 0o600)
+    os.chmod(path, 0o600)  # mkfifo applies the umask; 0600 is what open_private_fifo checks
+
+
+def open_private_fifo(path: Path, flags: int) -> int:
+    """Open the FIFO ``path`` (``flags``: ``os.O_RDONLY``, ``os.O_WRONLY`` or ``os.O_RDWR``) only when it and its
+    folder are private to this user, as :func:`read_private` checks a pickle: a session's commands are pickles.
+
+    Returns:
+        the file descriptor (close-on-exec).
+    Raises:
+        FileNotFoundError: there is no such FIFO.
+        PermissionError: it is a symlink, not a FIFO, or it or its folder is open to other users.
+    """
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    why = _not_private(st, "the file") or _not_private(os.lstat(path.parent), "its directory")
+    if not why and not stat.S_ISFIFO(st.st_mode):
+        why = "it is not a FIFO"
+    if why:
+        os.close(fd)
+        raise PermissionError(f"refusing to use the session channel {path}: {why}")
+    return fd
+
+
 RESERVE_NAME = ".reserve"
 RESERVE_BYTES = 128 << 10
 """Each run dir holds this many bytes in ``.reserve`` from its creation. When its disk fills up (a rank
@@ -159,6 +188,8 @@ class HostStatus:
         stacks: ``{rank: where}`` for the ranks still running when the job timed out or was cancelled, taken just
             before they were stopped, e.g. ``{0: "dist.broadcast at Cell In[4] line 7"}`` (their whole stacks:
             ``stacks/rank_<r>.txt``); ``{}`` when no rank was running then.
+        rank_outcomes: a live session's cell: ``{rank: "returned" | "raised" | "interrupted" | "did not return"}``
+            (its ranks do not exit, so ``exitcodes`` says nothing of them).
     """
 
     state: str = "pending"
@@ -175,6 +206,7 @@ class HostStatus:
     launch_error: str | None = None
     pids: dict[int, int] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
+    rank_outcomes: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, status: dict) -> HostStatus:
@@ -193,6 +225,7 @@ class HostStatus:
             launch_error=status.get("launch_error"),
             pids={int(k): int(v) for k, v in (status.get("pids") or {}).items()},
             stacks={int(k): str(v) for k, v in (status.get("stacks") or {}).items()},
+            rank_outcomes={int(k): v for k, v in (status.get("rank_outcomes") or {}).items()},
         )
 
     @property
@@ -311,13 +344,20 @@ class RunDir:
         self.path = Path(path)
 
     @classmethod
-    def create(cls, root: Path | None = None, job_id: str | None = None) -> RunDir:
-        """Make ``<root>/runs/<job_id>`` and its subfolders, all 0700."""
+    def create(cls, root: Path | None = None, job_id: str | None = None, lean: bool = False) -> RunDir:
+        """Make ``<root>/runs/<job_id>`` and its subfolders, all 0700.
+
+        ``lean``: a live session's cell, whose ranks already run: no ``elastic/`` folder and no ``.reserve`` (the
+        session's own run directory holds one), which halves what a cell costs before it is sent.
+        """
         runs = make_private_dir((root or default_root()) / "runs")
         rd = cls(runs / (job_id or new_job_id()))
         rd.path.mkdir(mode=0o700)
         for sub in SUBDIRS:
-            (rd.path / sub).mkdir(mode=0o700)
+            if not (lean and sub == "elastic"):
+                (rd.path / sub).mkdir(mode=0o700)
+        if lean:
+            return rd
         try:
             atomic_write_bytes(rd.path / RESERVE_NAME, b"\0" * RESERVE_BYTES)  # written, so the blocks are held
         except OSError:
@@ -347,7 +387,7 @@ class RunDir:
 
     code_map_file = _entry(
         "code.json",
-        "The notebook's names for the job's code (``Cell In[4]``), its sources and line offsets, so stack frames "
+        "The notebook's names for the job's code (``Cell In[4]``) and its sources, so stack frames "
         "read as the notebook shows them (written by the kernel; see :mod:`sgpu_magic.launch.stacks`).",
     )
     stacks_dir = _entry(
@@ -363,6 +403,20 @@ class RunDir:
         """``.stacks-<token>.json``: the launch host's answer to the kernel's request ``token`` for the running
         ranks' stacks (read and deleted by the kernel)."""
         return self.path / f".stacks-{token}.json"
+
+    session_dir = _entry(
+        "session",
+        "A live session's channel (:mod:`sgpu_magic.session`): a command FIFO and a reply FIFO per rank, "
+        "0600 in this 0700 folder, made by the kernel before the ranks start.",
+    )
+
+    def session_command(self, rank: int) -> Path:
+        """The FIFO the kernel writes rank ``rank``'s session commands to (cells, push, pull, stop)."""
+        return self.session_dir / f"rank_{rank}.cmd"
+
+    def session_reply(self, rank: int) -> Path:
+        """The FIFO rank ``rank`` writes its replies to (a cell's outcome, a pulled value)."""
+        return self.session_dir / f"rank_{rank}.reply"
 
     def attempt_errors_dir(self, attempt: int) -> Path:
         """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""

@@ -45,8 +45,9 @@ from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES
 from sgpu_magic.ui.text import TextView
 
 
-def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:
-    """Who follows the job: MLflow tracking first (it names the run the view links to), then the view."""
+def make_sinks(spec: LaunchSpec, view: JobSink | None, parent_run: tuple[str, str] | None = None) -> list[JobSink]:
+    """Who follows the job: MLflow tracking first (it names the run the view links to), then the view.
+    ``parent_run``: the MLflow run to nest the job's run under (a session cell's: the session's run)."""
     sinks: list[JobSink] = []
     if spec.mlflow:
         from sgpu_magic.tracking.run import DEFAULT_EXPERIMENT, MlflowTracking
@@ -55,6 +56,7 @@ def _sinks(spec: LaunchSpec, view: JobSink | None) -> list[JobSink]:
             MlflowTracking(
                 default_experiment=resolve_config(FromConfig("mlflow_experiment", DEFAULT_EXPERIMENT)),
                 ui=resolve_config(FromConfig("mlflow_ui", False)),
+                parent_run=parent_run,
             )
         )
     sinks.append(view or make_view(spec.widgets, resolve_config(FromConfig("max_log_lines", DEFAULT_MAX_LINES))))
@@ -81,7 +83,7 @@ def start(
     return start_job(
         spec,
         build,
-        _sinks(spec, view),
+        make_sinks(spec, view),
         background=background,
         lease_dir=resolve_config(FromConfig("lease_dir", "")) or None,
     )

@@ -27,6 +27,9 @@ from typing import Any, TypeVar
 MAGICS = {
     "%%distributed": "run the cell on N ranks (%%distributed --gpus N [options])",
     "%distributed_run": "run a script or module on N ranks as torchrun does (%distributed_run --gpus N script.py ...)",
+    "%distributed_session": "start, show, restart or stop a live session (ranks that keep their state between cells)",
+    "%distributed_push": "copy kernel values into every rank's namespace of a live session",
+    "%distributed_pull": "copy a value from a live session's ranks into the kernel",
     "%distributed_jobs": "this kernel's jobs: state, world size, elapsed time, MLflow run",
     "%distributed_stop": "cancel a job of this kernel (every rank stopped), or all of them with --all",
     "%distributed_stacks": "the Python stack of every running rank of a job, notebook frames as Cell In[N] line L",

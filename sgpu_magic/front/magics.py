@@ -27,6 +27,7 @@ from sgpu_magic.front.cell import (
 from sgpu_magic.front.decorator import job_spec, start
 from sgpu_magic.front.job_table import JobTable, find_job, latest_running
 from sgpu_magic.front.magic_help import magic_help
+from sgpu_magic.front.session_magics import is_session_cell, run_session_cell
 from sgpu_magic.job.handle import jobs
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
 
@@ -152,6 +153,13 @@ class DistributedMagics(Magics):
         "ended and the job keeps its outcome, noting which rank needed it.",
     ).tag(config=True)
 
+    session_idle_timeout_s = Float(
+        None,
+        allow_none=True,
+        help="Stop a live session (and release its GPUs) after this many seconds without a cell; None = never. "
+        "%distributed_session start --idle-timeout S / Session(idle_timeout=S) set it for one session.",
+    ).tag(config=True)
+
     remote_cluster = Unicode(
         "",
         help="The cluster remote=True / --remote runs on, e.g. 'ray://head:10001' (a Ray "
@@ -181,6 +189,16 @@ class DistributedMagics(Magics):
 
     @magic_arguments(name="%distributed")  # a cell magic: the usage line reads %%distributed
     @_job_options
+    @argument(
+        "--session",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="NAME",
+        help="Run the cell on a live session's ranks instead (%%distributed_session start; default: the latest); "
+        "with --ranks I,J, --timeout and -o only.",
+    )
+    @argument("--ranks", default=None, metavar="I,J", help="With --session: run only on these ranks.")
     @magic_help(
         "%%distributed",
         examples="""
@@ -197,6 +215,10 @@ class DistributedMagics(Magics):
 
         %%distributed --gpus 2 --background -o job
         train(epochs=30)                                # returns at once: job.state, job.result() later
+
+        %%distributed --session                         # on the live session's ranks (%distributed_session start)
+        loss = train_some(steps=100)                    # the ranks keep model, optimizer, process group
+        loss
         """,
     )
     @cell_magic
@@ -213,6 +235,8 @@ class DistributedMagics(Magics):
         Python: a cell with IPython syntax (%magic, !shell, ? help) or a top-level return is
         refused with a SyntaxError before anything starts.
         """
+        if is_session_cell(line):
+            return run_session_cell(self.shell, line, cell)
         args = parse_line(self.distributed.parser, line, "%%distributed")
         check_output_name(args.output)
         spec = self._job_spec(args, "%%distributed cell")

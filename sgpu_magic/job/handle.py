@@ -58,6 +58,8 @@ class Job:
         run_dir: path of its run directory (logs stay there after the job).
         background: whether a background thread follows the job (``submit``), else the caller does.
         mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked.
+        title: how messages name it: ``job <id>``, or ``session s1 cell 3`` for a session's cell.
+        ranks: the ranks that run it, in order (every rank of the world, except for a session cell run on some).
         run_url: a link to that run's page on its tracking server, or on the ``%mlflow_ui`` server
             once one runs for its store (also for a job started before it), else ``None``.
         waited_s: seconds the job waited in the queue for its GPUs.
@@ -71,8 +73,11 @@ class Job:
         get_host: Callable[[], Launcher],
         sinks: Sequence[JobSink] = (),
         registry: LeaseRegistry | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self._rd = run_dir
+        self.ranks: tuple[int, ...] = tuple(range(plan.world_size) if ranks is None else ranks)
+        self.title = f"job {run_dir.job_id}"
         self._feed = StatusFeed(run_dir)
         self.spec = spec
         self.plan = plan
@@ -115,6 +120,11 @@ class Job:
     @property
     def world_size(self) -> int:
         return self.plan.world_size
+
+    @property
+    def view(self) -> JobSink | None:
+        """What shows the job (the panel or the text view: its last sink), or ``None``."""
+        return self._sinks[-1] if self._sinks else None
 
     @property
     def gpus(self) -> list[int]:
@@ -579,7 +589,8 @@ class Job:
         return self._error
 
     def result(self, timeout_s: float | None = None) -> list[Any]:
-        """Wait for the job (at most ``timeout_s``); return one value per rank, in rank order (tensors on CPU).
+        """Wait for the job (at most ``timeout_s``); return one value per rank that ran it (:attr:`ranks`), in rank
+        order (tensors on CPU).
 
         Raises:
             RankFailedError: a rank failed; shows the root-cause rank's traceback and log path.
@@ -592,7 +603,7 @@ class Job:
         if error is not None:
             raise error
         if self._results is None:
-            self._results = [load_result(self._rd, r) for r in range(self.world_size)]
+            self._results = [load_result(self._rd, r) for r in self.ranks]
         return self._results
 
     @property

@@ -35,6 +35,7 @@ def start(
     sinks: list[JobSink],
     background: bool = False,
     lease_dir: str | None = None,
+    before_launch: Callable[[RunDir], None] | None = None,
 ) -> Job:
     """Plan the devices (locally, or on the Ray cluster ``spec.cluster``), build the payload (its warnings go to
     the last sink, the view, as capture finds them), say the plan's note, then lease GPUs (in ``lease_dir``,
@@ -42,6 +43,8 @@ def start(
 
     Raises :class:`~sgpu_magic.errors.SpecError` / :class:`~sgpu_magic.errors.ResourceError` before any process
     starts. A background job is followed by its own thread; for a blocking one the caller runs ``job.follow()``.
+    ``before_launch(run_dir)`` runs once the run directory holds the payload, before the job is handed over (a
+    session makes its channel there).
     """
     view = cast(_View, sinks[-1])  # the last sink is the job's view (front.decorator._sinks)
     if spec.cluster is not None:  # Ray places the ranks: no local GPUs, no leases, no local port
@@ -62,7 +65,9 @@ def start(
     payload.setdefault("argv", [spec.name])  # the ranks' sys.argv: a script run without arguments
     _say_note(view, plan, spec)
     registry = LeaseRegistry(lease_dir) if plan.needs_lease else None
-    return submit(spec, plan, payload, host_factory, sinks, background=background, registry=registry)
+    return submit(
+        spec, plan, payload, host_factory, sinks, background=background, registry=registry, before_launch=before_launch
+    )
 
 
 _NO_GPU_SAID = threading.Event()
@@ -90,6 +95,9 @@ def submit(
     root: Path | None = None,
     background: bool = False,
     registry: LeaseRegistry | None = None,
+    before_launch: Callable[[RunDir], None] | None = None,
+    ranks: Sequence[int] | None = None,
+    lean: bool = False,
 ) -> Job:
     """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
 
@@ -100,13 +108,17 @@ def submit(
     the job).
 
     ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
-    one is asked once more, so a dead host never fails a launch.
+    one is asked once more, so a dead host never fails a launch. ``before_launch``: see :func:`start`;
+    ``ranks``: the ranks that run it (a session cell on some of the session's ranks), default all; ``lean``: a
+    session cell's run directory (see :meth:`RunDir.create`).
     """
-    rd = RunDir.create(root)
+    rd = RunDir.create(root, lean=lean)
     atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
     CodeMap.from_payload(payload).write(rd.code_map_file)  # stacks read frames as the notebook names them
+    if before_launch is not None:
+        before_launch(rd)
     if plan.needs_lease and registry is None:
         registry = LeaseRegistry()
-    job = Job(rd, spec, plan, get_host, sinks, registry)
+    job = Job(rd, spec, plan, get_host, sinks, registry, ranks)
     job.start(background)
     return job

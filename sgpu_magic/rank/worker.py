@@ -168,6 +168,10 @@ def run_payload(payload: dict, ns: dict, held: list | None = None):
     of an async ``mlflow.log_metric`` call (a cell ending with one) is ``None``, as with sync logging.
     """
     try:
+        if payload["kind"] == "session":  # a live session's rank: cells until the session stops
+            from sgpu_magic.rank.session import serve
+
+            return serve(RunDir(payload["run_dir"]), ns)
         if payload["kind"] == "script":
             return _run_script(payload, ns)
         if payload["kind"] == "cell":
@@ -296,6 +300,8 @@ def _run_and_record(run_dir: RunDir, rank: int, payload: dict, ns: dict, held: l
 def _execute(run_dir: RunDir, rank: int) -> int:
     """Load the payload, run it, write its outcome, then free what it made (the teardown the host bounds)."""
     payload = pickle.loads(read_private(run_dir.payload_file))
+    if payload["kind"] == "session":
+        payload["run_dir"] = str(run_dir.path)
     guard_job_run()  # before the payload's globals import mlflow: the kernel owns the run's status
     rank_exit.keep_process_groups()  # before they import torch.distributed (cold) or any group exists (warm)
     sys.argv = list(payload.get("argv") or sys.argv[:1])  # [cell or function name]: parse_args() reads defaults

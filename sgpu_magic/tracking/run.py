@@ -138,6 +138,8 @@ class MlflowTracking(JobSink):
         default_experiment: experiment when nothing else names one (``DistributedMagics.mlflow_experiment``).
         ui: start the ``%mlflow_ui`` server for a local store when the job starts
             (``DistributedMagics.mlflow_ui``), so the job's run link works.
+        parent_run: ``(run id, experiment id)`` of the run to nest this one under (a session cell's run under the
+            session's); default: the kernel's active run, if any.
 
     Attributes (after ``prepare``): ``tracking_uri``, ``experiment_id``, ``run_id``; ``None`` when
     tracking could not start, in which case the job runs untracked after a warning.
@@ -145,7 +147,9 @@ class MlflowTracking(JobSink):
 
     needs_every_line = False  # it reads no output (logs are attached from the files at the end)
 
-    def __init__(self, default_experiment: str = DEFAULT_EXPERIMENT, ui: bool = False) -> None:
+    def __init__(
+        self, default_experiment: str = DEFAULT_EXPERIMENT, ui: bool = False, parent_run: tuple[str, str] | None = None
+    ) -> None:
         self.default_experiment = default_experiment or DEFAULT_EXPERIMENT
         self.ui = ui
         self.tracking_uri: str | None = None
@@ -157,6 +161,8 @@ class MlflowTracking(JobSink):
         # read here, in the thread that starts the job: MLflow's active run is thread-local, and a
         # background job prepares its run on another thread
         self._parent_run, self._active_experiment_id = _fluent_context()
+        if parent_run is not None:  # a session cell: a child of the session's run
+            self._parent_run = parent_run
 
     # -- before launch
 

@@ -144,6 +144,7 @@ class Panel(TextView):
         self.footers = [Footer() for _ in range(job.world_size)]
         self._log_names = [html.escape(str(path)) for path in job.log_paths]
         self._exitcodes: dict[int, int | None] | None = None  # set once the job has ended
+        self._outcomes: dict[int, str] = {}
         self._counted: dict[str, int] | None = None
         self._grace_ended: dict[int, dict] = {}  # ranks the host ended after their teardown grace
         log_layout = w.Layout(max_height="30em", overflow="auto")
@@ -284,6 +285,7 @@ class Panel(TextView):
         status = job.status
         self._counted = status.log_lines
         self._grace_ended = {e["rank"]: e for e in status.teardown_ended}
+        self._outcomes = status.rank_outcomes  # a session cell's ranks: returned / raised / interrupted
 
     def _render_footer(self, rank: int, shown_lines: int) -> str:
         """The footer of ``rank``'s tab when it shows ``shown_lines`` complete lines: state, earlier lines, log."""
@@ -297,7 +299,7 @@ class Panel(TextView):
         else:
             earlier = buf.total_lines - shown_lines
             hidden = f"{earlier} earlier lines are only in the log file. " if earlier > 0 else ""
-        state = rank_state((self._exitcodes or {}).get(rank), not final)
+        state = self._outcomes.get(rank) or rank_state((self._exitcodes or {}).get(rank), not final)
         ended = self._grace_ended.get(rank)
         if ended is not None:
             state = f"{'returned' if ended.get('outcome') == 'value' else 'raised'}; ended after the teardown grace"
@@ -325,7 +327,8 @@ class Panel(TextView):
                 problem = f"<br><small>{html.escape(restart_reason(job))}; all ranks restarted</small>"
         self.header.value = (
             f'<div style="{_TEXT_STYLE}">'
-            f"<b>sgpu_magic job</b> <code>{job.job_id}</code> {badge} &middot; "
+            f"<b>sgpu_magic {'job' if job.title.startswith('job ') else html.escape(job.title)}</b> "
+            f"<code>{job.job_id}</code> {badge} &middot; "
             f"{html.escape(job.plan.device_kind)}{_NO_GPU if job.plan.no_gpu else ''} &middot; "
             f"{elapsed}{link}{problem}</div>"
         )

@@ -18,7 +18,7 @@ def summary_line(job: Job) -> str:
     elapsed = f" in {job.elapsed_s:.1f} s" if job.elapsed_s is not None else ""
     link = f"; MLflow run: {job.run_url}" if getattr(job, "run_url", None) else ""
     return (
-        f"sgpu_magic: job {job.job_id} {job.state.label}{elapsed} on {job.plan.device_kind}; "
+        f"sgpu_magic: {job.title} {job.state.label}{elapsed} on {job.plan.device_kind}; "
         f"logs: {RunDir(job.run_dir).logs_dir}{link}"
     )
 

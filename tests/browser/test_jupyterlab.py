@@ -81,7 +81,9 @@ def wait_cell_done(cell, timeout_ms: int = JOB_TIMEOUT_MS) -> None:
 
 
 def panel_of(cell):
-    return cell.locator(".jp-OutputArea-output .widget-vbox").filter(has_text="sgpu_magic job").first
+    return (
+        cell.locator(".jp-OutputArea-output .widget-vbox").filter(has_text=re.compile("sgpu_magic (job|session)")).first
+    )
 
 
 def shown_log(panel) -> str:
@@ -239,3 +241,42 @@ def test_stop_button_cancels_a_running_job(jupyter, page, mode, screenshots):
         expect(job_cell.locator(".jp-Cell-outputArea")).to_contain_text("JobCancelledError")
     expect(panel.locator("button", has_text="Stop")).to_be_disabled()
     page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}stop-{mode}-page.png"))
+
+
+def test_interrupting_a_session_cell_keeps_the_ranks_state(jupyter, page, screenshots):
+    """A live session: a cell sets ``w`` on every rank, the next one loops until the notebook's Interrupt (pressed
+    as a person does: Escape, then i i), which raises CellInterruptedError; the cell after it still sees ``w``."""
+    from playwright.sync_api import expect
+
+    name = "session_interrupt.ipynb"
+    loop = "%%distributed --session\nimport time\nprint('looping', flush=True)\nwhile True:\n    time.sleep(0.05)"
+    write_notebook(
+        jupyter.root / name,
+        [
+            "%load_ext sgpu_magic",
+            "%distributed_session start --gpus 2 --no-mlflow -o sess",
+            "%%distributed --session\nimport os\nw = 40 + int(os.environ['RANK'])",
+            loop,
+            "%%distributed --session\nw",
+        ],
+    )
+    notebook = open_notebook(page, jupyter, name)
+    for index in (0, 1, 2):
+        wait_cell_done(run_cell(page, notebook, index), JOB_TIMEOUT_MS)
+    loop_cell = run_cell(page, notebook, 3)
+    panel = panel_of(loop_cell)
+    panel.wait_for(timeout=60_000)
+    expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text("looping", timeout=60_000)
+    page.keyboard.press("Escape")
+    page.keyboard.press("i")
+    page.keyboard.press("i")
+    wait_cell_done(loop_cell, 60_000)
+    expect(loop_cell.locator(".jp-Cell-outputArea")).to_contain_text("CellInterruptedError")
+    expect(loop_cell.locator(".jp-Cell-outputArea")).to_contain_text("the ranks and their state are kept")
+    last = run_cell(page, notebook, 4)
+    wait_cell_done(last, 60_000)
+    expect(last.locator(".jp-OutputArea-output").last).to_contain_text("40")
+    expect(panel_of(last).locator(".widget-html").first).to_contain_text("sgpu_magic session s1 cell 3")
+    expect(panel_of(last).locator(".widget-tab-contents .widget-output:visible").first).to_be_visible()
+    expect(panel_of(loop_cell)).to_contain_text("interrupted")
+    page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}session-interrupt-page.png"))

@@ -91,7 +91,7 @@ def test_a_magic_the_hook_cannot_find_fails_the_build(monkeypatch):
     with pytest.raises(
         RuntimeError,
         match=r"%distributed_nonesuch is in sgpu_magic\.front\.magic_help\.MAGICS but "
-        r"DistributedMagics has no magic named 'distributed_nonesuch'",
+        r"neither DistributedMagics nor SessionMagics has a magic named 'distributed_nonesuch'",
     ):
         _hooks().on_page_markdown("# help\n\n<!-- sgpu_magic:magic-help -->\n", None, None, None)
 

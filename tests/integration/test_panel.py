@@ -216,11 +216,11 @@ def test_stop_button_from_another_thread_cancels_a_blocking_job(tmp_path):
 
 
 def test_max_log_lines_follows_the_config(ip):
-    from sgpu_magic.front.decorator import _sinks
+    from sgpu_magic.front.decorator import make_sinks
 
     ip.run_line_magic("config", "DistributedMagics.max_log_lines = 50")
     try:
-        view = _sinks(distributed(gpus=1, mlflow=False, widgets=True)(len).spec, None)[-1]
+        view = make_sinks(distributed(gpus=1, mlflow=False, widgets=True)(len).spec, None)[-1]
         assert isinstance(view, Panel) and view.max_lines == 50
     finally:
         ip.run_line_magic("config", "DistributedMagics.max_log_lines = 2000")

@@ -1,0 +1,379 @@
+"""Live distributed sessions: N ranks that keep their state from cell to cell.
+
+Example::
+
+    from sgpu_magic import Session
+
+    sess = Session(gpus=2)                       # ranks start from the warm forkserver and wait for cells
+    sess.run_cell("import torch\\nw = torch.ones(3) * int(__import__('os').environ['RANK'])")
+    sess.run_cell("w.sum().item()")              # [0.0, 3.0]: each rank kept its own w
+    sess.push(lr=0.1)                            # kernel value -> every rank's namespace
+    sess.pull("w", rank=1)                       # tensor([1., 1., 1.])
+    sess.stop()
+
+The same from magics: ``%distributed_session start --gpus 2``, ``%%distributed --session``,
+``%distributed_push``, ``%distributed_pull`` (see :mod:`sgpu_magic.front.session_magics`). Each cell, and each
+``sess.run(fn)``, is a :class:`~sgpu_magic.job.handle.Job` (panel, logs, results, MLflow child run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sgpu_magic import capture
+from sgpu_magic.errors import (
+    CellInterruptedError,
+    JobCancelledError,
+    JobTimeoutError,
+    LauncherError,
+    SessionError,
+    SpecError,
+)
+from sgpu_magic.front.decorator import FromConfig, job_spec, make_sinks, resolve_config
+from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.handle import Job
+from sgpu_magic.session.core import SessionCore, SessionState
+from sgpu_magic.spec import LaunchSpec, shown
+
+_SESSIONS: list[Session] = []
+_SESSIONS_LOCK = threading.Lock()
+_NUMBERS = itertools.count(1)
+
+
+def sessions() -> list[Session]:
+    """Every session started in this kernel, oldest first (stopped ones too)."""
+    with _SESSIONS_LOCK:
+        return list(_SESSIONS)
+
+
+def current_session() -> Session | None:
+    """The latest session of this kernel that is not stopped (the one ``%%distributed --session`` uses), or
+    ``None``."""
+    live = [s for s in sessions() if s.state is not SessionState.STOPPED]
+    return live[-1] if live else None
+
+
+def find_session(name: str | None) -> Session:
+    """The session named ``name``, or the current one (``name`` ``None`` or ``""``).
+
+    Raises:
+        SessionError: there is no session, or none of that name; the message lists the kernel's sessions.
+    """
+    if not name:
+        session = current_session()
+        if session is None:
+            raise SessionError(
+                "no live session in this kernel; start one with %distributed_session start --gpus N "
+                "(or sess = Session(gpus=N))"
+            )
+        return session
+    for session in reversed(sessions()):
+        if session.name == name:
+            return session
+    known = ", ".join(f"{s.name} ({s.state.value})" for s in sessions()) or "none yet"
+    raise SessionError(f"no session named {name!r} in this kernel (sessions: {known})")
+
+
+def _check_idle_timeout(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SpecError(
+            f"idle_timeout must be a number of seconds > 0, or None for no idle timeout; got {shown(value)}"
+        )
+    return float(value)
+
+
+class Session:
+    """A live distributed session: ``gpus`` rank processes that keep one namespace each from cell to cell.
+
+    Args:
+        gpus: number of ranks (one GPU each; CPU ranks with gloo without GPUs). Default: every GPU, at least 1.
+        gpu_type: GPU model to require (as ``@distributed``). Default ``None``: any.
+        gpu_ids: physical GPU indices, one per rank. Default ``None``: any free GPUs.
+        cluster: a Ray cluster; not supported for sessions yet (:class:`~sgpu_magic.errors.SpecError`).
+        idle_timeout: stop the session after this many seconds without a cell (its GPUs are released);
+            ``None``: never. Default: ``%config DistributedMagics.session_idle_timeout_s`` (``None``).
+        widgets: the panel (True), plain text (False) or decide (None), as for ``@distributed``.
+        mlflow: track the session as one MLflow run and each cell as a child run. Default True.
+        name: the session's name (``%%distributed --session NAME``). Default ``s1``, ``s2``, ...
+
+    The ranks start at once (from the launch host's warm forkserver), hold their GPU leases until the session
+    stops, and end with the kernel. Raises :class:`~sgpu_magic.errors.SpecError` for bad options and
+    :class:`~sgpu_magic.errors.SessionError` when the ranks could not start.
+    """
+
+    def __init__(
+        self,
+        gpus: int | None = None,
+        gpu_type: str | None = None,
+        gpu_ids: Sequence[int] | None = None,
+        cluster: str | None = None,
+        idle_timeout: float | None = FromConfig("session_idle_timeout_s", None),  # type: ignore[assignment]
+        widgets: bool | None = FromConfig("widgets", None),  # type: ignore[assignment]
+        mlflow: bool = FromConfig("mlflow", True),  # type: ignore[assignment]
+        name: str | None = None,
+    ) -> None:
+        if cluster is not None:
+            raise SpecError(
+                f"sessions run on this machine's ranks; cluster={shown(cluster)} is not supported for sessions yet. "
+                f"Leave cluster out, or run jobs on the cluster with @distributed(cluster=...)"
+            )
+        spec = job_spec(
+            "session",
+            gpus,
+            gpu_type,
+            None,
+            widgets=resolve_config(widgets),
+            mlflow=resolve_config(mlflow),
+            gpu_ids=gpu_ids,
+        )
+        idle_timeout_s = _check_idle_timeout(resolve_config(idle_timeout))
+        self.name = self._unique_name(name)
+        lease_dir = resolve_config(FromConfig("lease_dir", "")) or None
+        self._core = SessionCore(spec, self._sinks, self.name, idle_timeout_s, lease_dir)
+        self._core.on_idle_stop = self._announce
+        self._max_capture_bytes = int(resolve_config(FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES)))
+        self._cells = 0
+        with _SESSIONS_LOCK:
+            _SESSIONS.append(self)
+        self._core.start()
+
+    @staticmethod
+    def _unique_name(name: str | None) -> str:
+        if name is None:
+            taken = {s.name for s in sessions()}
+            return next(f"s{n}" for n in _NUMBERS if f"s{n}" not in taken)
+        if not isinstance(name, str) or not name.isidentifier():
+            raise SpecError(f"a session name is a Python identifier such as 'train'; got {shown(name)}")
+        clash = [s for s in sessions() if s.name == name and s.state is not SessionState.STOPPED]
+        if clash:
+            raise SessionError(
+                f"session {name!r} is already running in this kernel; stop it first (%distributed_session stop {name}) "
+                f"or choose another name"
+            )
+        return name
+
+    # -- what it is
+
+    @property
+    def state(self) -> SessionState:
+        """:class:`~sgpu_magic.session.core.SessionState`: ``starting``, ``idle``, ``busy``, ``broken``, ``stopped``."""
+        return self._core.state
+
+    @property
+    def world_size(self) -> int:
+        return self._core.world_size
+
+    @property
+    def jobs(self) -> list[Job]:
+        """One :class:`~sgpu_magic.job.handle.Job` per cell or ``run`` so far, oldest first."""
+        return list(self._core.jobs)
+
+    @property
+    def job(self) -> Job | None:
+        """The session's own job: its ranks (``job.run_dir`` holds the session's channel)."""
+        return self._core.job
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """``{rank: process id}`` of the live ranks."""
+        return dict(self._core.pids)
+
+    @property
+    def broken(self) -> str | None:
+        """Why the session needs a restart, or ``None``."""
+        return self._core.broken
+
+    def __repr__(self) -> str:
+        return f"<Session {self.name} {self.state.value} world_size={self.world_size} cells={len(self._core.jobs)}>"
+
+    def check_usable(self) -> None:
+        """Raise :class:`~sgpu_magic.errors.SessionError` (saying why and what to do) unless a cell can run now."""
+        self._core.check_usable()
+
+    # -- cells
+
+    def _sinks(self, spec: LaunchSpec, parent_run: tuple[str, str] | None) -> list[JobSink]:
+        return make_sinks(spec, None, parent_run)
+
+    def _announce(self, message: str) -> None:
+        jobs = self._core.jobs or ([self._core.job] if self._core.job is not None else [])
+        view = jobs[-1].view if jobs else None
+        if view is not None and hasattr(view, "note"):
+            view.note(message)
+
+    def follow(self, job: Job) -> list[Any]:
+        """Follow a cell's job (from :meth:`submit_cell`) to its end in the calling thread; its values (one per rank
+        run), or its error in the session's words (see :meth:`run_cell`)."""
+        try:
+            job.follow()
+            return job.result()
+        except JobCancelledError as exc:
+            raise CellInterruptedError(self._interrupted_message(job, exc)) from None
+        except JobTimeoutError:
+            raise JobTimeoutError(
+                f"{job.spec.name} ran longer than its timeout of {job.spec.timeout_s:g} s and was interrupted; "
+                f"the ranks kept their state. Logs: {job.run_dir}"
+            ) from None
+        except LauncherError as exc:
+            if self._core.broken is not None:
+                raise SessionError(self._core.broken) from None
+            raise SessionError(str(exc)) from None
+
+    def _interrupted_message(self, job: Job, exc: BaseException) -> str:
+        if self._core.broken is not None:
+            return f"{job.spec.name} was interrupted, but {self._core.broken}"
+        return f"{job.spec.name} was interrupted; the ranks and their state are kept. Logs: {job.run_dir}"
+
+    def submit_cell(
+        self,
+        source: str,
+        namespace: dict[str, Any],
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+        filename: str | None = None,
+        display_name: str | None = None,
+        quiet: bool = False,
+    ) -> Job:
+        """The Job of one cell, launched on the session's ranks (the caller follows it). See :meth:`run_cell`."""
+        chosen = self._core.check_ranks(ranks)
+        self._cells += 1
+        label = f"session {self.name} cell {self._cells}"
+        filename = filename or f"<{label}>"
+
+        def build(skip: set[str], warn: Callable[[str], None]) -> dict:
+            payload = capture.capture_cell(source, namespace, self._max_capture_bytes, warn, skip=skip)
+            payload.update(filename=filename, quiet=quiet, display_names={filename: display_name or label})
+            return payload
+
+        return self._core.run_job(build, chosen, _timeout_s(timeout), label)
+
+    def run_cell(self, source: str, ranks: Sequence[int] | None = None, timeout: float | None = None) -> list[Any]:
+        """Run ``source`` on the ranks (all, or ``ranks``) in their namespaces; block until each is done.
+
+        Names a rank lacks are captured from the kernel's namespace by value (as for jobs); names it has win.
+
+        Args:
+            source: Python code (no IPython syntax); its last expression's value comes back.
+            ranks: the ranks to run it on, e.g. ``[0]``; default every rank.
+            timeout: seconds before the cell is interrupted (the ranks and their state stay); ``None``: no limit.
+
+        Returns:
+            one value per rank run, in rank order (tensors on the CPU).
+
+        Raises:
+            RankFailedError: the cell raised on a rank (the ranks stay; the root cause's traceback is shown).
+            CellInterruptedError: (a KeyboardInterrupt) the cell was interrupted; the state is kept.
+            JobTimeoutError: the cell ran past ``timeout`` (it was interrupted; the state is kept).
+            SessionError: the session is stopped or broken, or a rank is outside its world.
+        """
+        return self.follow(self.submit_cell(source, _user_namespace(), ranks, timeout))
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank of the live session; one value per rank, in rank order.
+
+        ``fn`` is a plain function or an ``@distributed`` one (its ``fn.distributed()`` stays a fresh job); its
+        globals are the rank's namespace, so it sees what earlier cells made there. Raises as :meth:`run_cell`,
+        and :class:`~sgpu_magic.errors.CaptureError` for an argument that cannot be sent (nothing runs).
+        """
+        fn = getattr(fn, "__sgpu_function__", fn)
+        problem = capture.function_problem(fn)
+        if problem is not None:
+            raise SpecError(f"Session.run takes a function: {problem}")
+        call = f"{self.name}.run({getattr(fn, '__name__', 'fn')})"
+        args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
+        self._cells += 1
+        label = f"session {self.name} cell {self._cells} ({getattr(fn, '__qualname__', 'function')})"
+
+        def build(skip: set[str], warn: Callable[[str], None]) -> dict:
+            payload = capture.capture_function(fn, self._max_capture_bytes, warn, skip=skip)
+            payload.update(args=args_bytes, kwargs=kwargs_bytes)
+            return payload
+
+        return self.follow(self._core.run_job(build, self._core.check_ranks(None), None, label))
+
+    # -- values
+
+    def push(self, **values: Any) -> None:
+        """Copy kernel values into every rank's namespace: ``sess.push(lr=1e-3, steps=10)``.
+
+        Raises:
+            CaptureError: a value cannot be pickled (nothing is sent; the message names it).
+            SessionError: the session is stopped, broken or busy.
+        """
+        if not values:
+            raise SessionError("push needs at least one name=value, e.g. sess.push(lr=1e-3)")
+        _, data = capture.capture_arguments(f"{self.name}.push", (), values)
+        self._core.request({"op": "push", "values": data}, self._core.check_ranks(None))
+
+    def pull(self, name: str, rank: int | None = None) -> Any:
+        """A value from the ranks' namespaces: rank ``rank``'s (tensors on the CPU), or a list, one per rank.
+
+        Raises:
+            SessionError: a rank has no such name (the message names the rank), the value cannot be pickled, a
+                rank outside the world, or the session is stopped, broken or busy.
+        """
+        ranks = self._core.check_ranks(None if rank is None else [rank])
+        request = self._core.request({"op": "pull", "name": name}, ranks)
+        for r in ranks:
+            reply = request.replies[r]
+            if not reply.get("ok"):
+                raise SessionError(
+                    f"{reply.get('error', 'the pull failed')} in session {self.name}; names it has: "
+                    f"{', '.join(sorted(reply.get('names', []))) or 'none'}"
+                )
+        values = [pickle.loads(request.values[r]) for r in ranks]
+        return values[0] if rank is not None else values
+
+    # -- life cycle
+
+    def interrupt(self) -> bool:
+        """``KeyboardInterrupt`` in the running cell on every rank (from another thread, or the panel's Stop); the
+        ranks and their state stay. Returns whether a cell was running."""
+        return self._core.interrupt("interrupted")
+
+    def restart(self) -> None:
+        """Stop the ranks (their state is lost) and start fresh ones with the same options."""
+        self._core.stop()
+        self._core.start()
+
+    def stop(self) -> None:
+        """End the session: every rank stopped, GPU leases released, its MLflow run ended. Idempotent."""
+        self._core.stop()
+
+    def status(self) -> str:
+        """One line: name, state, world size, cells run, and why it is broken if it is."""
+        line = f"session {self.name}: {self.state.value}, world_size={self.world_size}, {len(self._core.jobs)} cell(s)"
+        if self._core.job is not None:
+            line += f", run dir {self._core.job.run_dir}"
+        if self.broken:
+            line += f"\n{self.broken}"
+        return line
+
+
+def _timeout_s(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise SpecError(f"timeout must be a number of seconds > 0, or None for no limit; got {shown(timeout)}")
+    return float(timeout)
+
+
+def _user_namespace() -> dict[str, Any]:
+    """The kernel's namespace (IPython's ``user_ns``), else ``__main__``'s."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    if shell is not None:
+        return shell.user_ns
+    import __main__
+
+    return vars(__main__)

@@ -1,0 +1,230 @@
+"""The magics of live sessions: ``%distributed_session``, ``%%distributed --session``, ``%distributed_push``,
+``%distributed_pull`` (the sessions themselves: :mod:`sgpu_magic.front.session`)."""
+
+from __future__ import annotations
+
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from sgpu_magic.errors import SessionError, SpecError
+from sgpu_magic.front.cell import (
+    check_output_name,
+    checked_source,
+    ends_quiet,
+    parse_gpu_ids,
+    parse_line,
+    parse_timeout,
+)
+from sgpu_magic.front.decorator import FromConfig
+from sgpu_magic.front.magic_help import magic_help
+from sgpu_magic.front.session import Session, find_session, sessions
+
+
+def is_session_cell(line: str) -> bool:
+    """Whether a ``%%distributed`` line asks for a live session (``--session`` or ``--session NAME``)."""
+    try:
+        words = shlex.split(line)
+    except ValueError:
+        return False
+    return any(w == "--session" or w.startswith("--session=") for w in words)
+
+
+def parse_ranks(text: str | None) -> list[int] | None:
+    """``--ranks 0,2`` as ``[0, 2]``; ``None`` when not given. Raises UsageError for anything else."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--ranks takes rank numbers separated by commas, e.g. --ranks 0,2; got {text!r}") from None
+
+
+@magic_arguments(name="%distributed")
+@argument(
+    "--session",
+    nargs="?",
+    const="",
+    default=None,
+    metavar="NAME",
+    help="Run on the live session NAME (default: the latest).",
+)
+@argument("--ranks", default=None, metavar="I,J", help="Run only on these ranks of the session, e.g. 0,2.")
+@argument("--timeout", default=None, help="Seconds before the cell is interrupted (its state stays), or 'none'.")
+@argument("-o", "--output", default=None, metavar="NAME", help="Store the cell's Job (results, logs) in this variable.")
+def _session_cell_options(line: str, cell: str) -> None:
+    """The options of a ``%%distributed --session`` cell."""
+
+
+def run_session_cell(shell, line: str, cell: str):
+    """The body of ``%%distributed --session ...``: run the cell on the session's ranks; rank 0's value (or the
+    first rank run's) is the cell's output."""
+    args = parse_line(_session_cell_options.parser, line, "%%distributed --session")
+    check_output_name(args.output)
+    try:
+        session = find_session(args.session)
+        session.check_usable()
+    except SessionError as exc:
+        raise UsageError(str(exc)) from None
+    source = checked_source(cell, shell.transform_cell(cell))
+    try:
+        timeout_s = parse_timeout(args.timeout, None)
+        job = session.submit_cell(
+            source,
+            shell.user_ns,
+            parse_ranks(args.ranks),
+            timeout_s,
+            display_name=f"Cell In[{shell.execution_count}]",
+            quiet=ends_quiet(source),
+        )
+    except (SessionError, SpecError) as exc:
+        raise UsageError(str(exc)) from None
+    if args.output:
+        shell.user_ns[args.output] = job
+    values = session.follow(job)
+    return values[0] if values else None
+
+
+@magics_class
+class SessionMagics(Magics):
+    """``%distributed_session``, ``%distributed_push``, ``%distributed_pull``."""
+
+    @magic_arguments(name="distributed_session")
+    @argument("action", choices=["start", "status", "restart", "stop"], help="What to do.")
+    @argument(
+        "name", nargs="?", default=None, help="The session's name (start: default s1, s2, ...; else: the latest)."
+    )
+    @argument("--gpus", type=int, default=None, help="start: number of ranks (default: every GPU, at least 1).")
+    @argument("--gpu-type", default=None, help="start: GPU model to require, e.g. H100.")
+    @argument("--gpu-ids", default=None, metavar="I,J", help="start: physical GPU indices, one per rank.")
+    @argument(
+        "--cluster", default=None, metavar="ADDRESS", help="start: a Ray cluster (not supported for sessions yet)."
+    )
+    @argument(
+        "--idle-timeout",
+        default=None,
+        metavar="S",
+        help="start: stop the session after S seconds without a cell "
+        "(default: DistributedMagics.session_idle_timeout_s, None = never).",
+    )
+    @argument("--no-widgets", action="store_true", help="start: plain [rank N] text instead of the panel.")
+    @argument("--no-mlflow", action="store_true", help="start: no MLflow runs (one per session, a child per cell).")
+    @argument("--all", action="store_true", help="stop: every session of this kernel.")
+    @argument("-o", "--output", default=None, metavar="NAME", help="start: store the Session in this variable.")
+    @magic_help(
+        "%distributed_session",
+        examples="""
+        %distributed_session start --gpus 2 -o sess     # ranks wait for cells; sess.run_cell(...), sess.pull(...)
+        %distributed_session status
+        %distributed_session restart                    # fresh ranks (their state is lost)
+        %distributed_session stop                       # or: stop NAME, stop --all
+        """,
+    )
+    @line_magic
+    def distributed_session(self, line: str):
+        """Start, show, restart or stop a live session: ranks that keep their namespace from cell to cell.
+
+        After ``start``, ``%%distributed --session`` cells run on its ranks; each rank keeps what a cell makes
+        (models, optimizers, the process group) for the next. The session holds its GPUs until it stops, the
+        idle timeout passes, or the kernel ends.
+        """
+        args = parse_line(self.distributed_session.parser, line, "%distributed_session")
+        check_output_name(args.output)
+        try:
+            if args.action == "start":
+                return self._start(args)
+            if args.action == "status":
+                return self._status(args.name)
+            chosen = [s for s in sessions() if s.state.value != "stopped"] if args.all else [find_session(args.name)]
+            for session in chosen:
+                session.restart() if args.action == "restart" else session.stop()
+                print(session.status())
+            if not chosen:
+                print("no live session to stop")
+        except (SessionError, SpecError) as exc:
+            raise UsageError(str(exc)) from None
+        return None
+
+    def _start(self, args):
+        try:
+            idle = parse_timeout(args.idle_timeout, None) if args.idle_timeout is not None else None
+        except UsageError:
+            raise UsageError(
+                f"--idle-timeout takes seconds > 0 (or 'none'), e.g. --idle-timeout 600; got {args.idle_timeout!r}"
+            ) from None
+        session = Session(
+            gpus=args.gpus,
+            gpu_type=args.gpu_type,
+            gpu_ids=parse_gpu_ids(args.gpu_ids),
+            cluster=args.cluster,
+            idle_timeout=idle if args.idle_timeout is not None else FromConfig("session_idle_timeout_s", None),  # type: ignore[arg-type]
+            widgets=False if args.no_widgets else FromConfig("widgets", None),  # type: ignore[arg-type]
+            mlflow=False if args.no_mlflow else FromConfig("mlflow", True),  # type: ignore[arg-type]
+            name=args.name,
+        )
+        if args.output:
+            assert self.shell is not None  # a magic runs in the shell it is registered with
+            self.shell.user_ns[args.output] = session
+        print(session.status())
+        return None
+
+    @staticmethod
+    def _status(name: str | None) -> None:
+        chosen = [find_session(name)] if name else sessions()
+        for session in chosen:
+            print(session.status())
+        if not chosen:
+            print("no session in this kernel; start one with %distributed_session start --gpus N")
+
+    @magic_arguments(name="distributed_push")
+    @argument("names", nargs="+", help="Names in the kernel's namespace to copy into every rank's namespace.")
+    @argument("--session", default=None, metavar="NAME", help="The session (default: the latest).")
+    @magic_help(
+        "%distributed_push",
+        examples="""
+        lr, steps = 1e-3, 100
+        %distributed_push lr steps                      # every rank now has its own copy of lr and steps
+        """,
+    )
+    @line_magic
+    def distributed_push(self, line: str) -> None:
+        """Copy kernel values into every rank's namespace of a live session (by value: later changes in the kernel
+        do not reach the ranks until pushed again)."""
+        args = parse_line(self.distributed_push.parser, line, "%distributed_push")
+        assert self.shell is not None  # a magic runs in the shell it is registered with
+        missing = [n for n in args.names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"%distributed_push: no name {', '.join(map(repr, missing))} in the kernel's namespace")
+        try:
+            find_session(args.session).push(**{n: self.shell.user_ns[n] for n in args.names})
+        except SessionError as exc:
+            raise UsageError(str(exc)) from None
+
+    @magic_arguments(name="distributed_pull")
+    @argument("name", help="The name to read from the ranks' namespaces.")
+    @argument("--rank", type=int, default=None, help="Only this rank's value (default: a list, one per rank).")
+    @argument("--session", default=None, metavar="NAME", help="The session (default: the latest).")
+    @argument("-o", "--output", default=None, metavar="NAME", help="Also store the value in this kernel variable.")
+    @magic_help(
+        "%distributed_pull",
+        examples="""
+        %distributed_pull loss                          # [2.31, 2.29]: one value per rank
+        %distributed_pull model_state --rank 0 -o state # rank 0's value, tensors on the CPU, as `state`
+        """,
+    )
+    @line_magic
+    def distributed_pull(self, line: str):
+        """Copy a value from the ranks of a live session into the kernel (tensors on the CPU): one rank's with
+        ``--rank``, else a list with one value per rank. The value is the magic's output."""
+        args = parse_line(self.distributed_pull.parser, line, "%distributed_pull")
+        check_output_name(args.output)
+        try:
+            value = find_session(args.session).pull(args.name, rank=args.rank)
+        except SessionError as exc:
+            raise UsageError(str(exc)) from None
+        if args.output:
+            assert self.shell is not None  # a magic runs in the shell it is registered with
+            self.shell.user_ns[args.output] = value
+        return value

@@ -1,0 +1,168 @@
+"""A rank of a live session: the loop that runs cells in one persistent namespace until the session stops.
+
+Started like any rank (:mod:`sgpu_magic.rank.worker`, payload kind ``session``). It opens its two FIFOs in the
+session's run directory (0600 in a 0700 folder, checked before use: commands are pickles), says ``ready``, and
+then serves one command at a time from the kernel:
+
+- ``cell``: run the cell (or function) whose payload is in the cell's own run directory, in this rank's
+  namespace. Names the namespace lacks come from the payload's captured globals; names it has win. Its output
+  goes to the cell's log file (and stays there: a thread printing between cells writes to the latest cell's
+  log); its value or error is written to the cell's run directory as for a job.
+- ``push``: set names in the namespace; ``pull``: send a name's value back (tensors on the CPU);
+  ``stop``: leave the loop (the rank then ends as a job's rank does).
+
+SIGINT raises ``KeyboardInterrupt`` only while a cell runs (the kernel's interrupt of that cell); between cells
+it is ignored. The loop ends when the kernel's end of the command FIFO closes (the kernel is gone).
+"""
+
+from __future__ import annotations
+
+import io
+import linecache
+import os
+import pickle
+import signal
+import sys
+import time
+from typing import Any
+
+from sgpu_magic._util.frames import read_frame, write_frame
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, open_private_fifo, read_private
+
+
+class _Running:
+    """Whether a cell runs now: SIGINT raises ``KeyboardInterrupt`` in it, and does nothing between cells."""
+
+    def __init__(self) -> None:
+        self.cell = False
+
+    def on_sigint(self, signum: int, frame: object) -> None:
+        if self.cell:
+            raise KeyboardInterrupt
+
+
+def _names(ns: dict) -> list[str]:
+    """The user's names in the namespace (what the kernel then need not capture for this rank)."""
+    return [name for name in ns if not name.startswith("__")]
+
+
+def _output_to(log_file: os.PathLike) -> None:
+    """Send fds 1 and 2 (Python's and native code's output) to ``log_file`` from now on (appending)."""
+    from sgpu_magic.rank.worker import _redirect_output
+
+    _redirect_output(log_file)
+
+
+def _merge_globals(payload: dict, ns: dict) -> None:
+    """Put the captured globals the rank does not have yet into ``ns`` (the rank's own names win)."""
+    from sgpu_magic.errors import Unpicklable
+    from sgpu_magic.rank.worker import _load_global
+
+    for filename, text in payload.get("sources", {}).items():
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    for name, entry in payload["globals"].items():
+        if name in ns:
+            continue
+        try:
+            ns[name] = _load_global(entry)
+        except Exception as exc:  # noqa: BLE001 - reported on use, like an unpicklable global
+            ns[name] = Unpicklable(name, str(entry[0]), f"could not be loaded in the rank: {type(exc).__name__}: {exc}")
+
+
+def _run_cell(msg: dict, ns: dict, rank: int, running: _Running) -> dict[str, Any]:
+    """Run one cell (or function) of the session; write its value or error into its run directory."""
+    from sgpu_magic.rank.worker import _dump_result, _write_error, run_payload
+
+    rd = RunDir(msg["run_dir"])
+    _flush()
+    _output_to(rd.log_file(rank))
+    reply: dict[str, Any] = {"ok": True, "interrupted": False}
+    payload: dict = {}
+    try:
+        payload = pickle.loads(read_private(rd.payload_file, rd.path))
+        _merge_globals(payload, ns)
+        held: list = []
+        running.cell = True
+        try:
+            value = run_payload(payload, ns, held)
+        finally:
+            running.cell = False
+            held.clear()
+        atomic_write_bytes(rd.result_file(rank), _dump_result(value, rank))
+    except BaseException as exc:  # noqa: BLE001 - a cell's error fails the cell, never the session
+        running.cell = False
+        reply = {"ok": False, "interrupted": isinstance(exc, KeyboardInterrupt)}
+        _write_error(rd, rank, exc, payload.get("display_names"))
+    _flush()
+    return reply
+
+
+def _push(msg: dict, ns: dict) -> dict[str, Any]:
+    import cloudpickle
+
+    for name, data in msg["values"].items():
+        ns[name] = cloudpickle.loads(data)
+    return {"ok": True}
+
+
+def _pull(msg: dict, ns: dict, rank: int) -> tuple[dict[str, Any], bytes | None]:
+    from sgpu_magic.rank.worker import _dump_result
+
+    name = msg["name"]
+    if name not in ns:
+        return {"ok": False, "error": f"rank {rank} has no name {name!r}"}, None
+    try:
+        return {"ok": True}, _dump_result(ns[name], rank)
+    except TypeError as exc:
+        return {"ok": False, "error": str(exc)}, None
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _serve_one(msg: dict, ns: dict, rank: int, running: _Running) -> tuple[dict[str, Any], bytes | None]:
+    op = msg["op"]
+    if op == "cell":
+        return _run_cell(msg, ns, rank, running), None
+    if op == "push":
+        return _push(msg, ns), None
+    if op == "pull":
+        return _pull(msg, ns, rank)
+    return {"ok": False, "error": f"unknown session command {op!r}"}, None
+
+
+def _reply(fd: int, seq: int, rank: int, reply: dict[str, Any], value: bytes | None, ns: dict) -> None:
+    reply.update(seq=seq, rank=rank, names=_names(ns), has_value=value is not None, time_s=time.time())
+    buf = io.BytesIO()
+    pickle.dump(reply, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    write_frame(fd, buf.getvalue())
+    if value is not None:
+        write_frame(fd, value)
+
+
+def serve(run_dir: RunDir, ns: dict) -> None:
+    """The session loop of this rank (``RANK`` from the environment) until ``stop`` or the kernel is gone."""
+    rank = int(os.environ["RANK"])
+    commands = open_private_fifo(run_dir.session_command(rank), os.O_RDONLY)
+    replies = open_private_fifo(run_dir.session_reply(rank), os.O_WRONLY)
+    running = _Running()
+    signal.signal(signal.SIGINT, running.on_sigint)
+    _reply(replies, 0, rank, {"ok": True, "op": "ready", "pid": os.getpid()}, None, ns)
+    while True:
+        try:
+            frame = read_frame(commands)
+        except KeyboardInterrupt:  # cannot happen (SIGINT raises only in a cell); kept for safety
+            continue
+        if frame is None:  # the kernel's end closed: it is gone
+            return
+        msg = pickle.loads(frame)
+        if msg["op"] == "stop":
+            _reply(replies, msg["seq"], rank, {"ok": True}, None, ns)
+            return
+        reply, value = _serve_one(msg, ns, rank, running)
+        _reply(replies, msg["seq"], rank, reply, value, ns)

@@ -1,0 +1,119 @@
+"""The kernel's end of a session's channel: one command FIFO and one reply FIFO per rank, and the requests on it.
+
+The FIFOs are made by the kernel in the session's private run directory before the ranks start
+(:meth:`SessionChannel.make`), and opened read-write by the kernel, so neither side's ``open`` blocks; a rank
+sees end of file on its command FIFO when the kernel is gone. One request is outstanding at a time (a cell, a
+push, a pull, a stop): :class:`Request` collects one reply per rank it was sent to. Replies are read by the
+session's reader thread (:meth:`SessionChannel.read_ready`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgpu_magic._util.frames import read_frame, write_frame
+from sgpu_magic.rundir import RunDir, make_private_dir, make_private_fifo, open_private_fifo
+
+
+@dataclass
+class Request:
+    """One request to some ranks and their replies.
+
+    Attributes:
+        seq: its number (replies carry it; a late reply to an earlier request is dropped).
+        ranks: the ranks it was sent to.
+        replies: ``{rank: reply}`` as they arrive (``ok``, ``interrupted``, ``error``, ``names``, ``time_s``).
+        values: ``{rank: pickled value}`` of a pull.
+        run_dir: the cell's run directory (``None`` for push, pull, stop).
+        deadline: monotonic time after which a cell is interrupted as timed out (``None``: no timeout).
+        reason: why it was interrupted (``interrupted``, ``cancelled``, ``timed_out``), else ``None``.
+        grace_end: monotonic time by which interrupted ranks must reply, else the session breaks.
+    """
+
+    seq: int
+    ranks: tuple[int, ...]
+    replies: dict[int, dict[str, Any]] = field(default_factory=dict)
+    values: dict[int, bytes] = field(default_factory=dict)
+    run_dir: RunDir | None = None
+    deadline: float | None = None
+    reason: str | None = None
+    grace_end: float | None = None
+    started_s: float = field(default_factory=time.time)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def missing(self) -> list[int]:
+        """The ranks that have not replied yet."""
+        return [r for r in self.ranks if r not in self.replies]
+
+
+class SessionChannel:
+    """The FIFOs of one session's ranks, opened by the kernel.
+
+    Raises (``make``): OSError when the FIFOs cannot be made in the run directory.
+    """
+
+    def __init__(self, run_dir: RunDir, world_size: int) -> None:
+        self.run_dir = run_dir
+        self.world_size = world_size
+        self._commands: dict[int, int] = {}
+        self._replies: dict[int, int] = {}
+        self._send_lock = threading.Lock()
+
+    def make(self) -> None:
+        """Make and open every rank's two FIFOs (before the ranks start)."""
+        make_private_dir(self.run_dir.session_dir)
+        for rank in range(self.world_size):
+            for path, fds in (
+                (self.run_dir.session_command(rank), self._commands),
+                (self.run_dir.session_reply(rank), self._replies),
+            ):
+                make_private_fifo(path)
+                fds[rank] = open_private_fifo(path, os.O_RDWR)
+
+    def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None:
+        """Send ``message`` to each of ``ranks`` (a pickle, one frame each).
+
+        Raises:
+            OSError: the channel is closed.
+        """
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            for rank in ranks:
+                write_frame(self._commands[rank], data)
+
+    def read_ready(self, timeout_s: float) -> list[tuple[int, dict[str, Any], bytes | None]]:
+        """Wait up to ``timeout_s`` for replies; each waiting one as ``(rank, reply, pickled value or None)``."""
+        by_fd = {fd: rank for rank, fd in self._replies.items()}
+        if not by_fd:
+            return []
+        try:
+            ready, _, _ = select.select(list(by_fd), [], [], timeout_s)
+        except (OSError, ValueError):  # closed meanwhile (the session stopped)
+            return []
+        out = []
+        for fd in ready:
+            frame = read_frame(fd)
+            if frame is None:
+                continue
+            reply = pickle.loads(frame)
+            value = bytes(read_frame(fd) or b"") if reply.get("has_value") else None
+            out.append((by_fd[fd], reply, value))
+        return out
+
+    def close(self) -> None:
+        """Close the kernel's ends: ranks still serving see end of file and leave their loop."""
+        with self._send_lock:
+            for fd in [*self._commands.values(), *self._replies.values()]:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._commands.clear()
+            self._replies.clear()

@@ -1,0 +1,445 @@
+"""The kernel's side of a live session: N ranks that keep their namespace from cell to cell.
+
+The session's ranks are one long job of the launch host (payload kind ``session``; see
+:mod:`sgpu_magic.rank.session`): started from the warm forkserver, holding the session's GPU leases, stopped
+all together when one dies (torch elastic), and ended with the kernel like any job. Each cell is a
+:class:`~sgpu_magic.job.handle.Job` of its own (its run directory, logs, panel, MLflow child run, results and
+errors) whose launcher is the session (:class:`CellLauncher`): launching sends the cell to the ranks over the
+session's channel, and the session's reader thread writes the cell's ``status.json`` from the ranks' replies,
+so the layers above follow a cell exactly as they follow a job.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from sgpu_magic.errors import SessionError, describe_exit
+from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.handle import Job
+from sgpu_magic.job.start import start as start_job
+from sgpu_magic.job.start import submit
+from sgpu_magic.rundir import RunDir, write_status
+from sgpu_magic.session.channel import Request, SessionChannel
+from sgpu_magic.spec import LaunchSpec
+
+INTERRUPT_GRACE_S = 5.0
+"""How long ranks interrupted in a cell may take to return before the session is declared broken."""
+
+READ_TICK_S = 0.1
+"""How often the reader thread checks deadlines, the ranks' liveness and the idle timeout when nothing arrives."""
+
+
+class SessionState(enum.Enum):
+    """Life cycle of a session: STARTING, IDLE, BUSY (a cell or request runs), BROKEN (needs restart), STOPPED."""
+
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+    BROKEN = "broken"
+    STOPPED = "stopped"
+
+
+class CellLauncher:
+    """The :class:`~sgpu_magic.launch.base.Launcher` of one session cell: the session's live ranks."""
+
+    def __init__(self, core: SessionCore, ranks: tuple[int, ...]) -> None:
+        self.core, self.ranks = core, ranks
+        self.pid = os.getpid()  # a cell holds no lease of its own (the session's job does)
+
+    def launch(self, run_dir: RunDir) -> None:
+        self.core.send_cell(run_dir, self.ranks)
+
+    def cancel(self, run_dir: RunDir, reason: str) -> None:
+        self.core.interrupt(reason)
+
+    def alive(self) -> bool:
+        return self.core.state is not SessionState.STOPPED
+
+    def where(self) -> str:
+        return str(self.core.job.run_dir) if self.core.job is not None else "(not started)"
+
+
+SinkFactory = Callable[[LaunchSpec, "tuple[str, str] | None"], list[JobSink]]
+"""``(spec, parent MLflow run as (run id, experiment id) or None) -> sinks`` for the session and for each cell."""
+
+
+class SessionCore:
+    """The ranks, the channel and the reader thread of one session (the public face is
+    :class:`sgpu_magic.front.session.Session`).
+
+    Args:
+        spec: the session's ranks (``gpus``, ``gpu_type``, ``gpu_ids``, ``widgets``, ``mlflow``); its timeout is
+            ignored (a session lives until stopped).
+        make_sinks: builds the sinks of the session's job and of each cell (see :data:`SinkFactory`).
+        name: the session's name (``%%distributed --session NAME``).
+        idle_timeout_s: stop the session after this many seconds without a cell; ``None``: never.
+        lease_dir: the GPU lease registry (``None``: the default one).
+    """
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        make_sinks: SinkFactory,
+        name: str,
+        idle_timeout_s: float | None = None,
+        lease_dir: str | None = None,
+    ) -> None:
+        self.spec = replace(spec, timeout_s=None, max_restarts=0, name=f"session {name}")
+        self.make_sinks, self.name = make_sinks, name
+        self.idle_timeout_s, self.lease_dir = idle_timeout_s, lease_dir
+        self.job: Job | None = None
+        self.jobs: list[Job] = []
+        self.state = SessionState.STOPPED
+        self.broken: str | None = None
+        self.pids: dict[int, int] = {}
+        self.on_idle_stop: Callable[[str], None] | None = None
+        self._names: dict[int, set[str]] = {}
+        self._channel: SessionChannel | None = None
+        self._request: Request | None = None
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._last_active = time.monotonic()
+        self._parent_run: tuple[str, str] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.gpus
+
+    # -- start and stop
+
+    def start(self) -> None:
+        """Start the ranks and wait until each is ready (or the session job fails: :class:`SessionError`)."""
+        self.broken, self._names, self.pids = None, {}, {}
+        self.state = SessionState.STARTING
+
+        def make_channel(rd: RunDir) -> None:
+            self._channel = SessionChannel(rd, self.world_size)
+            self._channel.make()
+
+        sinks = self.make_sinks(self.spec, None)
+        self.job = start_job(
+            self.spec,
+            lambda warn: {"kind": "session", "globals": {}, "sources": {}},
+            sinks,
+            background=True,
+            lease_dir=self.lease_dir,
+            before_launch=make_channel,
+        )
+        request = self._new_request(tuple(range(self.world_size)))
+        self._reader = threading.Thread(target=self._read_loop, name=f"sgpu_magic session {self.name}", daemon=True)
+        self._reader.start()
+        try:
+            self._wait(request)
+        except BaseException:
+            self._end_job()
+            raise
+        self.pids = {r: int(reply["pid"]) for r, reply in request.replies.items()}
+        self._parent_run = _mlflow_run(sinks)  # made by the session job's launch, which has happened now
+        self.state = SessionState.IDLE
+        self._last_active = time.monotonic()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Ask idle ranks to leave their loop (a busy or broken session's ranks are stopped outright), then end the
+        session's job: every rank gone, leases released, the MLflow run ended. Does nothing once stopped."""
+        if self.state is SessionState.STOPPED:
+            return
+        graceful = self.state is SessionState.IDLE
+        self.state = SessionState.STOPPED  # the reader thread ends
+        if graceful and self._channel is not None:
+            try:
+                self._channel.send(tuple(range(self.world_size)), {"op": "stop", "seq": 0})
+            except OSError:
+                graceful = False
+        self._end_job(grace_s if graceful else 0.0)
+
+    def _end_job(self, grace_s: float = 0.0) -> None:
+        self.state = SessionState.STOPPED
+        if self.job is not None:
+            if grace_s:
+                self.job.wait(grace_s)
+            if not self.job.done():
+                self.job.cancel()
+        if self._channel is not None:
+            self._channel.close()
+        with self._lock:
+            request, self._request = self._request, None
+        if request is not None:
+            request.done.set()
+
+    # -- requests
+
+    def _new_request(self, ranks: tuple[int, ...], run_dir: RunDir | None = None) -> Request:
+        with self._lock:
+            if self._request is not None:
+                raise SessionError(
+                    f"session {self.name} is busy with another cell or request; wait for it or interrupt it "
+                    f"(%distributed_session status shows it)"
+                )
+            self._seq += 1
+            self._request = Request(self._seq, ranks, run_dir=run_dir)
+            return self._request
+
+    def _wait(self, request: Request) -> None:
+        """Wait for ``request``'s replies; :class:`SessionError` when the session breaks or stops meanwhile."""
+        while not request.done.wait(READ_TICK_S):
+            pass
+        if request.missing:
+            raise SessionError(self.broken or f"session {self.name} was stopped before every rank replied")
+
+    def check_usable(self) -> None:
+        """Raise :class:`SessionError` unless the session can take a cell now."""
+        if self.state is SessionState.BROKEN:
+            raise SessionError(self.broken or f"session {self.name} is broken")
+        if self.state is SessionState.STOPPED:
+            raise SessionError(
+                f"session {self.name} is stopped; start it again with %distributed_session restart "
+                f"(or sess.restart()): fresh ranks, empty namespaces"
+            )
+
+    def check_ranks(self, ranks: Sequence[int] | None) -> tuple[int, ...]:
+        """The ranks a cell runs on (all by default); :class:`SessionError` naming a rank outside the world."""
+        if ranks is None:
+            return tuple(range(self.world_size))
+        chosen = tuple(sorted(set(ranks)))
+        bad = [r for r in chosen if not isinstance(r, int) or not 0 <= r < self.world_size]
+        if bad or not chosen:
+            raise SessionError(
+                f"ranks {list(ranks)} are not in session {self.name} (world_size={self.world_size}); give ranks "
+                f"from 0 to {self.world_size - 1}, e.g. --ranks 0,1"
+            )
+        return chosen
+
+    def names_everywhere(self, ranks: tuple[int, ...]) -> set[str]:
+        """Names that every one of ``ranks`` has in its namespace (the kernel need not send them)."""
+        sets = [self._names.get(r, set()) for r in ranks]
+        return set.intersection(*sets) if sets else set()
+
+    def request(self, message: dict[str, Any], ranks: tuple[int, ...]) -> Request:
+        """Send a push or pull to ``ranks`` and wait for every reply."""
+        self.check_usable()
+        request = self._new_request(ranks)
+        self.state = SessionState.BUSY
+        assert self._channel is not None  # usable: started
+        self._channel.send(ranks, {**message, "seq": request.seq})
+        self._wait(request)
+        return request
+
+    # -- cells
+
+    def run_job(
+        self,
+        build_payload: Callable[[set[str], Callable[[str], None]], dict],
+        ranks: tuple[int, ...],
+        timeout_s: float | None,
+        label: str,
+    ) -> Job:
+        """Make the Job of one cell (its run directory and sinks); the caller follows it (``job.follow()``).
+
+        ``build_payload(names the ranks have, warn)`` captures the cell; ``warn`` shows a capture warning in the
+        cell's view."""
+        self.check_usable()
+        assert self.job is not None  # usable: started
+        spec = replace(self.spec, timeout_s=timeout_s, name=label)
+        sinks = self.make_sinks(spec, self._parent_run)
+        payload = build_payload(self.names_everywhere(ranks), getattr(sinks[-1], "warn", _no_warning))
+        launcher = CellLauncher(self, ranks)
+        plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none
+        job = submit(spec, plan, payload, lambda: launcher, sinks, ranks=ranks, lean=True)
+        job.title = label  # the summary line says "session s1 cell 3 succeeded ..." (it is shown once the cell ends)
+        self.jobs.append(job)
+        return job
+
+    def send_cell(self, run_dir: RunDir, ranks: tuple[int, ...]) -> None:
+        """Hand a cell to its ranks (called by the cell's Job through :class:`CellLauncher`)."""
+        self.check_usable()
+        request = self._new_request(ranks, run_dir)
+        launch_timeout = _read_timeout(run_dir)
+        request.deadline = None if launch_timeout is None else time.monotonic() + launch_timeout
+        self.state = SessionState.BUSY
+        write_status(
+            run_dir, {"state": "running", "started_s": request.started_s, "pids": {str(r): self.pids[r] for r in ranks}}
+        )
+        assert self._channel is not None  # usable: started
+        self._channel.send(ranks, {"op": "cell", "run_dir": str(run_dir.path), "seq": request.seq})
+
+    def interrupt(self, reason: str = "interrupted") -> bool:
+        """``KeyboardInterrupt`` in every rank running the current cell; whether a cell was running."""
+        with self._lock:
+            request = self._request
+        if request is None or request.run_dir is None:
+            return False
+        request.reason = request.reason or reason
+        if request.grace_end is None:
+            request.grace_end = time.monotonic() + INTERRUPT_GRACE_S
+        for rank in request.missing:
+            try:
+                os.kill(self.pids[rank], signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        return True
+
+    # -- the reader thread
+
+    def _read_loop(self) -> None:
+        while self.state is not SessionState.STOPPED:
+            channel = self._channel
+            if channel is None:
+                return
+            for rank, reply, value in channel.read_ready(READ_TICK_S):
+                self._on_reply(rank, reply, value)
+            self._check_deadlines()
+            self._check_ranks_alive()
+            self._check_idle()
+
+    def _on_reply(self, rank: int, reply: dict[str, Any], value: bytes | None) -> None:
+        self._names[rank] = set(reply.get("names", ()))
+        with self._lock:
+            request = self._request
+        if reply.get("op") == "ready" and request is not None and self.state is SessionState.STARTING:
+            reply["seq"] = request.seq  # a rank's first word answers the start
+        if request is None or reply.get("seq") != request.seq:
+            return  # a late reply to a request that was given up
+        request.replies[rank] = reply
+        if value is not None:
+            request.values[rank] = value
+        if not request.missing:
+            self._complete(request)
+
+    def _complete(self, request: Request, broken: str | None = None) -> None:
+        """End ``request``: the session takes the next one first, then the cell's final status is written (the
+        cell's follower wakes on it and may send the next cell at once)."""
+        with self._lock:
+            if self._request is request:
+                self._request = None
+        if self.state is SessionState.BUSY:
+            self.state = SessionState.IDLE
+        self._last_active = time.monotonic()
+        if request.run_dir is not None:
+            write_status(request.run_dir, _cell_status(request, broken))
+        request.done.set()
+
+    def _check_deadlines(self) -> None:
+        request = self._request
+        if request is None:
+            return
+        now = time.monotonic()
+        if request.deadline is not None and now > request.deadline and request.reason is None:
+            self.interrupt("timed_out")
+        elif request.grace_end is not None and now > request.grace_end and request.missing:
+            stuck = ", ".join(str(r) for r in request.missing)
+            self.broken = (
+                f"session {self.name} needs a restart: rank(s) {stuck} did not return within {INTERRUPT_GRACE_S:g} s "
+                f"of the interrupt (blocked outside Python, e.g. in a C++ collective waiting for its peers); run "
+                f"%distributed_session restart (or sess.restart()) for fresh ranks (their state is lost)"
+            )
+            self.state = SessionState.BROKEN
+            self._complete(request, self.broken)
+
+    def _check_ranks_alive(self) -> None:
+        job = self.job
+        if job is None or self.state in (SessionState.BROKEN, SessionState.STOPPED) or not job.done():
+            return
+        self.broken = _death_message(self.name, job)
+        self.state = SessionState.BROKEN
+        request = self._request
+        if request is not None:
+            self._complete(request, self.broken)
+
+    def _check_idle(self) -> None:
+        if self.idle_timeout_s is None or self.state is not SessionState.IDLE:
+            return
+        if time.monotonic() - self._last_active < self.idle_timeout_s:
+            return
+        message = (
+            f"session {self.name} stopped after {self.idle_timeout_s:g} s without a cell (idle timeout); its ranks "
+            f"and GPUs are released; %distributed_session restart starts it again (fresh state)"
+        )
+        self.stop()  # ends this loop: the ranks get "stop", and their job ends
+        if self.on_idle_stop is not None:
+            self.on_idle_stop(message)
+
+
+def _no_warning(text: str) -> None:
+    """Where a cell's capture warnings go when its view takes none."""
+
+
+def _mlflow_run(sinks: list[JobSink]) -> tuple[str, str] | None:
+    """The session job's MLflow run as ``(run id, experiment id)``: the parent of each cell's run."""
+    for sink in sinks:
+        run_id, experiment_id = getattr(sink, "run_id", None), getattr(sink, "experiment_id", None)
+        if run_id and experiment_id:
+            return str(run_id), str(experiment_id)
+    return None
+
+
+def _read_timeout(run_dir: RunDir) -> float | None:
+    from sgpu_magic.rundir import read_json
+
+    launch = read_json(run_dir.launch_file, private=True) or {}
+    timeout = launch.get("timeout_s")
+    return None if timeout is None else float(timeout)
+
+
+def _cell_status(request: Request, broken: str | None) -> dict[str, Any]:
+    """A cell's final ``status.json`` from its ranks' replies (or the reason the session broke)."""
+    replies = request.replies
+    failures = sorted(
+        (
+            {"rank": r, "exitcode": 1, "time_s": reply.get("time_s", time.time())}
+            for r, reply in replies.items()
+            if not reply.get("ok") and not reply.get("interrupted")
+        ),
+        key=lambda f: f["time_s"],
+    )
+    interrupted = any(reply.get("interrupted") for reply in replies.values()) or bool(request.missing)
+    if broken is not None and request.reason is None:
+        state = "failed"
+    elif request.reason is not None and interrupted:
+        state = request.reason
+    else:
+        state = "failed" if failures else "succeeded"
+    status: dict[str, Any] = {
+        "state": state,
+        "started_s": request.started_s,
+        "ended_s": time.time(),
+        "exitcodes": {str(r): (0 if reply.get("ok") else 1) for r, reply in replies.items()},
+        "failures": failures,
+        "rank_outcomes": {str(r): _outcome(replies.get(r)) for r in request.ranks},
+    }
+    if broken is not None:
+        status["host_lost"] = broken
+    return status
+
+
+def _outcome(reply: dict[str, Any] | None) -> str:
+    """How one rank ended a cell, as the panel's rank tab says it."""
+    if reply is None:
+        return "did not return"
+    if reply.get("ok"):
+        return "returned"
+    return "interrupted" if reply.get("interrupted") else "raised"
+
+
+def _death_message(name: str, job: Job) -> str:
+    """Why a session's job ended by itself: the rank that died first and how."""
+    status = job.status
+    failures = list(status.failures) or [
+        {"rank": r, "exitcode": code} for r, code in sorted(status.exitcodes.items()) if code
+    ]
+    if failures:
+        first = failures[0]
+        what = f"rank {first['rank']} died ({describe_exit(first.get('exitcode'))})"
+    else:
+        what = f"its ranks ended ({status.state})"
+    return (
+        f"session {name} is broken: {what}; the other ranks were stopped and the session's state is gone. Run "
+        f"%distributed_session restart (or sess.restart()) for fresh ranks. Logs: {job.run_dir}"
+    )

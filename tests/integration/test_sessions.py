@@ -1,0 +1,188 @@
+"""Live sessions in a real IPython shell: state across cells, push/pull, subsets, errors, rank death, bad input."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+
+from sgpu_magic import Session
+from sgpu_magic.errors import CaptureError, CellInterruptedError, RankFailedError, SessionError, SpecError
+
+from helpers import wait_for, wait_gone
+
+
+@pytest.fixture(scope="module")
+def sess(ip):
+    """One 2-rank session for the module (started from the shell's warm launch host), stopped at the end."""
+    session = Session(gpus=2, widgets=False, mlflow=False, name="shared")
+    yield session
+    session.stop()
+
+
+def test_state_and_process_group_persist_across_cells(sess):
+    sess.run_cell(
+        "import os, torch, torch.distributed as dist\n"
+        "if not dist.is_initialized():\n"
+        "    dist.init_process_group('gloo')\n"
+        "rank = dist.get_rank()\n"
+        "w = torch.ones(3) * (rank + 1)\n"
+        "group_id = id(dist.group.WORLD)"
+    )
+    values = sess.run_cell("t = w.clone()\ndist.all_reduce(t)\n(rank, t.tolist(), group_id == id(dist.group.WORLD))")
+    assert values == [(0, [3.0, 3.0, 3.0], True), (1, [3.0, 3.0, 3.0], True)]
+    assert sess.pull("w", rank=1).tolist() == [2.0, 2.0, 2.0]
+    assert [v.tolist() for v in sess.pull("w")] == [[1.0] * 3, [2.0] * 3]
+
+
+def test_a_name_the_ranks_have_wins_over_the_kernels_and_push_overrides_it(sess, ip):
+    sess.run_cell("scale = 10 + rank")
+    ip.user_ns["scale"] = 1000  # the ranks have their own scale: the kernel's is not sent
+    assert sess.run_cell("scale") == [10, 11]
+    ip.user_ns["offset"] = 5  # a name the ranks lack comes from the kernel, by value
+    assert sess.run_cell("scale + offset") == [15, 16]
+    sess.push(scale=7)
+    assert sess.run_cell("scale") == [7, 7]
+
+
+def test_magics_push_pull_and_session_cells(sess, run_cell, ip):
+    ip.user_ns["lr"] = 0.25
+    result, _, _ = run_cell("%distributed_push lr --session shared")
+    assert result.error_in_exec is None
+    result, _, _ = run_cell("%%distributed --session shared\nlr * (rank + 1)")
+    assert result.result == 0.25  # rank 0's value is the cell's output
+    result, _, _ = run_cell("%%distributed --session shared --ranks 1 -o cell\nlr * (rank + 1)")
+    assert result.result == 0.5 and ip.user_ns["cell"].result() == [0.5]
+    result, _, _ = run_cell("%distributed_pull lr -o pulled")
+    assert result.result == [0.25, 0.25] and ip.user_ns["pulled"] == [0.25, 0.25]
+
+
+def test_a_cell_error_fails_the_cell_and_keeps_the_ranks(sess):
+    pids = sess.pids
+    with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): ValueError: bad batch on rank 1"):
+        sess.run_cell("if rank == 1:\n    raise ValueError('bad batch on rank 1')\nrank")
+    assert sess.run_cell("w.sum().item()") == [3.0, 6.0]
+    assert sess.pids == pids and all(psutil.pid_exists(p) for p in pids.values())
+
+
+def test_run_calls_a_function_in_the_ranks_namespace(sess):
+    def weighted(k):
+        return float(w.sum()) * k  # noqa: F821 - w lives in the ranks' namespace
+
+    assert sess.run(weighted, 2) == [6.0, 12.0]
+
+
+def test_interrupt_keeps_the_state(sess, tmp_path):
+    marker = tmp_path / "started"
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            sess.run_cell(
+                f"import time, pathlib\npathlib.Path({str(marker)!r} + str(rank)).touch()\nwhile True:\n    time.sleep(0.01)"
+            )
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_for(lambda: all(os.path.exists(f"{marker}{r}") for r in (0, 1)), 60, "both ranks to enter the cell")
+    assert sess.interrupt()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], CellInterruptedError), errors
+    assert isinstance(errors[0], KeyboardInterrupt)
+    assert "the ranks and their state are kept" in str(errors[0])
+    assert sess.run_cell("w.sum().item()") == [3.0, 6.0]
+
+
+def test_a_cell_timeout_interrupts_the_cell_and_keeps_the_state(sess):
+    from sgpu_magic.errors import JobTimeoutError
+
+    with pytest.raises(
+        JobTimeoutError, match=r"ran longer than its timeout of 0.5 s and was interrupted; the ranks kept"
+    ):
+        sess.run_cell("import time\nwhile True:\n    time.sleep(0.01)", timeout=0.5)
+    assert sess.run_cell("rank") == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda s: s.run_cell("1", ranks=[2]), SessionError, r"ranks \[2\] are not in session shared \(world_size=2\)"),
+        (
+            lambda s: s.pull("nope", rank=0),
+            SessionError,
+            r"rank 0 has no name 'nope' in session shared; names it has: ",
+        ),
+        (
+            lambda s: s.push(lock=threading.Lock()),
+            CaptureError,
+            r"keyword argument 'lock' of shared.push is a _thread.lock",
+        ),
+        (lambda s: s.push(), SessionError, r"push needs at least one name=value"),
+        (lambda s: s.run_cell("1", timeout=-1), SpecError, r"timeout must be a number of seconds > 0"),
+        (lambda s: s.run(42), SpecError, r"Session.run takes a function"),
+    ],
+)
+def test_bad_input_is_refused_and_leaves_the_session_usable(sess, call, error, message):
+    with pytest.raises(error, match=message):
+        call(sess)
+    assert sess.run_cell("rank") == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("cell", "message"),
+    [
+        (
+            "%%distributed --session nosuch\n1",
+            r"no session named 'nosuch' in this kernel \(sessions: .*shared \(idle\)",
+        ),
+        ("%%distributed --session shared --ranks 0,x\n1", r"--ranks takes rank numbers separated by commas"),
+        ("%%distributed --session shared --ranks 3\n1", r"ranks \[3\] are not in session shared"),
+        ("%distributed_pull --session nosuch w", r"no session named 'nosuch'"),
+        ("%distributed_push not_defined_anywhere", r"no name 'not_defined_anywhere' in the kernel's namespace"),
+        ("%distributed_session start shared --gpus 2", r"session 'shared' is already running in this kernel"),
+        ("%distributed_session start --gpus 0", r"gpus must be"),
+        ("%distributed_session start --gpus 1 --cluster auto", r"not supported for sessions yet"),
+        ("%distributed_session start --gpus 1 --idle-timeout soon", r"--idle-timeout takes seconds > 0"),
+        ("%distributed_session frobnicate", r"invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_magic_input_is_a_usage_error(sess, ip, cell, message):
+    with pytest.raises(UsageError, match=message):
+        if cell.startswith("%%"):
+            line, body = cell[len("%%distributed ") :].split("\n", 1)
+            ip.run_cell_magic("distributed", line, body)
+        else:
+            name, line = cell[1:].split(" ", 1)
+            ip.run_line_magic(name, line)
+    assert sess.run_cell("rank") == [0, 1]
+
+
+def test_a_rank_that_dies_breaks_the_session_and_restart_brings_fresh_ranks(ip):
+    session = Session(gpus=2, widgets=False, mlflow=False, name="fragile")
+    try:
+        old = session.pids
+        session.run_cell("kept = 1")
+        with pytest.raises(
+            SessionError, match=r"session fragile is broken: rank 1 died \(exit code 3\); the other ranks"
+        ):
+            session.run_cell("import os\nif os.environ['RANK'] == '1':\n    os._exit(3)\nimport time\ntime.sleep(60)")
+        assert wait_gone(old.values()) == []
+        with pytest.raises(SessionError, match=r"session fragile is broken: .*%distributed_session restart"):
+            session.run_cell("1")
+        session.restart()
+        with pytest.raises(RankFailedError, match=r"NameError: name 'kept' is not defined"):
+            session.run_cell("kept")
+        assert session.run_cell("2") == [2, 2]
+    finally:
+        session.stop()
+    assert wait_gone(session.pids.values()) == []
+    with pytest.raises(
+        SessionError, match=r"session fragile is stopped; start it again with %distributed_session restart"
+    ):
+        session.run_cell("1")

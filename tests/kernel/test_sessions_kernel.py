@@ -1,0 +1,90 @@
+"""Live sessions in a real Jupyter kernel (jupyter_client): the notebook's Interrupt keeps the state, the idle
+timeout releases the session's GPU leases, a SIGKILLed kernel leaves no rank behind, MLflow runs end right."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from helpers import wait_for, wait_gone
+from kernel_utils import collect, execute, start_kernel, stop_kernel
+
+pytestmark = pytest.mark.slow
+
+
+def value(kc, expr: str) -> str:
+    out = execute(kc, expr)
+    assert out.error is None, out.error
+    return out.results[-1]
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    km, kc = start_kernel(env={"SGPU_MAGIC_FAKE_GPUS": "4 x H100", "SGPU_MAGIC_LEASE_DIR": str(tmp_path / "leases")})
+    yield km, kc
+    stop_kernel(km, kc)
+
+
+def test_no_session_then_state_interrupt_and_idle_timeout_in_a_kernel(kernel, tmp_path):
+    km, kc = kernel
+    out = execute(kc, "%%distributed --session\n1")  # IPython prints a UsageError (no traceback)
+    assert (
+        "UsageError: no live session in this kernel; start one with %distributed_session start --gpus N" in out.stderr
+    )
+
+    out = execute(kc, "%distributed_session start --gpus 2 --no-mlflow --idle-timeout 3 -o sess")
+    assert out.error is None, out.error
+    assert "session s1: idle, world_size=2" in out.stdout
+    assert value(kc, "sess.job.gpus") == "[0, 1]"  # the session holds its two (fake) GPUs' leases
+    out = execute(kc, "%%distributed --session\nimport os\nw = int(os.environ['RANK']) + 40\nw")
+    assert out.error is None, out.error
+    assert out.results == ["40"]
+
+    # the notebook's Interrupt during a session cell: CellInterruptedError, the ranks and their state stay
+    marker = tmp_path / "in-cell"
+    msg_id = kc.execute(
+        f"%%distributed --session\nimport time, pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "while True:\n    time.sleep(0.01)"
+    )
+    wait_for(marker.exists, 60, "the session cell to start")
+    km.interrupt_kernel()
+    out = collect(kc, msg_id, 60)
+    assert out.error is not None and out.error["ename"] == "CellInterruptedError", out.error
+    assert "the ranks and their state are kept" in out.error["evalue"]
+    out = execute(kc, "%%distributed --session\nw + 1")
+    assert out.error is None and out.results == ["41"], out
+
+    # nothing runs for 3 s: the session stops by itself and gives its GPUs back
+    wait_for(lambda: value(kc, "sess.job.state.value") == "'succeeded'", 60, "the idle timeout to end the ranks")
+    assert value(kc, "sess.state.value") == "'stopped'"
+    holders = value(
+        kc,
+        "from sgpu_magic.launch.leases import LeaseRegistry\n[h['job_id'] for h in LeaseRegistry().snapshot()['holders']]",
+    )
+    assert holders == "[]"
+    out = execute(kc, "%%distributed --session\nw")
+    assert "UsageError: no live session in this kernel" in out.stderr
+
+
+def test_kernel_sigkill_leaves_no_session_rank(tmp_path):
+    km, kc = start_kernel()
+    try:
+        out = execute(kc, "%distributed_session start --gpus 2 -o sess")
+        assert out.error is None, out.error
+        pids = [int(p) for p in value(kc, "sorted(sess.pids.values())").strip("[]").split(", ")]
+        run_id = value(kc, "sess.job.mlflow_run_id").strip("'")
+        out = execute(kc, "%%distributed --session\nx = 1\nx")
+        assert out.error is None and out.results == ["1"], out
+        os.kill(km.provisioner.pid, signal.SIGKILL)
+        assert wait_gone(pids, 10.0) == []
+    finally:
+        stop_kernel(km, kc)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    wait_for(lambda: client.get_run(run_id).info.status != "RUNNING", 30, "the session's MLflow run to end")
+    assert client.get_run(run_id).info.status == "KILLED"
+    children = client.search_runs([client.get_run(run_id).info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
+    assert [c.info.status for c in children] == ["FINISHED"]
