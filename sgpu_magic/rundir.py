@@ -15,6 +15,8 @@ Layout::
         results/rank_<N>.exit.json  how rank N ended when it called sys.exit(0) (written by the rank)
         errors/rank_<N>.json exception of rank N (written by the rank)
         elastic/             torch elastic's own per-rank files
+        code.json            the notebook's labels and sources of the job's code, to map stack frames (by the kernel)
+        stacks/rank_<N>.txt  rank N's stack when the job timed out or was cancelled while it ran (by the host)
         session/rank_<N>.cmd, rank_<N>.reply   a live session's channel to rank N (FIFOs, 0600)
 """
 
@@ -182,6 +184,10 @@ class HostStatus:
         log_lines: ``{rank: lines}`` in each log once the job ended (a view that skipped shows the count).
         teardown_ended: ranks the teardown grace ended (``{"rank", "outcome", "grace_s", "signal"}``).
         waiting: why a Ray job waits for the cluster's resources; ``host_lost``, ``launch_error``: why it failed.
+        pids: ``{rank: process id}`` of the current attempt's ranks on the launch host's machine (``{}`` on Ray).
+        stacks: ``{rank: where}`` for the ranks still running when the job timed out or was cancelled, taken just
+            before they were stopped, e.g. ``{0: "dist.broadcast at Cell In[4] line 7"}`` (their whole stacks:
+            ``stacks/rank_<r>.txt``); ``{}`` when no rank was running then.
         rank_outcomes: a live session's cell: ``{rank: "returned" | "raised" | "interrupted" | "did not return"}``
             (its ranks do not exit, so ``exitcodes`` says nothing of them).
     """
@@ -198,6 +204,8 @@ class HostStatus:
     waiting: str | None = None
     host_lost: str | None = None
     launch_error: str | None = None
+    pids: dict[int, int] = field(default_factory=dict)
+    stacks: dict[int, str] = field(default_factory=dict)
     rank_outcomes: dict = field(default_factory=dict)
 
     @classmethod
@@ -215,6 +223,8 @@ class HostStatus:
             waiting=status.get("waiting"),
             host_lost=status.get("host_lost"),
             launch_error=status.get("launch_error"),
+            pids={int(k): int(v) for k, v in (status.get("pids") or {}).items()},
+            stacks={int(k): str(v) for k, v in (status.get("stacks") or {}).items()},
             rank_outcomes={int(k): v for k, v in (status.get("rank_outcomes") or {}).items()},
         )
 
@@ -374,6 +384,25 @@ class RunDir:
         "mlflow_ended",
         "Left by the kernel once it has ended the job's MLflow run (else the launch host ends it on its way out).",
     )
+
+    code_map_file = _entry(
+        "code.json",
+        "The notebook's names for the job's code (``Cell In[4]``) and its sources, so stack frames "
+        "read as the notebook shows them (written by the kernel; see :mod:`sgpu_magic.launch.stacks`).",
+    )
+    stacks_dir = _entry(
+        "stacks",
+        "``rank_<r>.txt``: each running rank's stack, taken when the job timed out or was cancelled (0700, files 0600).",
+    )
+
+    def stack_file(self, rank: int) -> Path:
+        """``stacks/rank_<r>.txt``: rank ``rank``'s stack as the launch host took it before stopping the job."""
+        return self.stacks_dir / f"rank_{rank}.txt"
+
+    def stacks_reply_file(self, token: str) -> Path:
+        """``.stacks-<token>.json``: the launch host's answer to the kernel's request ``token`` for the running
+        ranks' stacks (read and deleted by the kernel)."""
+        return self.path / f".stacks-{token}.json"
 
     session_dir = _entry(
         "session",

@@ -8,6 +8,7 @@ import signal
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PTRACER = 0x59616D61  # Yama's ("Yama" in ASCII)
 
 
 def _prctl(option: int, arg: int) -> bool:
@@ -28,3 +29,13 @@ def adopt_orphans() -> bool:
     """Become the subreaper of this process's descendants: orphans are re-parented here, not to init
     (``PR_SET_CHILD_SUBREAPER``), so they can be found and reaped."""
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def allow_tracing_by(pid: int) -> bool:
+    """Let process ``pid`` and its descendants trace this one where Yama's ``ptrace_scope`` is 1, which otherwise
+    allows only a tracer's own descendants (``PR_SET_PTRACER``): a rank names the launch host, so the py-spy it
+    starts can read the rank's stack. Without Yama the call fails and nothing changes (``False``)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, pid, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False

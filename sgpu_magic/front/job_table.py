@@ -6,7 +6,9 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-from sgpu_magic.job.handle import Job
+from IPython.core.error import UsageError
+
+from sgpu_magic.job.handle import Job, jobs
 
 
 class JobTable:
@@ -59,3 +61,33 @@ class JobTable:
             )
             body += "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f"<td>{run}</td></tr>"
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def find_job(part: str) -> Job:
+    """The one job of this kernel whose id contains ``part`` (``%distributed_stop a1b2c3``).
+
+    Raises:
+        UsageError: no job or several jobs match; the message names ``part`` and the kernel's jobs.
+    """
+    chosen = [job for job in jobs() if part in job.job_id]
+    if len(chosen) != 1:
+        known = ", ".join(job.job_id for job in jobs()) or "none yet"
+        what = "matches no job" if not chosen else f"matches {len(chosen)} jobs"
+        raise UsageError(
+            f"{part!r} {what} of this kernel (jobs: {known}); give more of the id, as %distributed_jobs lists them"
+        )
+    return chosen[0]
+
+
+def latest_running(magic: str) -> Job:
+    """The latest job of this kernel that has not ended.
+
+    Raises:
+        UsageError: none runs; the message says how to name an ended one and where ``%distributed_jobs`` lists them.
+    """
+    running = [job for job in jobs() if not job.done()]
+    if not running:
+        last = jobs()[-1].job_id if jobs() else None
+        also = f" (the latest, {last}, has ended: {magic} {last} says where its saved stacks are)" if last else ""
+        raise UsageError(f"no job of this kernel is running{also}; %distributed_jobs lists them")
+    return running[-1]

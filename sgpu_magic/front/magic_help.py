@@ -32,6 +32,7 @@ MAGICS = {
     "%distributed_pull": "copy a value from a live session's ranks into the kernel",
     "%distributed_jobs": "this kernel's jobs: state, world size, elapsed time, MLflow run",
     "%distributed_stop": "cancel a job of this kernel (every rank stopped), or all of them with --all",
+    "%distributed_stacks": "the Python stack of every running rank of a job, notebook frames as Cell In[N] line L",
     "%mlflow_ui": "a local MLflow UI server for the kernel's store, so run links work",
     "%distributed_doctor": "what a job will use and what is wrong (GPUs, leases, ports, MLflow, widgets, Ray ...)",
 }

@@ -25,7 +25,7 @@ from sgpu_magic.front.cell import (
     show_cell_syntax_errors_alone,
 )
 from sgpu_magic.front.decorator import job_spec, start
-from sgpu_magic.front.job_table import JobTable
+from sgpu_magic.front.job_table import JobTable, find_job, latest_running
 from sgpu_magic.front.magic_help import magic_help
 from sgpu_magic.front.session_magics import is_session_cell, run_session_cell
 from sgpu_magic.job.handle import jobs
@@ -247,6 +247,7 @@ class DistributedMagics(Magics):
         def payload(warn) -> dict:
             part = capture.capture_cell(source, shell.user_ns, self.max_capture_bytes, warn)
             part.update(filename=CELL_FILENAME, quiet=ends_quiet(source))
+            part.update(cell_label=f"Cell In[{shell.displayhook.prompt_count}]")  # as Out[N]; for stacks
             return part
 
         job = start(spec, payload, background=args.background)
@@ -344,11 +345,7 @@ class DistributedMagics(Magics):
         if args.all:
             chosen = [job for job in jobs() if not job.done()]
         else:
-            chosen = [job for job in jobs() if args.job_id in job.job_id]
-            if len(chosen) != 1:
-                known = ", ".join(job.job_id for job in jobs()) or "none yet"
-                what = "matches no job" if not chosen else f"matches {len(chosen)} jobs"
-                raise UsageError(f"{args.job_id!r} {what} of this kernel (jobs: {known}); give more of the id")
+            chosen = [find_job(args.job_id)]
         for job in chosen:
             if job.done():
                 print(f"job {job.job_id} already ended: {job.state.label}")
@@ -357,6 +354,31 @@ class DistributedMagics(Magics):
             print(f"job {job.job_id}: {job.state.label}")
         if not chosen:
             print("no running job to stop")
+
+    @magic_arguments(name="distributed_stacks")
+    @argument(
+        "job_id", nargs="?", default=None, help="Job id (or a unique part of it); default: the latest running job."
+    )
+    @argument("--native", action="store_true", help="Also show C/C++ frames (py-spy --native), e.g. where gloo waits.")
+    @magic_help(
+        "%distributed_stacks",
+        examples="""
+        %distributed_stacks               # rank 0 (pid 4242): dist.broadcast at Cell In[4] line 7, then its frames
+        %distributed_stacks a1b2c3 --native
+        """,
+    )
+    @line_magic
+    def distributed_stacks(self, line: str) -> None:
+        """Print the Python stack of every running rank of a job, taken from outside by py-spy (about 0.1 s).
+
+        Each rank's first line says where it is; notebook frames read as the notebook shows them (Cell In[4]
+        line 7, then the line). A job that timed out or was cancelled while ranks ran keeps the stacks taken
+        just before they were stopped in <run dir>/stacks/, and its error says where each rank was.
+        """
+        args = parse_argstring(self.distributed_stacks, line)
+        job = find_job(args.job_id) if args.job_id else latest_running("%distributed_stacks")
+        for text in job.stacks(native=args.native).values():
+            print(text)
 
     @magic_arguments(name="distributed_doctor")
     @argument("--port", type=int, default=None, help="Also check that this pinned MASTER_PORT is free.")

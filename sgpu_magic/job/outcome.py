@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
 from typing import Any
 
 from sgpu_magic.errors import (
@@ -17,7 +16,8 @@ from sgpu_magic.errors import (
 )
 from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.resources import DevicePlan
-from sgpu_magic.rundir import RunDir, read_json, read_private
+from sgpu_magic.launch.stacks import summary
+from sgpu_magic.rundir import HostStatus, RunDir, read_json, read_private
 from sgpu_magic.spec import LaunchSpec
 
 
@@ -74,10 +74,12 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
     return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))
 
 
-def stopped_error(job_id: str, how: str, logs: Path) -> JobCancelledError:
+def stopped_error(rd: RunDir, how: str, status: dict | None = None) -> JobCancelledError:
     """``job <id> was interrupted; every rank was stopped. Logs: <dir>`` (``how``: ``interrupted`` or
-    ``cancelled``), the error of a job stopped once its ranks ran."""
-    return JobCancelledError(f"job {job_id} was {how}; every rank was stopped. Logs: {logs}")
+    ``cancelled``), the error of a job stopped once its ranks ran; with its final ``status``, also where the ranks
+    still running then were (``Where the ranks still running were: rank 0: ...``)."""
+    where = _still_running(rd, status) if status is not None else ""
+    return JobCancelledError(f"job {rd.job_id} was {how}; every rank was stopped. Logs: {rd.logs_dir}{where}")
 
 
 def load_result(rd: RunDir, rank: int) -> Any:
@@ -100,20 +102,30 @@ def load_result(rd: RunDir, rank: int) -> Any:
         ) from exc
 
 
+def _still_running(rd: RunDir, status: dict) -> str:
+    """`` Where the ranks still running were: rank 0: dist.broadcast at Cell In[4] line 7; ... (their stacks:
+    <dir>).`` from the summary the launch host took before it stopped them
+    (:func:`sgpu_magic.launch.stacks.save_stacks`), else ``""``."""
+    where = HostStatus.from_dict(status).stacks
+    if not where:
+        return ""
+    return f" Where the ranks still running were: {summary(where)} (their stacks: {rd.stacks_dir})."
+
+
 def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) -> BaseException:
     """The error of a job that ended without succeeding, from its final ``status``: a timeout, a cancel (or
     interrupt), a lost launcher, a launch that failed, or the :class:`RankFailedError` naming the root cause."""
     state, job_id = state_from_status(status), rd.job_id
     if state is JobState.TIMED_OUT:
         return JobTimeoutError(
-            f"job {job_id} ran longer than its timeout of {spec.timeout_s:g} s; "
-            f"every rank was stopped. Logs: {rd.logs_dir}"
+            f"job {job_id} ran longer than its timeout of {spec.timeout_s:g} s; every rank was stopped."
+            f"{_still_running(rd, status)} Logs: {rd.logs_dir}"
         )
     if state is JobState.CANCELLED:
         how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
         if "started_s" not in status:
             return JobCancelledError(f"job {job_id} was {how} before it started (no rank ran)")
-        return stopped_error(job_id, how, rd.logs_dir)
+        return stopped_error(rd, how, status)
     if status.get("host_lost"):
         return LauncherError(status["host_lost"])
     if status.get("launch_error"):

@@ -17,6 +17,7 @@ from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.client import get_host
 from sgpu_magic.launch.leases import LeaseRegistry
 from sgpu_magic.launch.resources import DevicePlan, check_port_free, plan_devices
+from sgpu_magic.launch.stacks import CodeMap
 from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.spec import LaunchSpec
 
@@ -113,6 +114,7 @@ def submit(
     """
     rd = RunDir.create(root, lean=lean)
     atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    CodeMap.from_payload(payload).write(rd.code_map_file)  # stacks read frames as the notebook names them
     if before_launch is not None:
         before_launch(rd)
     if plan.needs_lease and registry is None:

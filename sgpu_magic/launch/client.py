@@ -113,6 +113,11 @@ class LaunchHost:
         """Ask the host to stop a job; ``reason`` is its final state (cancelled, timed_out, interrupted)."""
         self.send({"op": "cancel", "run_dir": str(run_dir.path), "reason": reason})
 
+    def request_stacks(self, run_dir: RunDir, token: str, native: bool) -> None:
+        """Ask the host for the stacks of the job's running ranks, answered in ``run_dir.stacks_reply_file(token)``
+        (:func:`sgpu_magic.launch.stacks.live_stacks` waits for it)."""
+        self.send({"op": "stacks", "run_dir": str(run_dir.path), "token": token, "native": native})
+
     def close(self) -> None:
         """Close the command pipe: the host stops its jobs and exits."""
         with self._lock:

@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import cloudpickle
 
-from sgpu_magic._util.proc import die_with_parent
+from sgpu_magic._util.proc import allow_tracing_by, die_with_parent
 from sgpu_magic.errors import Unpicklable
 from sgpu_magic.rank import exit as rank_exit
 from sgpu_magic.rank.mlflow_guard import flush_async_logging, guard_job_run, settled_value
@@ -51,9 +51,13 @@ def _redirect_output(log_file) -> None:
 def _die_with_parent(expected_parent: int | None) -> None:
     """Exit when the parent (the launch host, or its forkserver) dies (PR_SET_PDEATHSIG), even by SIGKILL.
 
-    Also lead a session of its own, so that what this rank starts can be found and stopped with it.
+    Also lead a session of its own, so that what this rank starts can be found and stopped with it, and let the
+    launch host's py-spy read this rank's stack under Yama's ``ptrace_scope`` 1 (``job.stacks()``, on a timeout).
     """
     die_with_parent(signal.SIGKILL)
+    host = os.environ.get("SGPU_MAGIC_HOST_PID", "")
+    if host.isdigit():
+        allow_tracing_by(int(host))
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(signal.SIGKILL + 128)  # the parent died before the death signal was armed
     try:

@@ -9,8 +9,9 @@ flushed before each rank reports (:func:`sgpu_magic.rank.mlflow_guard.flush_asyn
 Ranks never end the run (the worker makes MLflow skip ``set_terminated`` for it); the kernel
 sets the final status when the job ends: FINISHED on success, FAILED when a rank fails, KILLED on
 cancel, timeout or interrupt. If the kernel dies while the job runs, the launch host marks the run
-KILLED on its way down. At the end the rank logs (``logs/rank_N.log``) and the ranks' error files
-(``errors/rank_N.json``) are attached as artifacts; CPU, memory, disk and network metrics (GPU
+KILLED on its way down. At the end the rank logs (``logs/rank_N.log``), the ranks' error files
+(``errors/rank_N.json``) and the stacks taken when a job timed out or was cancelled (``stacks/rank_N.txt``) are
+attached as artifacts; CPU, memory, disk and network metrics (GPU
 too, through NVML) are recorded with MLflow's system metrics monitor while the job runs.
 
 Where runs go:
@@ -366,7 +367,7 @@ class MlflowTracking(JobSink):
 
     def _log_artifacts(self, rd: RunDir) -> None:
         assert self._client is not None and self.run_id is not None  # called by finished, for a tracked job
-        for folder in (rd.logs_dir, rd.errors_dir):
+        for folder in (rd.logs_dir, rd.errors_dir, rd.stacks_dir):
             sub = folder.name
             files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
             for path in files:

@@ -18,6 +18,7 @@ from sgpu_magic._util.redact import redact
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.launch.env import rank_env
 from sgpu_magic.launch.host.warm_pool import WarmPool
+from sgpu_magic.launch.stacks import save_stacks
 from sgpu_magic.launch.teardown import TeardownGuard
 from sgpu_magic.rundir import RunDir, attempt_marker, read_json, write_status
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     _Context = TypeVar("_Context", bound=PContext)
 
 GRACE_S = 3.0
+
+STACK_STATES = frozenset({"timed_out", "cancelled", "interrupted"})
+"""The final states for which the host takes the running ranks' stacks before it stops them."""
 
 
 STORE_TIMEOUT_S = 1800.0
@@ -288,11 +292,25 @@ class HostJob:
         self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
         self._start_attempt()
 
-    def stop(self, state: str) -> None:
-        """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end in ``state``."""
+    def stop(self, state: str, stacks: bool = True) -> None:
+        """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end in ``state``; when the job timed out or
+        was cancelled (``stacks``), the stacks of the ranks still running are taken first (:meth:`_save_stacks`)."""
         if self.ctx is not None:
+            if stacks and state in STACK_STATES:
+                self._save_stacks()
             self.ctx.close(timeout=GRACE_S)  # type: ignore[arg-type] # torch says int; its waits take seconds as floats
         self._finish(state)
+
+    def _save_stacks(self) -> None:
+        """Take the stacks of the ranks still running into ``stacks/`` and their summary into the status; a
+        failure is logged, never raised (the ranks are stopped all the same)."""
+        running = {r: self.pids[r] for r, code in _exitcodes(self.ctx).items() if code is None and r in self.pids}
+        if not running:
+            return
+        try:
+            self.status["stacks"] = save_stacks(self.run_dir, running)
+        except Exception as exc:  # noqa: BLE001 - the stop goes on without them; the host log says why
+            host_log(f"sgpu_magic host: could not take the stacks of job {self.run_dir.job_id}: {exc!r}")
 
     def _finish(self, state: str) -> None:
         kill_leftovers(set(self.pids.values()), self.launch["job_id"])

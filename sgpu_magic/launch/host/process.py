@@ -6,6 +6,8 @@ reach it), answers ``ready <pid>`` on stdout, then reads JSON commands from stdi
 
 - ``{"op": "launch", "run_dir": ..., "env": {...}}``: start the job's ranks.
 - ``{"op": "cancel", "run_dir": ..., "reason": "cancelled" | "timed_out" | "interrupted"}``.
+- ``{"op": "stacks", "run_dir": ..., "token": ..., "native": false}``: the running ranks' stacks into the reply
+  file the token names (:func:`sgpu_magic.launch.stacks.answer`).
 
 Ranks are started through torch.distributed.elastic's ``SubprocessContext`` with torchrun's
 environment contract; the first failure stops the others (SIGTERM, then SIGKILL after
@@ -28,6 +30,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +39,7 @@ import psutil
 from sgpu_magic._util.proc import adopt_orphans
 from sgpu_magic.launch.host.job import HostJob, end_mlflow_run, host_log, reap_adopted
 from sgpu_magic.launch.host.warm_pool import WarmPool
+from sgpu_magic.launch.stacks import answer as answer_stacks
 from sgpu_magic.rundir import HOST_WARM_STATS, RunDir, host_warm_marker, write_status
 
 POLL_S = 0.02
@@ -84,6 +88,12 @@ class Host:
                     write_status(run_dir, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
                 except OSError as write_exc:
                     host_log(f"sgpu_magic host: job {run_dir.job_id} could not start ({exc}) nor say so ({write_exc})")
+        elif cmd["op"] == "stacks":  # answered from a thread: the dumps take up to stacks.DUMP_TIMEOUT_S
+            job = self.jobs.get(run_dir.job_id)
+            pids = None if job is None else dict(job.pids)
+            threading.Thread(
+                target=answer_stacks, args=(run_dir, cmd["token"], pids, bool(cmd.get("native"))), daemon=True
+            ).start()
         elif cmd["op"] == "cancel" and run_dir.job_id in self.jobs:
             job = self.jobs.pop(run_dir.job_id)
             job.stop(cmd.get("reason", "cancelled"))
@@ -137,7 +147,7 @@ class Host:
                     reap_adopted({pid for job in self.jobs.values() for pid in job.pids.values()})
         finally:
             for job in self.jobs.values():
-                job.stop("cancelled")
+                job.stop("cancelled", stacks=False)  # the kernel is gone: end at once
             if self.pool is not None:
                 self.pool.stop()
             for job in [*self.ended, *self.jobs.values()]:
