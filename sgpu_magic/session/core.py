@@ -134,7 +134,9 @@ class SessionCore:
             before_launch=make_channel,
         )
         request = self._new_request(tuple(range(self.world_size)))
-        self._reader = threading.Thread(target=self._read_loop, name=f"sgpu_magic session {self.name}", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read_loop, args=(self._channel,), name=f"sgpu_magic session {self.name}", daemon=True
+        )
         self._reader.start()
         try:
             self._wait(request)
@@ -167,6 +169,9 @@ class SessionCore:
                 self.job.wait(grace_s)
             if not self.job.done():
                 self.job.cancel()
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(READ_TICK_S * 20)  # it ends within a tick (STOPPED); then no read races the close below
         if self._channel is not None:
             self._channel.close()
         with self._lock:
@@ -190,7 +195,11 @@ class SessionCore:
     def _wait(self, request: Request) -> None:
         """Wait for ``request``'s replies; :class:`SessionError` when the session breaks or stops meanwhile."""
         while not request.done.wait(READ_TICK_S):
-            pass
+            if self._reader is None or not self._reader.is_alive():
+                raise SessionError(
+                    f"session {self.name} lost its reader thread (see the kernel's log); run %distributed_session "
+                    f"restart (or sess.restart()) for fresh ranks"
+                )
         if request.missing:
             raise SessionError(self.broken or f"session {self.name} was stopped before every rank replied")
 
@@ -288,16 +297,26 @@ class SessionCore:
 
     # -- the reader thread
 
-    def _read_loop(self) -> None:
-        while self.state is not SessionState.STOPPED:
-            channel = self._channel
-            if channel is None:
+    def _read_loop(self, channel: SessionChannel) -> None:
+        """The reader thread of one start of the session: it ends when that start's channel is replaced or closed."""
+        try:
+            while self.state is not SessionState.STOPPED and self._channel is channel:
+                for rank, reply, value in channel.read_ready(READ_TICK_S):
+                    self._on_reply(rank, reply, value)
+                self._check_deadlines()
+                self._check_ranks_alive()
+                self._check_idle()
+        except Exception as exc:  # noqa: BLE001 - a broken channel breaks the session, said to whoever waits
+            if self.state is SessionState.STOPPED or self._channel is not channel:
                 return
-            for rank, reply, value in channel.read_ready(READ_TICK_S):
-                self._on_reply(rank, reply, value)
-            self._check_deadlines()
-            self._check_ranks_alive()
-            self._check_idle()
+            self.broken = (
+                f"session {self.name} is broken: its channel to the ranks failed ({type(exc).__name__}: {exc}); run "
+                f"%distributed_session restart (or sess.restart()) for fresh ranks"
+            )
+            self.state = SessionState.BROKEN
+            request = self._request
+            if request is not None:
+                self._complete(request, self.broken)
 
     def _on_reply(self, rank: int, reply: dict[str, Any], value: bytes | None) -> None:
         self._names[rank] = set(reply.get("names", ()))

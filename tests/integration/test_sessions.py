@@ -19,12 +19,7 @@ from helpers import wait_for, wait_gone
 def sess(ip):
     """One 2-rank session for the module (started from the shell's warm launch host), stopped at the end."""
     session = Session(gpus=2, widgets=False, mlflow=False, name="shared")
-    yield session
-    session.stop()
-
-
-def test_state_and_process_group_persist_across_cells(sess):
-    sess.run_cell(
+    session.run_cell(
         "import os, torch, torch.distributed as dist\n"
         "if not dist.is_initialized():\n"
         "    dist.init_process_group('gloo')\n"
@@ -32,6 +27,11 @@ def test_state_and_process_group_persist_across_cells(sess):
         "w = torch.ones(3) * (rank + 1)\n"
         "group_id = id(dist.group.WORLD)"
     )
+    yield session
+    session.stop()
+
+
+def test_state_and_process_group_persist_across_cells(sess):
     values = sess.run_cell("t = w.clone()\ndist.all_reduce(t)\n(rank, t.tolist(), group_id == id(dist.group.WORLD))")
     assert values == [(0, [3.0, 3.0, 3.0], True), (1, [3.0, 3.0, 3.0], True)]
     assert sess.pull("w", rank=1).tolist() == [2.0, 2.0, 2.0]
