@@ -138,7 +138,6 @@ class Session:
         self._core = SessionCore(spec, self._sinks, self.name, idle_timeout_s, lease_dir)
         self._core.on_idle_stop = self._announce
         self._max_capture_bytes = int(resolve_config(FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES)))
-        self._cells = 0
         with _SESSIONS_LOCK:
             _SESSIONS.append(self)
         self._core.start()
@@ -241,9 +240,8 @@ class Session:
         quiet: bool = False,
     ) -> Job:
         """The Job of one cell, launched on the session's ranks (the caller follows it). See :meth:`run_cell`."""
-        chosen = self._core.check_ranks(ranks)
-        self._cells += 1
-        label = f"session {self.name} cell {self._cells}"
+        chosen, timeout_s = self._core.check_ranks(ranks), _timeout_s(timeout)
+        label = f"session {self.name} cell {len(self._core.jobs) + 1}"
         filename = filename or f"<{label}>"
 
         def build(skip: set[str], warn: Callable[[str], None]) -> dict:
@@ -251,7 +249,7 @@ class Session:
             payload.update(filename=filename, quiet=quiet, display_names={filename: display_name or label})
             return payload
 
-        return self._core.run_job(build, chosen, _timeout_s(timeout), label)
+        return self._core.run_job(build, chosen, timeout_s, label)
 
     def run_cell(self, source: str, ranks: Sequence[int] | None = None, timeout: float | None = None) -> list[Any]:
         """Run ``source`` on the ranks (all, or ``ranks``) in their namespaces; block until each is done.
@@ -287,8 +285,7 @@ class Session:
             raise SpecError(f"Session.run takes a function: {problem}")
         call = f"{self.name}.run({getattr(fn, '__name__', 'fn')})"
         args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
-        self._cells += 1
-        label = f"session {self.name} cell {self._cells} ({getattr(fn, '__qualname__', 'function')})"
+        label = f"session {self.name} cell {len(self._core.jobs) + 1} ({getattr(fn, '__qualname__', 'function')})"
 
         def build(skip: set[str], warn: Callable[[str], None]) -> dict:
             payload = capture.capture_function(fn, self._max_capture_bytes, warn, skip=skip)

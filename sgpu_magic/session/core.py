@@ -133,6 +133,7 @@ class SessionCore:
             lease_dir=self.lease_dir,
             before_launch=make_channel,
         )
+        self.job.title = self.spec.name  # "session s1", in its summary line, panel header and %distributed_jobs
         request = self._new_request(tuple(range(self.world_size)))
         self._reader = threading.Thread(
             target=self._read_loop, args=(self._channel,), name=f"sgpu_magic session {self.name}", daemon=True

@@ -186,3 +186,15 @@ def test_a_rank_that_dies_breaks_the_session_and_restart_brings_fresh_ranks(ip):
         SessionError, match=r"session fragile is stopped; start it again with %distributed_session restart"
     ):
         session.run_cell("1")
+
+
+def test_distributed_jobs_lists_the_session_and_its_cells(sess, run_cell):
+    sess.run_cell("1")
+    result, _, _ = run_cell("%distributed_jobs")
+    rows = repr(result.result).splitlines()[1:]
+    session_rows = [r for r in rows if r.startswith(sess.job.job_id)]
+    assert len(session_rows) == 1 and session_rows[0].split()[1] == "running"
+    assert session_rows[0].endswith("session shared")
+    last = sess.jobs[-1]
+    cell_row = next(r for r in rows if r.startswith(last.job_id))
+    assert cell_row.split()[1] == "succeeded" and cell_row.endswith(f"session shared cell {len(sess.jobs)}")
