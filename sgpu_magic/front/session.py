@@ -294,6 +294,43 @@ class Session:
 
         return self.follow(self._core.run_job(build, self._core.check_ranks(None), None, label))
 
+    def has_failed_cell(self) -> bool:
+        """Whether the session's last cell failed (``%distributed_debug`` then debugs it)."""
+        from sgpu_magic.job.state import JobState
+
+        return bool(self._core.jobs) and self._core.jobs[-1].state is JobState.FAILED
+
+    def last_failure_rank(self) -> int:
+        """The root-cause rank of the session's last cell if it failed.
+
+        Raises:
+            SessionError: the last cell did not fail (or no cell ran).
+        """
+        from sgpu_magic.errors import RankFailedError
+        from sgpu_magic.job.state import JobState
+
+        last = self._core.jobs[-1] if self._core.jobs else None
+        if last is None or last.state is not JobState.FAILED:
+            raise SessionError(
+                f"the last cell of session {self.name} did not fail: there is nothing to debug "
+                f"(%distributed_debug opens pdb where a failed cell raised)"
+            )
+        error = last.exception()
+        return error.root_cause.rank if isinstance(error, RankFailedError) else last.ranks[0]
+
+    def debug(self, rank: int | None = None) -> None:
+        """pdb in one rank at the frame where the session's last cell failed (default: its root-cause rank), with
+        its prompt in the notebook (``input()``, as IPython's ``%debug``) and the rank's namespace; the other ranks
+        stay idle. ``q``, ``c`` or an interrupt leave it.
+
+        Raises:
+            SessionError: the last cell did not fail, ``rank`` is outside the world or its last cell did not fail,
+                or the session is stopped, broken or busy.
+        """
+        chosen = self.last_failure_rank() if rank is None else self._core.check_ranks([rank])[0]
+        print(f"sgpu_magic: pdb in rank {chosen} of session {self.name}, where its last cell failed (q leaves it)")
+        self._core.debug(chosen, lambda text: print(text, end="", flush=True), input)
+
     # -- values
 
     def push(self, **values: Any) -> None:

@@ -23,7 +23,7 @@ from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.client import LaunchHost
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_json
+from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_json, read_json
 from sgpu_magic.spec import LaunchSpec
 
 HOST_CHECK_S = 0.5
@@ -189,6 +189,21 @@ class Job:
                 self._rd, lambda: self.status, native, lambda t: host.request_stacks(self._rd, t, native)
             )
         return live_stacks(self._rd, lambda: self.status, native)
+
+    def failure_locals(self, rank: int) -> dict[str, str]:
+        """The locals of the frame where rank ``rank`` failed, as ``{name: repr}`` (at most 50, each repr about 200
+        characters at most), saved by the rank with its error, so they outlive its process.
+
+        Raises:
+            IndexError: ``rank`` is not in the job.
+            SgpuError: rank ``rank`` did not fail (or left no error file); the message names it.
+        """
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} is not in this job (world_size={self.world_size})")
+        error = read_json(self._rd.error_file(rank))
+        if error is None:
+            raise SgpuError(f"rank {rank} of {self.title} did not fail with a Python exception: it saved no locals")
+        return dict(error.get("locals") or {})
 
     @property
     def attempt(self) -> int:

@@ -31,10 +31,13 @@ from sgpu_magic.rundir import RunDir, atomic_write_bytes, open_private_fifo, rea
 
 
 class _Running:
-    """Whether a cell runs now: SIGINT raises ``KeyboardInterrupt`` in it, and does nothing between cells."""
+    """Whether a cell runs now: SIGINT raises ``KeyboardInterrupt`` in it, and does nothing between cells.
+
+    ``failure``: the exception of the last cell if it failed (kept, with its frames, for ``%distributed_debug``)."""
 
     def __init__(self) -> None:
         self.cell = False
+        self.failure: BaseException | None = None
 
     def on_sigint(self, signum: int, frame: object) -> None:
         if self.cell:
@@ -78,6 +81,7 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running) -> dict[str, An
     _output_to(rd.log_file(rank))
     reply: dict[str, Any] = {"ok": True, "interrupted": False}
     payload: dict = {}
+    running.failure = None
     try:
         payload = pickle.loads(read_private(rd.payload_file, rd.path))
         _merge_globals(payload, ns)
@@ -92,6 +96,7 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running) -> dict[str, An
     except BaseException as exc:  # noqa: BLE001 - a cell's error fails the cell, never the session
         running.cell = False
         reply = {"ok": False, "interrupted": isinstance(exc, KeyboardInterrupt)}
+        running.failure = exc
         _write_error(rd, rank, exc, payload.get("display_names"))
     _flush()
     return reply
@@ -123,6 +128,17 @@ def _flush() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+
+
+def _debug(msg: dict, rank: int, running: _Running, replies: int, commands: int) -> dict[str, Any]:
+    """pdb at the frame where this rank's last cell failed, its I/O over the channel (:mod:`sgpu_magic.rank.debug`)."""
+    from sgpu_magic.rank.debug import post_mortem
+
+    if running.failure is None:
+        return {"ok": False, "error": f"rank {rank}'s last cell did not fail: there is nothing to debug"}
+    _flush()
+    post_mortem(running.failure, replies, commands, {"seq": msg["seq"], "rank": rank})
+    return {"ok": True}
 
 
 def _serve_one(msg: dict, ns: dict, rank: int, running: _Running) -> tuple[dict[str, Any], bytes | None]:
@@ -164,5 +180,8 @@ def serve(run_dir: RunDir, ns: dict) -> None:
         if msg["op"] == "stop":
             _reply(replies, msg["seq"], rank, {"ok": True}, None, ns)
             return
-        reply, value = _serve_one(msg, ns, rank, running)
+        if msg["op"] == "debug":
+            reply, value = _debug(msg, rank, running, replies, commands), None
+        else:
+            reply, value = _serve_one(msg, ns, rank, running)
         _reply(replies, msg["seq"], rank, reply, value, ns)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import os
+import queue
 import signal
 import threading
 import time
@@ -242,6 +243,39 @@ class SessionCore:
         self._wait(request)
         return request
 
+    def debug(self, rank: int, write: Callable[[str], None], read_line: Callable[[str], str]) -> None:
+        """pdb in rank ``rank`` at the frame where its last cell failed: ``write(text)`` shows its output,
+        ``read_line(prompt)`` asks the user for each line (``q`` on an interrupt or end of input). The other
+        ranks stay idle. Raises :class:`SessionError` when the rank's last cell did not fail."""
+        ranks = self.check_ranks([rank])
+        self.check_usable()
+        request = self._new_request(ranks)
+        self.state = SessionState.BUSY
+        assert self._channel is not None  # usable: started
+        self._channel.send(ranks, {"op": "debug", "seq": request.seq})
+        prompt = ""
+        while not (request.done.is_set() and request.stream.empty()):
+            try:
+                item = request.stream.get(timeout=READ_TICK_S)
+            except queue.Empty:
+                if not request.done.is_set() and (self._reader is None or not self._reader.is_alive()):
+                    raise SessionError(f"session {self.name} lost its reader thread while debugging") from None
+                continue
+            if item["stream"] == "debug_out":
+                shown, _, prompt = (prompt + item["text"]).rpartition("\n")
+                if shown:
+                    write(shown + "\n")
+                continue
+            line = _ask(read_line, prompt)
+            prompt = ""
+            self._channel.send(ranks, {"op": "debug_line", "line": line, "seq": request.seq})
+        reply = request.replies.get(rank, {})
+        if not reply.get("ok"):
+            raise SessionError(
+                f"{reply.get('error', 'the debugger did not start')} (session {self.name}); "
+                f"%distributed_debug opens the debugger after a cell failed"
+            )
+
     # -- cells
 
     def run_job(
@@ -327,6 +361,9 @@ class SessionCore:
             reply["seq"] = request.seq  # a rank's first word answers the start
         if request is None or reply.get("seq") != request.seq:
             return  # a late reply to a request that was given up
+        if "stream" in reply:  # a debugger's output or its request for a line: the reply comes later
+            request.stream.put(reply)
+            return
         request.replies[rank] = reply
         if value is not None:
             request.values[rank] = value
@@ -387,6 +424,14 @@ class SessionCore:
             self.on_idle_stop(message)
 
 
+def _ask(read_line: Callable[[str], str], prompt: str) -> str:
+    """One line for the debugger from the user; ``q`` (leave it) on an interrupt or end of input."""
+    try:
+        return read_line(prompt)
+    except (KeyboardInterrupt, EOFError):
+        return "q"
+
+
 def _no_warning(text: str) -> None:
     """Where a cell's capture warnings go when its view takes none."""
 
@@ -413,7 +458,7 @@ def _cell_status(request: Request, broken: str | None) -> dict[str, Any]:
     replies = request.replies
     failures = sorted(
         (
-            {"rank": r, "exitcode": 1, "time_s": reply.get("time_s", time.time())}
+            {"rank": r, "exitcode": None, "time_s": reply.get("time_s", time.time())}  # the rank lives on
             for r, reply in replies.items()
             if not reply.get("ok") and not reply.get("interrupted")
         ),
@@ -430,7 +475,6 @@ def _cell_status(request: Request, broken: str | None) -> dict[str, Any]:
         "state": state,
         "started_s": request.started_s,
         "ended_s": time.time(),
-        "exitcodes": {str(r): (0 if reply.get("ok") else 1) for r, reply in replies.items()},
         "failures": failures,
         "rank_outcomes": {str(r): _outcome(replies.get(r)) for r in request.ranks},
     }

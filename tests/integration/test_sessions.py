@@ -198,3 +198,16 @@ def test_distributed_jobs_lists_the_session_and_its_cells(sess, run_cell):
     last = sess.jobs[-1]
     cell_row = next(r for r in rows if r.startswith(last.job_id))
     assert cell_row.split()[1] == "succeeded" and cell_row.endswith(f"session shared cell {len(sess.jobs)}")
+
+
+def test_debugging_needs_a_failed_cell_a_rank_in_the_world_or_a_known_job(sess, ip):
+    sess.run_cell("1")
+    with pytest.raises(SessionError, match=r"the last cell of session shared did not fail: there is nothing to debug"):
+        sess.debug()
+    with pytest.raises(SessionError, match=r"ranks \[5\] are not in session shared"):
+        sess.debug(rank=5)
+    with pytest.raises(SessionError, match=r"rank 0's last cell did not fail: there is nothing to debug"):
+        sess.debug(rank=0)
+    with pytest.raises(UsageError, match=r"'nosuchjob' matches no job of this kernel"):
+        ip.run_line_magic("distributed_debug", "--job nosuchjob")
+    assert sess.run_cell("rank") == [0, 1]
