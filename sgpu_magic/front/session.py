@@ -329,7 +329,7 @@ class Session:
         """
         chosen = self.last_failure_rank() if rank is None else self._core.check_ranks([rank])[0]
         print(f"sgpu_magic: pdb in rank {chosen} of session {self.name}, where its last cell failed (q leaves it)")
-        self._core.debug(chosen, lambda text: print(text, end="", flush=True), input)
+        self._core.debug(chosen, *self._core.debug_io)
 
     # -- values
 

@@ -9,13 +9,15 @@ shows the prompt in the cell's input box (as IPython's ``%debug`` does) and the 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pdb
 import pickle
 import reprlib
+import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from sgpu_magic._util.frames import read_frame, write_frame
 
@@ -80,6 +82,75 @@ class _ChannelIO(io.TextIOBase):
 
     def flush(self) -> None:
         pass
+
+    def end(self) -> None:
+        """Tell the kernel that this pdb session stopped prompting (the rank runs on)."""
+        self._send({"stream": "debug_end"})
+
+
+class _Detaching(pdb.Pdb):
+    """pdb whose ``q`` detaches instead of raising ``BdbQuit``: the rank runs on, so a collective its peers wait
+    in completes (a cell that raised there would leave them stuck until the collective's timeout)."""
+
+    def do_quit(self, arg: str) -> bool:
+        self.clear_all_breaks()
+        self.set_continue()
+        return True
+
+    do_q = do_exit = do_quit
+
+    def interaction(self, frame, tb) -> None:
+        try:
+            super().interaction(frame, tb)
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        end = getattr(self.stdout, "end", None)
+        if end is not None:
+            end()
+
+
+_CELL: dict | None = None
+"""While a session cell runs: its channel (``replies``, ``commands``) and ``head`` (``seq``, ``rank``)."""
+
+
+@contextlib.contextmanager
+def cell_channel(replies: int, commands: int, head: dict) -> Iterator[None]:
+    """Let :func:`breakpoint_here` reach the kernel while the session cell ``head["seq"]`` runs."""
+    global _CELL
+    _CELL = {"replies": replies, "commands": commands, "head": head}
+    try:
+        yield
+    finally:
+        _CELL = None
+
+
+def breakpoint_here(frame: types.FrameType) -> None:
+    """Stop in pdb at ``frame`` (the caller of ``runtime.breakpoint``), its I/O in the notebook cell that runs.
+
+    Outside a live session's cell (a job, whose ranks have no channel to the kernel) it says so on stderr and
+    returns."""
+    cell = _CELL
+    if cell is None:
+        print(
+            "sgpu_magic: runtime.breakpoint() stops a rank only in a live session's cell "
+            "(%distributed_session start); ignored here",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    debugger = _Detaching(stdin=_channel(cell), stdout=_channel(cell))  # type: ignore[arg-type] # a text stream
+    debugger.use_rawinput = False
+    debugger.set_trace(frame)
+
+
+def _channel(cell: dict) -> _ChannelIO:
+    def send(body: dict) -> None:
+        frame = {**cell["head"], **body, "has_value": False}
+        write_frame(cell["replies"], pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL))
+
+    return _ChannelIO(send, cell["commands"])
 
 
 def post_mortem(exc: BaseException, replies: int, commands: int, head: dict) -> None:

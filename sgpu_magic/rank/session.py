@@ -72,8 +72,10 @@ def _merge_globals(payload: dict, ns: dict) -> None:
             ns[name] = Unpicklable(name, str(entry[0]), f"could not be loaded in the rank: {type(exc).__name__}: {exc}")
 
 
-def _run_cell(msg: dict, ns: dict, rank: int, running: _Running) -> dict[str, Any]:
-    """Run one cell (or function) of the session; write its value or error into its run directory."""
+def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int, int]) -> dict[str, Any]:
+    """Run one cell (or function) of the session; write its value or error into its run directory. ``fds``: the
+    rank's reply and command FIFOs, for a ``runtime.breakpoint()`` in the cell."""
+    from sgpu_magic.rank.debug import cell_channel
     from sgpu_magic.rank.worker import _dump_result, _write_error, run_payload
 
     rd = RunDir(msg["run_dir"])
@@ -88,7 +90,8 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running) -> dict[str, An
         held: list = []
         running.cell = True
         try:
-            value = run_payload(payload, ns, held)
+            with cell_channel(fds[0], fds[1], {"seq": msg["seq"], "rank": rank}):
+                value = run_payload(payload, ns, held)
         finally:
             running.cell = False
             held.clear()
@@ -141,10 +144,12 @@ def _debug(msg: dict, rank: int, running: _Running, replies: int, commands: int)
     return {"ok": True}
 
 
-def _serve_one(msg: dict, ns: dict, rank: int, running: _Running) -> tuple[dict[str, Any], bytes | None]:
+def _serve_one(
+    msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int, int]
+) -> tuple[dict[str, Any], bytes | None]:
     op = msg["op"]
     if op == "cell":
-        return _run_cell(msg, ns, rank, running), None
+        return _run_cell(msg, ns, rank, running, fds), None
     if op == "push":
         return _push(msg, ns), None
     if op == "pull":
@@ -183,5 +188,5 @@ def serve(run_dir: RunDir, ns: dict) -> None:
         if msg["op"] == "debug":
             reply, value = _debug(msg, rank, running, replies, commands), None
         else:
-            reply, value = _serve_one(msg, ns, rank, running)
+            reply, value = _serve_one(msg, ns, rank, running, (replies, commands))
         _reply(replies, msg["seq"], rank, reply, value, ns)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import os
-import queue
 import signal
 import threading
 import time
@@ -26,8 +25,9 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
-from sgpu_magic.rundir import RunDir, write_status
+from sgpu_magic.rundir import RunDir, signal_status, write_status
 from sgpu_magic.session.channel import Request, SessionChannel
+from sgpu_magic.session.relay import DebugRelay, ReadLine, Write
 from sgpu_magic.spec import LaunchSpec
 
 INTERRUPT_GRACE_S = 5.0
@@ -50,12 +50,14 @@ class SessionState(enum.Enum):
 class CellLauncher:
     """The :class:`~sgpu_magic.launch.base.Launcher` of one session cell: the session's live ranks."""
 
-    def __init__(self, core: SessionCore, ranks: tuple[int, ...]) -> None:
-        self.core, self.ranks = core, ranks
+    def __init__(self, core: SessionCore, ranks: tuple[int, ...], relay: DebugRelay | None = None) -> None:
+        self.core, self.ranks, self.relay = core, ranks, relay
         self.pid = os.getpid()  # a cell holds no lease of its own (the session's job does)
 
     def launch(self, run_dir: RunDir) -> None:
-        self.core.send_cell(run_dir, self.ranks)
+        request = self.core.send_cell(run_dir, self.ranks)
+        if self.relay is not None:
+            self.relay.request = request
 
     def cancel(self, run_dir: RunDir, reason: str) -> None:
         self.core.interrupt(reason)
@@ -101,6 +103,8 @@ class SessionCore:
         self.broken: str | None = None
         self.pids: dict[int, int] = {}
         self.on_idle_stop: Callable[[str], None] | None = None
+        self.debug_io: tuple[Write, ReadLine] = (_write, _read_line)
+        """How a rank's pdb talks to the user: ``(write(text), read_line(prompt))``; the kernel's output and input()."""
         self._names: dict[int, set[str]] = {}
         self._channel: SessionChannel | None = None
         self._request: Request | None = None
@@ -253,22 +257,7 @@ class SessionCore:
         self.state = SessionState.BUSY
         assert self._channel is not None  # usable: started
         self._channel.send(ranks, {"op": "debug", "seq": request.seq})
-        prompt = ""
-        while not (request.done.is_set() and request.stream.empty()):
-            try:
-                item = request.stream.get(timeout=READ_TICK_S)
-            except queue.Empty:
-                if not request.done.is_set() and (self._reader is None or not self._reader.is_alive()):
-                    raise SessionError(f"session {self.name} lost its reader thread while debugging") from None
-                continue
-            if item["stream"] == "debug_out":
-                shown, _, prompt = (prompt + item["text"]).rpartition("\n")
-                if shown:
-                    write(shown + "\n")
-                continue
-            line = _ask(read_line, prompt)
-            prompt = ""
-            self._channel.send(ranks, {"op": "debug_line", "line": line, "seq": request.seq})
+        DebugRelay(self._channel, write, read_line).serve(request, block=True)
         reply = request.replies.get(rank, {})
         if not reply.get("ok"):
             raise SessionError(
@@ -294,15 +283,18 @@ class SessionCore:
         spec = replace(self.spec, timeout_s=timeout_s, name=label)
         sinks = self.make_sinks(spec, self._parent_run)
         payload = build_payload(self.names_everywhere(ranks), getattr(sinks[-1], "warn", _no_warning))
-        launcher = CellLauncher(self, ranks)
+        assert self._channel is not None  # usable: started
+        relay = DebugRelay(self._channel, *self.debug_io)  # serves runtime.breakpoint() while the cell runs
+        launcher = CellLauncher(self, ranks, relay)
+        sinks.insert(0, relay)
         plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none
         job = submit(spec, plan, payload, lambda: launcher, sinks, ranks=ranks, lean=True)
         job.title = label  # the summary line says "session s1 cell 3 succeeded ..." (it is shown once the cell ends)
         self.jobs.append(job)
         return job
 
-    def send_cell(self, run_dir: RunDir, ranks: tuple[int, ...]) -> None:
-        """Hand a cell to its ranks (called by the cell's Job through :class:`CellLauncher`)."""
+    def send_cell(self, run_dir: RunDir, ranks: tuple[int, ...]) -> Request:
+        """Hand a cell to its ranks (called by the cell's Job through :class:`CellLauncher`); its request."""
         self.check_usable()
         request = self._new_request(ranks, run_dir)
         launch_timeout = _read_timeout(run_dir)
@@ -313,6 +305,7 @@ class SessionCore:
         )
         assert self._channel is not None  # usable: started
         self._channel.send(ranks, {"op": "cell", "run_dir": str(run_dir.path), "seq": request.seq})
+        return request
 
     def interrupt(self, reason: str = "interrupted") -> bool:
         """``KeyboardInterrupt`` in every rank running the current cell; whether a cell was running."""
@@ -363,6 +356,8 @@ class SessionCore:
             return  # a late reply to a request that was given up
         if "stream" in reply:  # a debugger's output or its request for a line: the reply comes later
             request.stream.put(reply)
+            if request.run_dir is not None:
+                signal_status(request.run_dir)  # the cell's follower serves it (DebugRelay.tick) at once
             return
         request.replies[rank] = reply
         if value is not None:
@@ -424,12 +419,15 @@ class SessionCore:
             self.on_idle_stop(message)
 
 
-def _ask(read_line: Callable[[str], str], prompt: str) -> str:
-    """One line for the debugger from the user; ``q`` (leave it) on an interrupt or end of input."""
-    try:
-        return read_line(prompt)
-    except (KeyboardInterrupt, EOFError):
-        return "q"
+def _write(text: str) -> None:
+    print(text, end="", flush=True)
+
+
+def _read_line(prompt: str) -> str:
+    """``input(prompt)`` as the kernel has it now (ipykernel replaces it while a cell runs: a frontend prompt)."""
+    import builtins
+
+    return builtins.input(prompt)
 
 
 def _no_warning(text: str) -> None:

@@ -211,3 +211,17 @@ def test_debugging_needs_a_failed_cell_a_rank_in_the_world_or_a_known_job(sess, 
     with pytest.raises(UsageError, match=r"'nosuchjob' matches no job of this kernel"):
         ip.run_line_magic("distributed_debug", "--job nosuchjob")
     assert sess.run_cell("rank") == [0, 1]
+
+
+def test_a_breakpoint_in_a_job_is_said_and_skipped(ip):
+    from sgpu_magic import distributed
+
+    @distributed(gpus=1, mlflow=False, widgets=False)
+    def stops():
+        from sgpu_magic import runtime
+
+        runtime.breakpoint(rank=0)
+        return "ran on"
+
+    assert stops.distributed() == ["ran on"]
+    assert "runtime.breakpoint() stops a rank only in a live session's cell" in stops.last_job.logs(0)

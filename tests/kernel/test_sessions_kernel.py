@@ -154,3 +154,27 @@ def test_post_mortem_debugger_in_a_session_rank_and_a_jobs_saved_locals(kernel):
     out = execute(kc, "%distributed_debug")
     assert "the ranks of job" in out.stdout and "are gone" in out.stdout, out
     assert "  items = [0, 1, 2, 3]" in out.stdout and "KeyError: 'missing'" in out.stdout, out
+
+
+def test_a_breakpoint_in_rank_1_stops_it_and_c_or_q_let_the_all_reduce_finish(kernel):
+    km, kc = kernel
+    out = execute(kc, "%distributed_session start --gpus 2 --no-mlflow -o sess")
+    assert out.error is None, out.error
+    out = execute(
+        kc, "%%distributed --session\nimport torch, torch.distributed as dist\nfrom sgpu_magic import runtime\n"
+        "dist.init_process_group('gloo')"
+    )
+    assert out.error is None, out.error
+    cell = (
+        "%%distributed --session\nx = torch.ones(1) * (dist.get_rank() + 1)\nruntime.breakpoint(rank=1)\n"
+        "y = x * 10\ndist.all_reduce(y)\ny.item()"
+    )
+    out, prompts = _debug(kc, cell, ["p x", "c"])
+    assert out.error is None, out.error
+    assert prompts == ["[rank 1] (Pdb) ", "[rank 1] (Pdb) "], prompts
+    assert "sgpu_magic: rank 1 stopped in pdb" in out.stdout and "tensor([2.])" in out.stdout, out.stdout
+    assert out.results == ["30.0"], out  # the all_reduce finished with both ranks' values
+    out, prompts = _debug(kc, cell, ["q"])  # q detaches: the rank runs on and its peer's collective completes
+    assert out.error is None and out.results == ["30.0"], out
+    out = execute(kc, "%%distributed --session\ndist.get_rank()")
+    assert out.error is None and out.results == ["0"], out
