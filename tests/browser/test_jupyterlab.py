@@ -280,3 +280,38 @@ def test_interrupting_a_session_cell_keeps_the_ranks_state(jupyter, page, screen
     expect(panel_of(last).locator(".widget-tab-contents .widget-output:visible").first).to_be_visible()
     expect(panel_of(loop_cell)).to_contain_text("interrupted")
     page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}session-interrupt-page.png"))
+
+
+def test_the_debugger_prompt_of_a_failed_session_cell_is_the_notebooks_input_box(jupyter, page, screenshots):
+    """``%distributed_debug`` after a session cell failed: pdb's prompt appears in the frontend's input box, a
+    command typed there is answered by the rank, ``q`` ends it."""
+    from playwright.sync_api import expect
+
+    name = "session_debug.ipynb"
+    write_notebook(
+        jupyter.root / name,
+        [
+            "%load_ext sgpu_magic",
+            "%distributed_session start --gpus 2 --no-mlflow --no-widgets",
+            "%%distributed --session\nimport os\nsecret = 6 * (int(os.environ['RANK']) + 1)\n"
+            "if os.environ['RANK'] == '0':\n    raise ValueError('look')",
+            "%distributed_debug",
+        ],
+    )
+    notebook = open_notebook(page, jupyter, name)
+    for index in (0, 1, 2):
+        wait_cell_done(run_cell(page, notebook, index), JOB_TIMEOUT_MS)
+    debug_cell = run_cell(page, notebook, 3)
+    box = debug_cell.locator(".jp-Stdin-input")
+    box.wait_for(timeout=60_000)
+    expect(debug_cell.locator(".jp-Stdin-prompt")).to_contain_text("(Pdb)")
+    box.fill("p secret")
+    box.press("Enter")
+    expect(debug_cell.locator(".jp-Cell-outputArea")).to_contain_text("6", timeout=30_000)
+    page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}session-debug-page.png"))
+    box = debug_cell.locator(".jp-Stdin-input")
+    box.wait_for(timeout=30_000)
+    box.fill("q")
+    box.press("Enter")
+    wait_cell_done(debug_cell, 60_000)
+    expect(debug_cell.locator(".jp-Cell-outputArea")).to_contain_text("pdb in rank 0 of session s1")

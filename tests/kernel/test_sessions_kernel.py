@@ -161,8 +161,9 @@ def test_a_breakpoint_in_rank_1_stops_it_and_c_or_q_let_the_all_reduce_finish(ke
     out = execute(kc, "%distributed_session start --gpus 2 --no-mlflow -o sess")
     assert out.error is None, out.error
     out = execute(
-        kc, "%%distributed --session\nimport torch, torch.distributed as dist\nfrom sgpu_magic import runtime\n"
-        "dist.init_process_group('gloo')"
+        kc,
+        "%%distributed --session\nimport torch, torch.distributed as dist\nfrom sgpu_magic import runtime\n"
+        "dist.init_process_group('gloo')",
     )
     assert out.error is None, out.error
     cell = (
