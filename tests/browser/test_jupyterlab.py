@@ -302,15 +302,15 @@ def test_the_debugger_prompt_of_a_failed_session_cell_is_the_notebooks_input_box
     for index in (0, 1, 2):
         wait_cell_done(run_cell(page, notebook, index), JOB_TIMEOUT_MS)
     debug_cell = run_cell(page, notebook, 3)
-    box = debug_cell.locator(".jp-Stdin-input")
+    box = debug_cell.locator(".jp-Stdin-input").last  # (JupyterLab keeps an answered prompt's box beside the new one)
     box.wait_for(timeout=60_000)
-    expect(debug_cell.locator(".jp-Stdin-prompt")).to_contain_text("(Pdb)")
+    expect(debug_cell.locator(".jp-Stdin-prompt").last).to_contain_text("(Pdb)")
     box.fill("p secret")
     box.press("Enter")
     expect(debug_cell.locator(".jp-Cell-outputArea")).to_contain_text("6", timeout=30_000)
     page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}session-debug-page.png"))
-    box = debug_cell.locator(".jp-Stdin-input")
-    box.wait_for(timeout=30_000)
+    expect(debug_cell.locator(".jp-Stdin-input")).to_have_count(2, timeout=30_000)  # the next prompt
+    box = debug_cell.locator(".jp-Stdin-input").last
     box.fill("q")
     box.press("Enter")
     wait_cell_done(debug_cell, 60_000)
