@@ -179,3 +179,9 @@ def test_a_breakpoint_in_rank_1_stops_it_and_c_or_q_let_the_all_reduce_finish(ke
     assert out.error is None and out.results == ["30.0"], out
     out = execute(kc, "%%distributed --session\ndist.get_rank()")
     assert out.error is None and out.results == ["0"], out
+    # every rank stops: one pdb at a time, the second rank's prompts wait until the first one continues
+    out, prompts = _debug(kc, cell.replace("rank=1", "rank=None"), ["p x", "c", "p x", "c"])
+    assert out.error is None and out.results == ["30.0"], out
+    first, second = prompts[0][:8], prompts[2][:8]
+    assert prompts == [f"{first} (Pdb) "] * 2 + [f"{second} (Pdb) "] * 2 and {first, second} == {"[rank 0]", "[rank 1]"}
+    assert out.stdout.count("stopped in pdb") == 2 and "tensor([1.])" in out.stdout and "tensor([2.])" in out.stdout
