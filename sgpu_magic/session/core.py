@@ -289,7 +289,8 @@ class SessionCore:
         sinks.insert(0, relay)
         plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none
         job = submit(spec, plan, payload, lambda: launcher, sinks, ranks=ranks, lean=True)
-        job.title = label  # the summary line says "session s1 cell 3 succeeded ..." (it is shown once the cell ends)
+        job.title = label  # the summary line says "session s1 cell 3 failed ..." (it is shown once the cell ends)
+        job.summary_on_success = False  # a cell that succeeded shows its output only, as in IPython
         self.jobs.append(job)
         return job
 
