@@ -59,6 +59,8 @@ class Job:
         background: whether a background thread follows the job (``submit``), else the caller does.
         mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked.
         title: how messages name it: ``job <id>``, or ``session s1 cell 3`` for a session's cell.
+        activity: what a running job's ranks do that its state does not say (``rank 0 in debugger``), or ``""``;
+            the panel's header shows it.
         summary_on_success: whether the text view ends a succeeded job with its summary line (a session's cells
             do not: their output is the cell's, as in IPython).
         ranks: the ranks that run it, in order (every rank of the world, except for a session cell run on some).
@@ -81,6 +83,7 @@ class Job:
         self.ranks: tuple[int, ...] = tuple(range(plan.world_size) if ranks is None else ranks)
         self.title = f"job {run_dir.job_id}"
         self.summary_on_success = True
+        self.activity = ""
         self._feed = StatusFeed(run_dir)
         self.spec = spec
         self.plan = plan

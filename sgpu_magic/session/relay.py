@@ -42,11 +42,23 @@ class DebugRelay(JobSink):
         self.active: int | None = None
         self._prompts: dict[int, str] = {}
         self._stash: collections.deque[dict[str, Any]] = collections.deque()
+        self._job: Job | None = None
 
     def tick(self, job: Job) -> None:
         """On each poll of the cell's job: serve what the ranks sent (blocks while the user types a line)."""
+        self._job = job
         if self.request is not None:
             self.serve(self.request, block=False)
+
+    def _activity(self, text: str) -> None:
+        """Say in the cell's panel header which rank is in pdb (``""``: none)."""
+        job = self._job
+        if job is None:
+            return
+        job.activity = text
+        show = getattr(job.view, "show_activity", None)
+        if show is not None:
+            show(job)
 
     def serve(self, request: Request, block: bool) -> None:
         """Show and answer the queued frames of ``request``; with ``block``, until its replies are all in."""
@@ -68,6 +80,7 @@ class DebugRelay(JobSink):
                 self.write(shown + "\n")
         elif kind == "debug_input":
             if self.active is None and self.request is not None:
+                self._activity(f"rank {rank} in debugger")
                 self.write(
                     f"sgpu_magic: rank {rank} stopped in pdb (c continues, q detaches; the other ranks wait in "
                     f"their next collective)\n"
@@ -78,6 +91,7 @@ class DebugRelay(JobSink):
             self.channel.send((rank,), {"op": "debug_line", "line": line})
         elif kind == "debug_end":
             self.active = None
+            self._activity("")
 
     def _next(self, request: Request, block: bool) -> dict[str, Any] | None:
         for item in list(self._stash):

@@ -221,6 +221,10 @@ class Panel(TextView):
             self._retire_stop_button()
         self._render_header(job, state)
 
+    def show_activity(self, job: Job) -> None:
+        """Show ``job.activity`` in the header now (the thread may block next: a debugger waits for its line)."""
+        self._render_header(job, self._job_state(job))
+
     def _retire_stop_button(self) -> None:
         """The job has ended: Stop is disabled and grey (not a red button that looks live)."""
         self.stop_button.disabled = True
@@ -320,6 +324,8 @@ class Panel(TextView):
             problem = f"<br><small>{html.escape(job.pending_reason)}</small>"
         if state.final:
             problem += "".join(f"<br><small>{html.escape(note)}</small>" for note in job.notes)
+        elif job.activity:
+            problem += f"<br><b>{html.escape(job.activity)}</b>"
         attempt = job.attempt if job.spec.max_restarts else 1
         if attempt > 1:
             badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"

@@ -315,3 +315,35 @@ def test_the_debugger_prompt_of_a_failed_session_cell_is_the_notebooks_input_box
     box.press("Enter")
     wait_cell_done(debug_cell, 60_000)
     expect(debug_cell.locator(".jp-Cell-outputArea")).to_contain_text("pdb in rank 0 of session s1")
+
+
+def test_a_breakpoint_shows_in_the_panel_and_its_prompt_in_the_input_box(jupyter, page, screenshots):
+    """``runtime.breakpoint(rank=1)`` in a session cell with the panel: the header says ``rank 1 in debugger``, pdb's
+    prompt is the frontend's input box, ``c`` lets the cell's all_reduce finish."""
+    from playwright.sync_api import expect
+
+    name = "session_breakpoint.ipynb"
+    write_notebook(
+        jupyter.root / name,
+        [
+            "%load_ext sgpu_magic",
+            "%distributed_session start --gpus 2 --no-mlflow",
+            "%%distributed --session\nimport torch, torch.distributed as dist\nfrom sgpu_magic import runtime\n"
+            "dist.init_process_group('gloo')",
+            "%%distributed --session\nx = torch.ones(1) * (dist.get_rank() + 1)\nruntime.breakpoint(rank=1)\n"
+            "dist.all_reduce(x)\nx.item()",
+        ],
+    )
+    notebook = open_notebook(page, jupyter, name)
+    for index in (0, 1, 2):
+        wait_cell_done(run_cell(page, notebook, index), JOB_TIMEOUT_MS)
+    cell = run_cell(page, notebook, 3)
+    box = cell.locator(".jp-Stdin-input").last
+    box.wait_for(timeout=60_000)
+    expect(panel_of(cell).locator(".widget-html").first).to_contain_text("rank 1 in debugger")
+    page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}session-breakpoint-page.png"))
+    box.fill("c")
+    box.press("Enter")
+    wait_cell_done(cell, 60_000)
+    expect(cell.locator(".jp-OutputArea-output").last).to_contain_text("3.0")
+    expect(panel_of(cell).locator(".widget-html").first).not_to_contain_text("in debugger")
