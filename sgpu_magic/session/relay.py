@@ -74,18 +74,19 @@ class DebugRelay(JobSink):
 
     def _handle(self, rank: int, item: dict[str, Any]) -> None:
         kind = item["stream"]
+        if self.active is None and kind != "debug_end" and self.request is not None:
+            self._activity(f"rank {rank} in debugger")
+            self.write(
+                f"sgpu_magic: rank {rank} stopped in pdb (c continues, q detaches; the other ranks wait in "
+                f"their next collective)\n"
+            )
+        if kind != "debug_end":
+            self.active = rank
         if kind == "debug_out":
             shown, _, self._prompts[rank] = (self._prompts.get(rank, "") + item["text"]).rpartition("\n")
             if shown:
                 self.write(shown + "\n")
         elif kind == "debug_input":
-            if self.active is None and self.request is not None:
-                self._activity(f"rank {rank} in debugger")
-                self.write(
-                    f"sgpu_magic: rank {rank} stopped in pdb (c continues, q detaches; the other ranks wait in "
-                    f"their next collective)\n"
-                )
-            self.active = rank
             prompt = self._prompts.pop(rank, "")
             line = _ask(self.read_line, f"[rank {rank}] {prompt}" if self.request is not None else prompt)
             self.channel.send((rank,), {"op": "debug_line", "line": line})

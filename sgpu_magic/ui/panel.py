@@ -239,8 +239,9 @@ class Panel(TextView):
         if root is not None:
             self.tabs.selected_index = root.rank
         self._render_header(job, job.state, error)
-        for line in summary_lines(job):
-            self.note(line)
+        if job.summary_on_success or job.state is not JobState.SUCCEEDED or job.notes:
+            for line in summary_lines(job):
+                self.note(line)
 
     def _flush(self, job: Job, final: bool = False) -> None:
         now = time.monotonic()
