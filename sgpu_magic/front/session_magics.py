@@ -42,16 +42,22 @@ def parse_ranks(text: str | None) -> list[int] | None:
         raise UsageError(f"--ranks takes rank numbers separated by commas, e.g. --ranks 0,2; got {text!r}") from None
 
 
-@magic_arguments(name="%distributed")
-@argument(
+SESSION_OPTION = argument(
     "--session",
     nargs="?",
     const="",
     default=None,
     metavar="NAME",
-    help="Run on the live session NAME (default: the latest).",
+    help="Run the cell on a live session's ranks (%%distributed_session start; default: the latest); "
+    "with --ranks I,J, --timeout and -o only.",
 )
-@argument("--ranks", default=None, metavar="I,J", help="Run only on these ranks of the session, e.g. 0,2.")
+RANKS_OPTION = argument("--ranks", default=None, metavar="I,J", help="With --session: run only on these ranks.")
+"""The options of ``%%distributed`` that pick a live session's ranks (both parsers show them)."""
+
+
+@magic_arguments(name="%distributed")
+@SESSION_OPTION
+@RANKS_OPTION
 @argument("--timeout", default=None, help="Seconds before the cell is interrupted (its state stays), or 'none'.")
 @argument("-o", "--output", default=None, metavar="NAME", help="Store the cell's Job (results, logs) in this variable.")
 def _session_cell_options(line: str, cell: str) -> None:
