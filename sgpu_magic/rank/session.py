@@ -12,7 +12,8 @@ then serves one command at a time from the kernel:
   ``stop``: leave the loop (the rank then ends as a job's rank does).
 
 SIGINT raises ``KeyboardInterrupt`` only while a cell runs (the kernel's interrupt of that cell); between cells
-it is ignored. The loop ends when the kernel's end of the command FIFO closes (the kernel is gone).
+it is ignored. When the kernel's end of the command FIFO closes (the kernel is gone), the rank waits for the launch
+host to stop it.
 """
 
 from __future__ import annotations
@@ -166,6 +167,14 @@ def _reply(fd: int, seq: int, rank: int, reply: dict[str, Any], value: bytes | N
         write_frame(fd, value)
 
 
+def _wait_to_be_stopped() -> None:
+    """The kernel is gone: wait for the launch host (which sees that within a second) to stop this rank, so the
+    session ends as killed, not as a session that finished (its MLflow run KILLED). A rank whose host is gone too
+    dies with it (PR_SET_PDEATHSIG)."""
+    while True:
+        signal.pause()
+
+
 def serve(run_dir: RunDir, ns: dict) -> None:
     """The session loop of this rank (``RANK`` from the environment) until ``stop`` or the kernel is gone."""
     rank = int(os.environ["RANK"])
@@ -179,8 +188,8 @@ def serve(run_dir: RunDir, ns: dict) -> None:
             frame = read_frame(commands)
         except KeyboardInterrupt:  # cannot happen (SIGINT raises only in a cell); kept for safety
             continue
-        if frame is None:  # the kernel's end closed: it is gone
-            return
+        if frame is None:  # the kernel's end closed: it is gone, and the launch host stops this rank (KILLED)
+            _wait_to_be_stopped()
         msg = pickle.loads(frame)
         if msg["op"] == "stop":
             _reply(replies, msg["seq"], rank, {"ok": True}, None, ns)
