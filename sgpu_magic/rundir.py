@@ -15,6 +15,7 @@ Layout::
         results/rank_<N>.exit.json  how rank N ended when it called sys.exit(0) (written by the rank)
         errors/rank_<N>.json exception of rank N (written by the rank)
         elastic/             torch elastic's own per-rank files
+        metrics/rank_<N>.jsonl  the points rank N logged (runtime.log_metric, mlflow.log_metric), appended in batches
         code.json            the notebook's labels and sources of the job's code, to map stack frames (by the kernel)
         stacks/rank_<N>.txt  rank N's stack when the job timed out or was cancelled while it ran (by the host)
         session/rank_<N>.cmd, rank_<N>.reply   a live session's channel to rank N (FIFOs, 0600)
@@ -319,7 +320,7 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-SUBDIRS = ("logs", "results", "errors", "elastic")
+SUBDIRS = ("logs", "results", "errors", "elastic", "metrics")
 """The folders of every run directory."""
 
 
@@ -354,7 +355,7 @@ class RunDir:
         rd = cls(runs / (job_id or new_job_id()))
         rd.path.mkdir(mode=0o700)
         for sub in SUBDIRS:
-            if not (lean and sub == "elastic"):
+            if not (lean and sub in ("elastic", "metrics")):  # a cell's ranks make metrics/ when they log
                 (rd.path / sub).mkdir(mode=0o700)
         if lean:
             return rd
@@ -421,6 +422,16 @@ class RunDir:
     def attempt_errors_dir(self, attempt: int) -> Path:
         """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""
         return self.errors_dir / f"attempt_{attempt}"
+
+    metrics_dir = _entry(
+        "metrics",
+        "``rank_<r>.jsonl``: the metric points each rank logged, one JSON array per line "
+        "(:mod:`sgpu_magic._util.metrics`), appended by the rank, followed by the kernel (0700, files 0600).",
+    )
+
+    def metrics_file(self, rank: int) -> Path:
+        """``metrics/rank_<r>.jsonl``: the points rank ``rank`` logged (``runtime.log_metric``, ``mlflow.log_metric``)."""
+        return self.metrics_dir / f"rank_{rank}.jsonl"
 
     def log_file(self, rank: int) -> Path:
         return self.logs_dir / f"rank_{rank}.log"
