@@ -20,7 +20,7 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
 from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES, TerminalBuffer
-from sgpu_magic.ui.text import TextView, restart_reason, summary_lines
+from sgpu_magic.ui.text import MAX_METRIC_LINES, TextView, restart_reason, summary_lines
 
 MAX_FLUSHES_PER_S = 5.0
 
@@ -320,6 +320,7 @@ class Panel(TextView):
             problem = f"<br><small>{html.escape(job.pending_reason)}</small>"
         if state.final:
             problem += "".join(f"<br><small>{html.escape(note)}</small>" for note in job.notes)
+        problem += metrics_html(job.last_metrics())
         attempt = job.attempt if job.spec.max_restarts else 1
         if attempt > 1:
             badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"
@@ -332,6 +333,28 @@ class Panel(TextView):
             f"{html.escape(job.plan.device_kind)}{_NO_GPU if job.plan.no_gpu else ''} &middot; "
             f"{elapsed}{link}{problem}</div>"
         )
+
+
+def metrics_html(last: dict[str, dict[int, float]]) -> str:
+    """The header's last-value table: one row per metric (at most ``MAX_METRIC_LINES``), one column per rank;
+    ``""`` when nothing was logged. Plain HTML in the header widget: no widget (comm) of its own."""
+    if not last:
+        return ""
+    ranks = sorted({rank for by_rank in last.values() for rank in by_rank})
+    cell = 'style="padding:0 8px;text-align:right"'
+    head = "".join(f"<th {cell}>rank {r}</th>" for r in ranks)
+    rows = "".join(
+        f'<tr><td style="padding:0 8px"><code>{html.escape(name)}</code></td>'
+        + "".join(f"<td {cell}>{by_rank[r]:.4g}</td>" if r in by_rank else f"<td {cell}></td>" for r in ranks)
+        + "</tr>"
+        for name, by_rank in list(last.items())[:MAX_METRIC_LINES]
+    )
+    more = len(last) - MAX_METRIC_LINES
+    extra = f"<br><small>... and {more} more: <code>job.metrics()</code></small>" if more > 0 else ""
+    return (
+        f'<br><small><table style="border-collapse:collapse"><tr><th {cell}>last value</th>{head}</tr>'
+        f"{rows}</table>{extra}</small>"
+    )
 
 
 def _forget_reply_route(widget) -> None:

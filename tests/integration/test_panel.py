@@ -327,3 +327,26 @@ def test_panel_reads_only_the_tail_of_fast_logs_and_counts_every_line_at_the_end
         assert lines == job.logs(rank).splitlines()[-2000:]
         assert panel.buffers[rank].skipped_bytes > 0  # the middle of the log was not read
         assert "198000 earlier lines are only in the log file" in panel.footers[rank].value
+
+
+@distributed(gpus=2, mlflow=False)
+def logs_two_metrics():
+    from sgpu_magic import runtime
+
+    rank = runtime.get_global_rank()
+    for step in range(3):
+        runtime.log_metric("loss", 1.0 - step / 10 - rank / 100, step=step)
+    if rank == 1:
+        runtime.log_metric("grad<norm>", 0.25)
+
+
+def test_the_header_shows_each_metric_s_last_value_per_rank():
+    """The header's table (HTML in the header widget, no widget of its own): one row per metric, a column per rank,
+    a rank that did not log a metric left blank; names escaped."""
+    panel, job, _ = run_with_panel(logs_two_metrics)
+    header = panel.header.value
+    assert '<th style="padding:0 8px;text-align:right">rank 1</th>' in header
+    assert "<code>loss</code></td>" in header and ">0.8</td>" in header and ">0.79</td>" in header
+    assert "<code>grad&lt;norm&gt;</code>" in header and ">0.25</td>" in header
+    assert '<code>grad&lt;norm&gt;</code></td><td style="padding:0 8px;text-align:right"></td>' in header
+    assert len(panel.widget.children) == 2  # the header row and the tabs: nothing added
