@@ -172,6 +172,36 @@ FINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out", "inte
 
 
 @dataclass(frozen=True)
+class RankUsage:
+    """One rank's CPU and memory as the launch host last sampled them (about once a second; see
+    :mod:`sgpu_magic.launch.host.usage`).
+
+    Attributes:
+        cpu_percent: CPU use since the previous sample, in percent of one core (200.0: two cores busy).
+        rss_bytes: the rank process's resident memory, in bytes.
+        peak_rss_bytes: the most resident memory it has had so far, in bytes (the kernel's high-water mark).
+        time_s: epoch seconds of the sample.
+    """
+
+    cpu_percent: float
+    rss_bytes: int
+    peak_rss_bytes: int
+    time_s: float
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RankUsage:
+        return cls(float(d["cpu_percent"]), int(d["rss_bytes"]), int(d["peak_rss_bytes"]), float(d["time_s"]))
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "cpu_percent": self.cpu_percent,
+            "rss_bytes": self.rss_bytes,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "time_s": self.time_s,
+        }
+
+
+@dataclass(frozen=True)
 class HostStatus:
     """A job's ``status.json`` as its launcher (the launch host or the Ray supervisor) last wrote it: the typed
     view the Job handle, the panel and tracking read. Keys the file lacks take the defaults below.
@@ -191,6 +221,9 @@ class HostStatus:
             ``stacks/rank_<r>.txt``); ``{}`` when no rank was running then.
         rank_outcomes: a live session's cell: ``{rank: "returned" | "raised" | "interrupted" | "did not return"}``
             (its ranks do not exit, so ``exitcodes`` says nothing of them).
+        usage: ``{rank: RankUsage}``: each rank's CPU %, RSS and peak RSS, sampled about once a second by the launch
+            host while the job runs (the last sample once it has ended); ``{}`` before the first sample, on Ray
+            and for a session's cell.
     """
 
     state: str = "pending"
@@ -208,6 +241,7 @@ class HostStatus:
     pids: dict[int, int] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
     rank_outcomes: dict = field(default_factory=dict)
+    usage: dict[int, RankUsage] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, status: dict) -> HostStatus:
@@ -227,6 +261,7 @@ class HostStatus:
             pids={int(k): int(v) for k, v in (status.get("pids") or {}).items()},
             stacks={int(k): str(v) for k, v in (status.get("stacks") or {}).items()},
             rank_outcomes={int(k): v for k, v in (status.get("rank_outcomes") or {}).items()},
+            usage={int(k): RankUsage.from_dict(v) for k, v in (status.get("usage") or {}).items()},
         )
 
     @property

@@ -13,7 +13,8 @@ KILLED on its way down. ``mlflow.start_run()`` in a rank opens that rank's child
 :mod:`sgpu_magic.rank.mlflow_guard`); those still RUNNING when the job ends get the job's status. At the end the rank logs (``logs/rank_N.log``), the ranks' error files
 (``errors/rank_N.json``) and the stacks taken when a job timed out or was cancelled (``stacks/rank_N.txt``) are
 attached as artifacts; CPU, memory, disk and network metrics (GPU
-too, through NVML) are recorded with MLflow's system metrics monitor while the job runs.
+too, through NVML) are recorded with MLflow's system metrics monitor while the job runs, and each rank's peak RSS
+(sampled by the launch host) as ``system/rank_<r>_peak_rss_megabytes`` when it ends.
 
 Where runs go:
 
@@ -320,6 +321,7 @@ class MlflowTracking(JobSink):
             raw = job.status.state
             assert self._client is not None  # set with run_id (_create)
             self._client.set_tag(self.run_id, "sgpu_magic.state", raw)
+            self._log_peaks(job)
             self._log_artifacts(RunDir(job.run_dir))
         except Exception as exc:  # noqa: BLE001 - the job's result matters more than its artifacts
             _warn(
@@ -352,6 +354,20 @@ class MlflowTracking(JobSink):
             self._client.set_terminated(self.run_id, status, end_time=int(ended_s * 1000))
         except Exception as exc:  # noqa: BLE001
             _warn(f"could not set MLflow run {self.run_id} to {status}: {type(exc).__name__}: {exc}")
+
+    def _log_peaks(self, job: Job) -> None:
+        """Each rank's peak RSS as sampled by the launch host: ``system/rank_<r>_peak_rss_megabytes``."""
+        from mlflow.entities import Metric
+
+        assert self._client is not None and self.run_id is not None  # called by finished, for a tracked job
+        usage = job.status.usage
+        if usage:
+            now_ms = int(time.time() * 1000)
+            metrics = [
+                Metric(f"system/rank_{r}_peak_rss_megabytes", round(u.peak_rss_bytes / 1e6, 1), now_ms, 0)
+                for r, u in sorted(usage.items())
+            ]
+            self._client.log_batch(self.run_id, metrics=metrics, synchronous=True)
 
     def _end_rank_runs(self, status: str, ended_s: float) -> None:
         """End the ranks' own runs (``mlflow.start_run()`` in a rank) that are still RUNNING (a rank killed inside

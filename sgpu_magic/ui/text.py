@@ -9,7 +9,7 @@ from sgpu_magic.errors import describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
-from sgpu_magic.rundir import RunDir, is_attempt_marker, is_traceback_marker
+from sgpu_magic.rundir import RankUsage, RunDir, is_attempt_marker, is_traceback_marker
 from sgpu_magic.ui.terminal import terminal_line
 
 
@@ -42,10 +42,17 @@ def metrics_table(last: dict[str, dict[int, float]]) -> list[str]:
     return lines
 
 
+def peak_rss_line(usage: dict[int, RankUsage]) -> list[str]:
+    """``["peak RSS per rank: rank 0 412 MiB, rank 1 410 MiB"]`` from the launch host's samples; ``[]`` without."""
+    if not usage:
+        return []
+    return ["peak RSS per rank: " + ", ".join(f"rank {r} {u.peak_rss_bytes / 2**20:.0f} MiB" for r, u in usage.items())]
+
+
 def summary_lines(job: Job) -> list[str]:
-    """:func:`summary_line`, one ``sgpu_magic: ...`` line per note on how ranks ended (:attr:`Job.notes`), then the
-    last-value table of the metrics the ranks logged (:func:`metrics_table`)."""
-    notes = job.notes + metrics_table(job.last_metrics())
+    """:func:`summary_line`, one ``sgpu_magic: ...`` line per note on how ranks ended (:attr:`Job.notes`), each rank's
+    peak RSS (:func:`peak_rss_line`), then the last-value table of the metrics the ranks logged (:func:`metrics_table`)."""
+    notes = job.notes + peak_rss_line(dict(sorted(job.status.usage.items()))) + metrics_table(job.last_metrics())
     return [summary_line(job)] + [f"sgpu_magic: {note}" for note in notes]
 
 

@@ -753,3 +753,43 @@ def _pgid(pid: int):
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+@distributed(gpus=2, widgets=False, timeout=120)
+def holds_memory(folder):
+    import os
+    import time
+
+    from sgpu_magic import runtime
+
+    block = b"\1" * (200 << 20) if runtime.get_global_rank() == 1 else b""  # resident: every page written
+    deadline = time.monotonic() + 100
+    while not os.path.exists(os.path.join(folder, "go")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(block)
+
+
+def test_each_rank_s_cpu_and_memory_are_sampled_and_its_peak_rss_reported(experiment, tmp_path, capsys):
+    """The launch host samples each rank's CPU % and RSS about once a second into the job's status; when the job
+    ends each rank's peak RSS is in the summary and in the job's MLflow run. Rank 1 holds 200 MiB more."""
+    client, name = experiment
+    job = holds_memory.submit(str(tmp_path))
+    try:
+        usage = wait_for(
+            lambda: len(u := job.status.usage) == 2 and u[1].peak_rss_bytes - u[0].peak_rss_bytes > 150 << 20 and u,
+            START_DEADLINE_S,
+            "a sample of both ranks after rank 1 took its memory",
+        )
+        assert all(u.cpu_percent >= 0 and u.rss_bytes > 0 and u.time_s > job.submitted_s for u in usage.values())
+    finally:
+        (tmp_path / "go").touch()
+    assert job.result(timeout_s=60) == [0, 200 << 20]
+    peaks = {r: u.peak_rss_bytes for r, u in job.status.usage.items()}
+    out = capsys.readouterr().out
+    match = re.search(r"sgpu_magic: peak RSS per rank: rank 0 (\d+) MiB, rank 1 (\d+) MiB\n", out)
+    assert match, out
+    assert [int(m) for m in match.groups()] == [round(peaks[r] / 2**20) for r in (0, 1)]
+    metrics = client.get_run(job.mlflow_run_id).data.metrics
+    assert [metrics[f"system/rank_{r}_peak_rss_megabytes"] for r in (0, 1)] == [
+        round(peaks[r] / 1e6, 1) for r in (0, 1)
+    ]
