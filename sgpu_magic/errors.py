@@ -133,7 +133,13 @@ class RankFailure:
 
     def summary(self) -> str:
         """One line: ``rank 1: ValueError: bad batch (exit code 1)``."""
-        return f"rank {self.rank}: {self.what()} ({describe_exit(self.exitcode)})"
+        return f"rank {self.rank}: {self.what()}{_ended(self.exitcode)}"
+
+
+def _ended(exitcode: int | None) -> str:
+    """`` (exit code 1)``, `` (killed by signal SIGKILL (9))``; nothing for a rank that has not exited (a live
+    session's rank, whose cell raised)."""
+    return "" if exitcode is None else f" ({describe_exit(exitcode)})"
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:
@@ -155,8 +161,8 @@ def _secondary(f: RankFailure, root: RankFailure) -> str:
         raised = f" (after raising {'the same ' if same else ''}{f.what()})" if f.exc_type else ""
         return f"stopped by sgpu_magic because rank {root.rank} failed{raised}"
     if same:
-        return f"failed with the same {f.what()} ({describe_exit(f.exitcode)})"
-    return f"stopped because rank {root.rank} failed: {f.what()} ({describe_exit(f.exitcode)})"
+        return f"failed with the same {f.what()}{_ended(f.exitcode)}"
+    return f"stopped because rank {root.rank} failed: {f.what()}{_ended(f.exitcode)}"
 
 
 def grouped_failures(root: RankFailure, others: list[RankFailure], stopped_ranks: list[int]) -> list[str]:
@@ -214,7 +220,7 @@ class RankFailedError(SgpuError, RuntimeError):
 
     def _message(self) -> str:
         rc = self.root_cause
-        lines = [f"rank {rc.rank} failed (root cause): {rc.what()} ({describe_exit(rc.exitcode)})"]
+        lines = [f"rank {rc.rank} failed (root cause): {rc.what()}{_ended(rc.exitcode)}"]
         if self.hint:
             lines.append(f"  hint: {self.hint}")
         lines += [f"  {line}" for line in grouped_failures(rc, self.others, self.stopped_ranks)]

@@ -44,6 +44,7 @@ __all__ = [
     "backend",
     "device",
     "log_metric",
+    "breakpoint",
 ]
 
 
@@ -188,3 +189,25 @@ def log_metric(name: str, value: float, step: int | None = None) -> None:
     number, at = _number(name, value), _step(name, step)
     _next_step[name] = at + 1
     WRITER.record(name, number, at, int(time.time() * 1000), _active_run_id(), forward=True)
+
+
+def breakpoint(rank: int | None = 0) -> None:
+    """Stop rank ``rank`` in pdb at the caller's next line, with pdb's prompt in the notebook cell that runs (a live
+    session's cell: ``%%distributed --session`` or ``Session.run_cell``); ``rank=None`` stops every rank, one
+    prompt after another.
+
+    The other ranks run on until they wait in a collective for the stopped one; ``c`` continues, and ``q``
+    detaches (the rank runs on, so its peers' collective completes). Outside a live session's cell (a job,
+    whose ranks have no channel to the kernel) it says so on stderr and returns. Like :func:`pdb.set_trace`, it
+    starts at its caller's frame.
+
+    Args:
+        rank: the global rank to stop (default 0), or ``None`` for every rank.
+    """
+    if rank is not None and get_global_rank() != rank:
+        return
+    import sys
+
+    from sgpu_magic.rank.debug import breakpoint_here
+
+    breakpoint_here(sys._getframe(1))

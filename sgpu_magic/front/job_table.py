@@ -16,10 +16,11 @@ class JobTable:
 
     The MLflow column has each tracked job's run id, linked to its run page whenever a server shows
     it now (a tracking server, or ``%mlflow_ui`` started before or after the job); the text form
-    adds a ``run page`` column with those links.
+    adds a ``run page`` column with those links. The ``what`` column names the function, cell or script,
+    and a live session (``session s1``) and each of its cells (``session s1 cell 3``).
     """
 
-    COLUMNS = ("job", "state", "world size", "GPUs", "elapsed", "MLflow run")
+    COLUMNS = ("job", "state", "world size", "GPUs", "elapsed", "MLflow run", "what")
 
     def __init__(self, jobs: list[Job]) -> None:
         self.rows, self.urls = [], []
@@ -33,6 +34,7 @@ class JobTable:
                     ",".join(map(str, job.gpus)) or "cpu" if not job.plan.needs_lease or job.gpus else "-",
                     "-" if elapsed is None else f"{elapsed:.1f} s",
                     job.mlflow_run_id or "-",
+                    job.title if not job.title.startswith("job ") else job.spec.name,
                 )
             )
             self.urls.append(job.run_url)
@@ -53,13 +55,17 @@ class JobTable:
             return "<i>no sgpu_magic jobs in this kernel yet</i>"
         head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)
         body = ""
-        for (*cells, run_id), url in zip(self.rows, self.urls):
+        for (*cells, run_id, what), url in zip(self.rows, self.urls):
             run = (
                 f'<a href="{html.escape(url)}" target="_blank">{html.escape(run_id)}</a>'
                 if url
                 else html.escape(run_id)
             )
-            body += "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f"<td>{run}</td></tr>"
+            body += (
+                "<tr>"
+                + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+                + f"<td>{run}</td><td>{html.escape(what)}</td></tr>"
+            )
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 

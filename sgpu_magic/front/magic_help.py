@@ -30,6 +30,7 @@ MAGICS = {
     "%distributed_session": "start, show, restart or stop a live session (ranks that keep their state between cells)",
     "%distributed_push": "copy kernel values into every rank's namespace of a live session",
     "%distributed_pull": "copy a value from a live session's ranks into the kernel",
+    "%distributed_debug": "pdb in a rank where a session cell failed; a failed job's saved traceback and locals",
     "%distributed_jobs": "this kernel's jobs: state, world size, elapsed time, MLflow run",
     "%distributed_stop": "cancel a job of this kernel (every rank stopped), or all of them with --all",
     "%distributed_stacks": "the Python stack of every running rank of a job, notebook frames as Cell In[N] line L",

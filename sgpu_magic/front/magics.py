@@ -27,7 +27,7 @@ from sgpu_magic.front.cell import (
 from sgpu_magic.front.decorator import job_spec, start
 from sgpu_magic.front.job_table import JobTable, find_job, latest_running
 from sgpu_magic.front.magic_help import magic_help
-from sgpu_magic.front.session_magics import is_session_cell, run_session_cell
+from sgpu_magic.front.session_magics import RANKS_OPTION, SESSION_OPTION, is_session_cell, run_session_cell
 from sgpu_magic.job.handle import jobs
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
 
@@ -189,16 +189,8 @@ class DistributedMagics(Magics):
 
     @magic_arguments(name="%distributed")  # a cell magic: the usage line reads %%distributed
     @_job_options
-    @argument(
-        "--session",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="NAME",
-        help="Run the cell on a live session's ranks instead (%%distributed_session start; default: the latest); "
-        "with --ranks I,J, --timeout and -o only.",
-    )
-    @argument("--ranks", default=None, metavar="I,J", help="With --session: run only on these ranks.")
+    @SESSION_OPTION
+    @RANKS_OPTION
     @magic_help(
         "%%distributed",
         examples="""

@@ -138,7 +138,6 @@ class Session:
         self._core = SessionCore(spec, self._sinks, self.name, idle_timeout_s, lease_dir)
         self._core.on_idle_stop = self._announce
         self._max_capture_bytes = int(resolve_config(FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES)))
-        self._cells = 0
         with _SESSIONS_LOCK:
             _SESSIONS.append(self)
         self._core.start()
@@ -241,9 +240,8 @@ class Session:
         quiet: bool = False,
     ) -> Job:
         """The Job of one cell, launched on the session's ranks (the caller follows it). See :meth:`run_cell`."""
-        chosen = self._core.check_ranks(ranks)
-        self._cells += 1
-        label = f"session {self.name} cell {self._cells}"
+        chosen, timeout_s = self._core.check_ranks(ranks), _timeout_s(timeout)
+        label = f"session {self.name} cell {len(self._core.jobs) + 1}"
         filename = filename or f"<{label}>"
 
         def build(skip: set[str], warn: Callable[[str], None]) -> dict:
@@ -251,7 +249,7 @@ class Session:
             payload.update(filename=filename, quiet=quiet, display_names={filename: display_name or label})
             return payload
 
-        return self._core.run_job(build, chosen, _timeout_s(timeout), label)
+        return self._core.run_job(build, chosen, timeout_s, label)
 
     def run_cell(self, source: str, ranks: Sequence[int] | None = None, timeout: float | None = None) -> list[Any]:
         """Run ``source`` on the ranks (all, or ``ranks``) in their namespaces; block until each is done.
@@ -287,8 +285,7 @@ class Session:
             raise SpecError(f"Session.run takes a function: {problem}")
         call = f"{self.name}.run({getattr(fn, '__name__', 'fn')})"
         args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
-        self._cells += 1
-        label = f"session {self.name} cell {self._cells} ({getattr(fn, '__qualname__', 'function')})"
+        label = f"session {self.name} cell {len(self._core.jobs) + 1} ({getattr(fn, '__qualname__', 'function')})"
 
         def build(skip: set[str], warn: Callable[[str], None]) -> dict:
             payload = capture.capture_function(fn, self._max_capture_bytes, warn, skip=skip)
@@ -296,6 +293,43 @@ class Session:
             return payload
 
         return self.follow(self._core.run_job(build, self._core.check_ranks(None), None, label))
+
+    def has_failed_cell(self) -> bool:
+        """Whether the session's last cell failed (``%distributed_debug`` then debugs it)."""
+        from sgpu_magic.job.state import JobState
+
+        return bool(self._core.jobs) and self._core.jobs[-1].state is JobState.FAILED
+
+    def last_failure_rank(self) -> int:
+        """The root-cause rank of the session's last cell if it failed.
+
+        Raises:
+            SessionError: the last cell did not fail (or no cell ran).
+        """
+        from sgpu_magic.errors import RankFailedError
+        from sgpu_magic.job.state import JobState
+
+        last = self._core.jobs[-1] if self._core.jobs else None
+        if last is None or last.state is not JobState.FAILED:
+            raise SessionError(
+                f"the last cell of session {self.name} did not fail: there is nothing to debug "
+                f"(%distributed_debug opens pdb where a failed cell raised)"
+            )
+        error = last.exception()
+        return error.root_cause.rank if isinstance(error, RankFailedError) else last.ranks[0]
+
+    def debug(self, rank: int | None = None) -> None:
+        """pdb in one rank at the frame where the session's last cell failed (default: its root-cause rank), with
+        its prompt in the notebook (``input()``, as IPython's ``%debug``) and the rank's namespace; the other ranks
+        stay idle. ``q``, ``c`` or an interrupt leave it.
+
+        Raises:
+            SessionError: the last cell did not fail, ``rank`` is outside the world or its last cell did not fail,
+                or the session is stopped, broken or busy.
+        """
+        chosen = self.last_failure_rank() if rank is None else self._core.check_ranks([rank])[0]
+        print(f"sgpu_magic: pdb in rank {chosen} of session {self.name}, where its last cell failed (q leaves it)")
+        self._core.debug(chosen, *self._core.debug_io)
 
     # -- values
 

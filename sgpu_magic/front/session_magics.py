@@ -20,7 +20,7 @@ from sgpu_magic.front.cell import (
 )
 from sgpu_magic.front.decorator import FromConfig
 from sgpu_magic.front.magic_help import magic_help
-from sgpu_magic.front.session import Session, find_session, sessions
+from sgpu_magic.front.session import Session, current_session, find_session, sessions
 
 
 def is_session_cell(line: str) -> bool:
@@ -42,16 +42,22 @@ def parse_ranks(text: str | None) -> list[int] | None:
         raise UsageError(f"--ranks takes rank numbers separated by commas, e.g. --ranks 0,2; got {text!r}") from None
 
 
-@magic_arguments(name="%distributed")
-@argument(
+SESSION_OPTION = argument(
     "--session",
     nargs="?",
     const="",
     default=None,
     metavar="NAME",
-    help="Run on the live session NAME (default: the latest).",
+    help="Run the cell on a live session's ranks (%%distributed_session start; default: the latest); "
+    "with --ranks I,J, --timeout and -o only.",
 )
-@argument("--ranks", default=None, metavar="I,J", help="Run only on these ranks of the session, e.g. 0,2.")
+RANKS_OPTION = argument("--ranks", default=None, metavar="I,J", help="With --session: run only on these ranks.")
+"""The options of ``%%distributed`` that pick a live session's ranks (both parsers show them)."""
+
+
+@magic_arguments(name="%distributed")
+@SESSION_OPTION
+@RANKS_OPTION
 @argument("--timeout", default=None, help="Seconds before the cell is interrupted (its state stays), or 'none'.")
 @argument("-o", "--output", default=None, metavar="NAME", help="Store the cell's Job (results, logs) in this variable.")
 def _session_cell_options(line: str, cell: str) -> None:
@@ -76,7 +82,8 @@ def run_session_cell(shell, line: str, cell: str):
             shell.user_ns,
             parse_ranks(args.ranks),
             timeout_s,
-            display_name=f"Cell In[{shell.execution_count}]",
+            filename=f"<Cell In[{shell.displayhook.prompt_count}]>",  # the cell's In[N] while it runs (IPython 9)
+            display_name=f"Cell In[{shell.displayhook.prompt_count}]",
             quiet=ends_quiet(source),
         )
     except (SessionError, SpecError) as exc:
@@ -178,6 +185,37 @@ class SessionMagics(Magics):
         if not chosen:
             print("no session in this kernel; start one with %distributed_session start --gpus N")
 
+    @magic_arguments(name="distributed_debug")
+    @argument("--rank", type=int, default=None, help="The rank to debug (default: the root cause of the failure).")
+    @argument("--session", default=None, metavar="NAME", help="The session (default: the latest live one).")
+    @argument("--job", default=None, metavar="ID", help="A failed job (not a session): show what its ranks saved.")
+    @magic_help(
+        "%distributed_debug",
+        examples="""
+        %distributed_debug                  # pdb in the root-cause rank of the session's failed cell
+        %distributed_debug --rank 1         # in rank 1 instead; q, c or Interrupt leave it
+        %distributed_debug --job a1b2c3     # a failed job: its traceback and the failing frame's locals
+        """,
+    )
+    @line_magic
+    def distributed_debug(self, line: str) -> None:
+        """Post-mortem debugging of one rank: after a live session's cell failed, pdb opens in the rank at the frame
+        that raised, with the rank's namespace and its prompt in the notebook (as IPython's %debug); the other
+        ranks wait idle, and leaving pdb (q, c, Interrupt) returns everything to idle. For a failed job whose
+        ranks are gone, it shows the traceback and the locals the rank saved when it failed."""
+        args = parse_line(self.distributed_debug.parser, line, "%distributed_debug")
+        if args.job:
+            show_saved_failure(args.job, args.rank)
+            return
+        try:
+            session = find_session(args.session) if args.session else current_session()
+            if session is not None:  # a live session: its last cell (--job NAME for a failed job)
+                session.debug(args.rank)
+                return
+        except SessionError as exc:
+            raise UsageError(str(exc)) from None
+        show_saved_failure(None, args.rank)
+
     @magic_arguments(name="distributed_push")
     @argument("names", nargs="+", help="Names in the kernel's namespace to copy into every rank's namespace.")
     @argument("--session", default=None, metavar="NAME", help="The session (default: the latest).")
@@ -228,3 +266,47 @@ class SessionMagics(Magics):
             assert self.shell is not None  # a magic runs in the shell it is registered with
             self.shell.user_ns[args.output] = value
         return value
+
+
+def _failed_job(job_id: str | None):
+    """The job ``%distributed_debug --job`` names, else the kernel's latest failed job (none: a UsageError)."""
+    from sgpu_magic.front.job_table import find_job
+    from sgpu_magic.job.handle import jobs
+    from sgpu_magic.job.state import JobState
+
+    if job_id:
+        return find_job(job_id)
+    failed = [job for job in jobs() if job.state is JobState.FAILED and job.title.startswith("job ")]
+    if not failed:
+        raise UsageError(
+            "no failed cell or job to debug in this kernel; %distributed_debug opens pdb in a live session's rank "
+            "after one of its cells failed, or shows what a failed job's ranks saved"
+        )
+    return failed[-1]
+
+
+def show_saved_failure(job_id: str | None, rank: int | None) -> None:
+    """A failed job's ranks are gone: print the root-cause rank's (or ``rank``'s) traceback and saved locals."""
+    from sgpu_magic.errors import RankFailedError, SgpuError
+
+    job = _failed_job(job_id)
+    error = job.exception()
+    if rank is None:
+        rank = error.root_cause.rank if isinstance(error, RankFailedError) else job.ranks[0]
+    try:
+        saved = job.failure_locals(rank)
+    except (IndexError, SgpuError) as exc:
+        raise UsageError(str(exc)) from None
+    print(
+        f"sgpu_magic: the ranks of {job.title} are gone (it was not a live session), so no debugger can attach; "
+        f"what rank {rank} saved when it failed:"
+    )
+    if isinstance(error, RankFailedError):
+        failure = next((f for f in [error.root_cause, *error.others] if f.rank == rank), None)
+        if failure is not None and failure.traceback:
+            print(failure.traceback.rstrip())
+    print(f"locals of the failing frame (job.failure_locals({rank})):")
+    for name, text in saved.items():
+        print(f"  {name} = {text}")
+    if not saved:
+        print("  (none)")

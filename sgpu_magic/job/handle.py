@@ -24,7 +24,7 @@ from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.client import LaunchHost
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_json
+from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_json, read_json
 from sgpu_magic.spec import LaunchSpec
 
 HOST_CHECK_S = 0.5
@@ -60,6 +60,10 @@ class Job:
         background: whether a background thread follows the job (``submit``), else the caller does.
         mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked.
         title: how messages name it: ``job <id>``, or ``session s1 cell 3`` for a session's cell.
+        activity: what a running job's ranks do that its state does not say (``rank 0 in debugger``), or ``""``;
+            the panel's header shows it.
+        summary_on_success: whether the text view ends a succeeded job with its summary line (a session's cells
+            do not: their output is the cell's, as in IPython).
         ranks: the ranks that run it, in order (every rank of the world, except for a session cell run on some).
         run_url: a link to that run's page on its tracking server, or on the ``%mlflow_ui`` server
             once one runs for its store (also for a job started before it), else ``None``.
@@ -79,6 +83,8 @@ class Job:
         self._rd = run_dir
         self.ranks: tuple[int, ...] = tuple(range(plan.world_size) if ranks is None else ranks)
         self.title = f"job {run_dir.job_id}"
+        self.summary_on_success = True
+        self.activity = ""
         self._feed = StatusFeed(run_dir)
         self.spec = spec
         self.plan = plan
@@ -216,6 +222,21 @@ class Job:
     def last_metrics(self) -> dict[str, dict[int, float]]:
         """``{name: {rank: last value}}`` of every metric logged so far (the summary's table)."""
         return self._metrics.last_values()
+
+    def failure_locals(self, rank: int) -> dict[str, str]:
+        """The locals of the frame where rank ``rank`` failed, as ``{name: repr}`` (at most 50, each repr about 200
+        characters at most), saved by the rank with its error, so they outlive its process.
+
+        Raises:
+            IndexError: ``rank`` is not in the job.
+            SgpuError: rank ``rank`` did not fail (or left no error file); the message names it.
+        """
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} is not in this job (world_size={self.world_size})")
+        error = read_json(self._rd.error_file(rank))
+        if error is None:
+            raise SgpuError(f"rank {rank} of {self.title} did not fail with a Python exception: it saved no locals")
+        return dict(error.get("locals") or {})
 
     @property
     def attempt(self) -> int:

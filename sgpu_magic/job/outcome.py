@@ -70,7 +70,8 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
         failures.append(RankFailure(rank=0, exitcode=exitcodes.get(0), log_path=str(rd.log_file(0))))
     failures.sort(key=lambda f: (f.rank not in observed, f.time_s, f.rank))
     failed = {f.rank for f in failures}
-    stopped = [r for r in range(world_size) if r not in failed and not rd.result_file(r).exists()]
+    ran = [int(r) for r in status.get("rank_outcomes") or {}] or range(world_size)  # a session cell: its ranks
+    stopped = [r for r in ran if r not in failed and not rd.result_file(r).exists()]
     return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))
 
 

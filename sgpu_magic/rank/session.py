@@ -32,10 +32,13 @@ from sgpu_magic.rundir import RunDir, atomic_write_bytes, open_private_fifo, rea
 
 
 class _Running:
-    """Whether a cell runs now: SIGINT raises ``KeyboardInterrupt`` in it, and does nothing between cells."""
+    """Whether a cell runs now: SIGINT raises ``KeyboardInterrupt`` in it, and does nothing between cells.
+
+    ``failure``: the exception of the last cell if it failed (kept, with its frames, for ``%distributed_debug``)."""
 
     def __init__(self) -> None:
         self.cell = False
+        self.failure: BaseException | None = None
 
     def on_sigint(self, signum: int, frame: object) -> None:
         if self.cell:
@@ -70,8 +73,10 @@ def _merge_globals(payload: dict, ns: dict) -> None:
             ns[name] = Unpicklable(name, str(entry[0]), f"could not be loaded in the rank: {type(exc).__name__}: {exc}")
 
 
-def _run_cell(msg: dict, ns: dict, rank: int, running: _Running) -> dict[str, Any]:
-    """Run one cell (or function) of the session; write its value or error into its run directory."""
+def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int, int]) -> dict[str, Any]:
+    """Run one cell (or function) of the session; write its value or error into its run directory. ``fds``: the
+    rank's reply and command FIFOs, for a ``runtime.breakpoint()`` in the cell."""
+    from sgpu_magic.rank.debug import cell_channel
     from sgpu_magic.rank.worker import _dump_result, _write_error, run_payload
 
     rd = RunDir(msg["run_dir"])
@@ -80,13 +85,15 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running) -> dict[str, An
     _output_to(rd.log_file(rank))
     reply: dict[str, Any] = {"ok": True, "interrupted": False}
     payload: dict = {}
+    running.failure = None
     try:
         payload = pickle.loads(read_private(rd.payload_file, rd.path))
         _merge_globals(payload, ns)
         held: list = []
         running.cell = True
         try:
-            value = run_payload(payload, ns, held)
+            with cell_channel(fds[0], fds[1], {"seq": msg["seq"], "rank": rank}):
+                value = run_payload(payload, ns, held)
         finally:
             running.cell = False
             held.clear()
@@ -94,6 +101,7 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running) -> dict[str, An
     except BaseException as exc:  # noqa: BLE001 - a cell's error fails the cell, never the session
         running.cell = False
         reply = {"ok": False, "interrupted": isinstance(exc, KeyboardInterrupt)}
+        running.failure = exc
         _write_error(rd, rank, exc, payload.get("display_names"))
     _flush()
     return reply
@@ -127,10 +135,23 @@ def _flush() -> None:
             pass
 
 
-def _serve_one(msg: dict, ns: dict, rank: int, running: _Running) -> tuple[dict[str, Any], bytes | None]:
+def _debug(msg: dict, rank: int, running: _Running, replies: int, commands: int) -> dict[str, Any]:
+    """pdb at the frame where this rank's last cell failed, its I/O over the channel (:mod:`sgpu_magic.rank.debug`)."""
+    from sgpu_magic.rank.debug import post_mortem
+
+    if running.failure is None:
+        return {"ok": False, "error": f"rank {rank}'s last cell did not fail: there is nothing to debug"}
+    _flush()
+    post_mortem(running.failure, replies, commands, {"seq": msg["seq"], "rank": rank})
+    return {"ok": True}
+
+
+def _serve_one(
+    msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int, int]
+) -> tuple[dict[str, Any], bytes | None]:
     op = msg["op"]
     if op == "cell":
-        return _run_cell(msg, ns, rank, running), None
+        return _run_cell(msg, ns, rank, running, fds), None
     if op == "push":
         return _push(msg, ns), None
     if op == "pull":
@@ -166,5 +187,8 @@ def serve(run_dir: RunDir, ns: dict) -> None:
         if msg["op"] == "stop":
             _reply(replies, msg["seq"], rank, {"ok": True}, None, ns)
             return
-        reply, value = _serve_one(msg, ns, rank, running)
+        if msg["op"] == "debug":
+            reply, value = _debug(msg, rank, running, replies, commands), None
+        else:
+            reply, value = _serve_one(msg, ns, rank, running, (replies, commands))
         _reply(replies, msg["seq"], rank, reply, value, ns)

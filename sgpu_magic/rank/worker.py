@@ -220,6 +220,16 @@ def _user_traceback(exc: BaseException, labels: dict[str, str]) -> str:
     return "".join(te.format())
 
 
+def _failure_locals(exc: BaseException) -> dict[str, str]:
+    """The failing frame's locals as reprs (``job.failure_locals(rank)``); ``{}`` if even that fails."""
+    from sgpu_magic.rank.debug import failure_locals
+
+    try:
+        return failure_locals(exc)
+    except Exception:  # noqa: BLE001 - the error file matters more than the locals
+        return {}
+
+
 def _write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[str, str] | None = None) -> None:
     text = _user_traceback(exc, labels or {})
     # the error file first: on a full disk it takes the run dir's reserve, and the log may not take a line
@@ -232,6 +242,7 @@ def _write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[st
             "traceback": text,
             "time_s": time.time(),
             "cuda": rank_exit.involves_cuda(exc),
+            "locals": _failure_locals(exc),
         },
     )
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import select
 import threading
 import time
@@ -46,6 +47,8 @@ class Request:
     grace_end: float | None = None
     started_s: float = field(default_factory=time.time)
     done: threading.Event = field(default_factory=threading.Event)
+    stream: queue.Queue = field(default_factory=queue.Queue)
+    """Frames a rank sends before its reply (a debugger's output and its requests for a line)."""
 
     @property
     def missing(self) -> list[int]:

@@ -25,8 +25,9 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
-from sgpu_magic.rundir import RunDir, write_status
+from sgpu_magic.rundir import RunDir, signal_status, write_status
 from sgpu_magic.session.channel import Request, SessionChannel
+from sgpu_magic.session.relay import DebugRelay, ReadLine, Write
 from sgpu_magic.spec import LaunchSpec
 
 INTERRUPT_GRACE_S = 5.0
@@ -49,12 +50,14 @@ class SessionState(enum.Enum):
 class CellLauncher:
     """The :class:`~sgpu_magic.launch.base.Launcher` of one session cell: the session's live ranks."""
 
-    def __init__(self, core: SessionCore, ranks: tuple[int, ...]) -> None:
-        self.core, self.ranks = core, ranks
+    def __init__(self, core: SessionCore, ranks: tuple[int, ...], relay: DebugRelay | None = None) -> None:
+        self.core, self.ranks, self.relay = core, ranks, relay
         self.pid = os.getpid()  # a cell holds no lease of its own (the session's job does)
 
     def launch(self, run_dir: RunDir) -> None:
-        self.core.send_cell(run_dir, self.ranks)
+        request = self.core.send_cell(run_dir, self.ranks)
+        if self.relay is not None:
+            self.relay.request = request
 
     def cancel(self, run_dir: RunDir, reason: str) -> None:
         self.core.interrupt(reason)
@@ -100,6 +103,8 @@ class SessionCore:
         self.broken: str | None = None
         self.pids: dict[int, int] = {}
         self.on_idle_stop: Callable[[str], None] | None = None
+        self.debug_io: tuple[Write, ReadLine] = (_write, _read_line)
+        """How a rank's pdb talks to the user: ``(write(text), read_line(prompt))``; the kernel's output and input()."""
         self._names: dict[int, set[str]] = {}
         self._channel: SessionChannel | None = None
         self._request: Request | None = None
@@ -133,6 +138,7 @@ class SessionCore:
             lease_dir=self.lease_dir,
             before_launch=make_channel,
         )
+        self.job.title = self.spec.name  # "session s1", in its summary line, panel header and %distributed_jobs
         request = self._new_request(tuple(range(self.world_size)))
         self._reader = threading.Thread(
             target=self._read_loop, args=(self._channel,), name=f"sgpu_magic session {self.name}", daemon=True
@@ -241,6 +247,24 @@ class SessionCore:
         self._wait(request)
         return request
 
+    def debug(self, rank: int, write: Callable[[str], None], read_line: Callable[[str], str]) -> None:
+        """pdb in rank ``rank`` at the frame where its last cell failed: ``write(text)`` shows its output,
+        ``read_line(prompt)`` asks the user for each line (``q`` on an interrupt or end of input). The other
+        ranks stay idle. Raises :class:`SessionError` when the rank's last cell did not fail."""
+        ranks = self.check_ranks([rank])
+        self.check_usable()
+        request = self._new_request(ranks)
+        self.state = SessionState.BUSY
+        assert self._channel is not None  # usable: started
+        self._channel.send(ranks, {"op": "debug", "seq": request.seq})
+        DebugRelay(self._channel, write, read_line).serve(request, block=True)
+        reply = request.replies.get(rank, {})
+        if not reply.get("ok"):
+            raise SessionError(
+                f"{reply.get('error', 'the debugger did not start')} (session {self.name}); "
+                f"%distributed_debug opens the debugger after a cell failed"
+            )
+
     # -- cells
 
     def run_job(
@@ -259,15 +283,19 @@ class SessionCore:
         spec = replace(self.spec, timeout_s=timeout_s, name=label)
         sinks = self.make_sinks(spec, self._parent_run)
         payload = build_payload(self.names_everywhere(ranks), getattr(sinks[-1], "warn", _no_warning))
-        launcher = CellLauncher(self, ranks)
+        assert self._channel is not None  # usable: started
+        relay = DebugRelay(self._channel, *self.debug_io)  # serves runtime.breakpoint() while the cell runs
+        launcher = CellLauncher(self, ranks, relay)
+        sinks.insert(0, relay)
         plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none
         job = submit(spec, plan, payload, lambda: launcher, sinks, ranks=ranks, lean=True)
-        job.title = label  # the summary line says "session s1 cell 3 succeeded ..." (it is shown once the cell ends)
+        job.title = label  # the summary line says "session s1 cell 3 failed ..." (it is shown once the cell ends)
+        job.summary_on_success = False  # a cell that succeeded shows its output only, as in IPython
         self.jobs.append(job)
         return job
 
-    def send_cell(self, run_dir: RunDir, ranks: tuple[int, ...]) -> None:
-        """Hand a cell to its ranks (called by the cell's Job through :class:`CellLauncher`)."""
+    def send_cell(self, run_dir: RunDir, ranks: tuple[int, ...]) -> Request:
+        """Hand a cell to its ranks (called by the cell's Job through :class:`CellLauncher`); its request."""
         self.check_usable()
         request = self._new_request(ranks, run_dir)
         launch_timeout = _read_timeout(run_dir)
@@ -278,6 +306,7 @@ class SessionCore:
         )
         assert self._channel is not None  # usable: started
         self._channel.send(ranks, {"op": "cell", "run_dir": str(run_dir.path), "seq": request.seq})
+        return request
 
     def interrupt(self, reason: str = "interrupted") -> bool:
         """``KeyboardInterrupt`` in every rank running the current cell; whether a cell was running."""
@@ -326,6 +355,11 @@ class SessionCore:
             reply["seq"] = request.seq  # a rank's first word answers the start
         if request is None or reply.get("seq") != request.seq:
             return  # a late reply to a request that was given up
+        if "stream" in reply:  # a debugger's output or its request for a line: the reply comes later
+            request.stream.put(reply)
+            if request.run_dir is not None:
+                signal_status(request.run_dir)  # the cell's follower serves it (DebugRelay.tick) at once
+            return
         request.replies[rank] = reply
         if value is not None:
             request.values[rank] = value
@@ -386,6 +420,17 @@ class SessionCore:
             self.on_idle_stop(message)
 
 
+def _write(text: str) -> None:
+    print(text, end="", flush=True)
+
+
+def _read_line(prompt: str) -> str:
+    """``input(prompt)`` as the kernel has it now (ipykernel replaces it while a cell runs: a frontend prompt)."""
+    import builtins
+
+    return builtins.input(prompt)
+
+
 def _no_warning(text: str) -> None:
     """Where a cell's capture warnings go when its view takes none."""
 
@@ -412,7 +457,7 @@ def _cell_status(request: Request, broken: str | None) -> dict[str, Any]:
     replies = request.replies
     failures = sorted(
         (
-            {"rank": r, "exitcode": 1, "time_s": reply.get("time_s", time.time())}
+            {"rank": r, "exitcode": None, "time_s": reply.get("time_s", time.time())}  # the rank lives on
             for r, reply in replies.items()
             if not reply.get("ok") and not reply.get("interrupted")
         ),
@@ -429,7 +474,6 @@ def _cell_status(request: Request, broken: str | None) -> dict[str, Any]:
         "state": state,
         "started_s": request.started_s,
         "ended_s": time.time(),
-        "exitcodes": {str(r): (0 if reply.get("ok") else 1) for r, reply in replies.items()},
         "failures": failures,
         "rank_outcomes": {str(r): _outcome(replies.get(r)) for r in request.ranks},
     }

@@ -221,6 +221,10 @@ class Panel(TextView):
             self._retire_stop_button()
         self._render_header(job, state)
 
+    def show_activity(self, job: Job) -> None:
+        """Show ``job.activity`` in the header now (the thread may block next: a debugger waits for its line)."""
+        self._render_header(job, self._job_state(job))
+
     def _retire_stop_button(self) -> None:
         """The job has ended: Stop is disabled and grey (not a red button that looks live)."""
         self.stop_button.disabled = True
@@ -235,8 +239,9 @@ class Panel(TextView):
         if root is not None:
             self.tabs.selected_index = root.rank
         self._render_header(job, job.state, error)
-        for line in summary_lines(job):
-            self.note(line)
+        if job.summary_on_success or job.state is not JobState.SUCCEEDED or job.notes:
+            for line in summary_lines(job):
+                self.note(line)
 
     def _flush(self, job: Job, final: bool = False) -> None:
         now = time.monotonic()
@@ -320,6 +325,8 @@ class Panel(TextView):
             problem = f"<br><small>{html.escape(job.pending_reason)}</small>"
         if state.final:
             problem += "".join(f"<br><small>{html.escape(note)}</small>" for note in job.notes)
+        elif job.activity:
+            problem += f"<br><b>{html.escape(job.activity)}</b>"
         problem += metrics_html(job.last_metrics())
         attempt = job.attempt if job.spec.max_restarts else 1
         if attempt > 1:

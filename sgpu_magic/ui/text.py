@@ -133,8 +133,9 @@ class TextView(JobSink):
             if rest:
                 self.lines(rank, [rest])
         self._partial.clear()
-        for line in summary_lines(job):
-            self.note(line)
+        if job.summary_on_success or job.state is not JobState.SUCCEEDED or job.notes:
+            for line in summary_lines(job):
+                self.note(line)
         if job.background and job.state is not JobState.SUCCEEDED:
             # nobody waits on a background job to raise its error: say what happened here
             error = job.exception()

@@ -280,3 +280,70 @@ def test_interrupting_a_session_cell_keeps_the_ranks_state(jupyter, page, screen
     expect(panel_of(last).locator(".widget-tab-contents .widget-output:visible").first).to_be_visible()
     expect(panel_of(loop_cell)).to_contain_text("interrupted")
     page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}session-interrupt-page.png"))
+
+
+def test_the_debugger_prompt_of_a_failed_session_cell_is_the_notebooks_input_box(jupyter, page, screenshots):
+    """``%distributed_debug`` after a session cell failed: pdb's prompt appears in the frontend's input box, a
+    command typed there is answered by the rank, ``q`` ends it."""
+    from playwright.sync_api import expect
+
+    name = "session_debug.ipynb"
+    write_notebook(
+        jupyter.root / name,
+        [
+            "%load_ext sgpu_magic",
+            "%distributed_session start --gpus 2 --no-mlflow --no-widgets",
+            "%%distributed --session\nimport os\nsecret = 6 * (int(os.environ['RANK']) + 1)\n"
+            "if os.environ['RANK'] == '0':\n    raise ValueError('look')",
+            "%distributed_debug",
+        ],
+    )
+    notebook = open_notebook(page, jupyter, name)
+    for index in (0, 1, 2):
+        wait_cell_done(run_cell(page, notebook, index), JOB_TIMEOUT_MS)
+    debug_cell = run_cell(page, notebook, 3)
+    box = debug_cell.locator(".jp-Stdin-input").last  # (JupyterLab keeps an answered prompt's box beside the new one)
+    box.wait_for(timeout=60_000)
+    expect(debug_cell.locator(".jp-Stdin-prompt").last).to_contain_text("(Pdb)")
+    box.fill("p secret")
+    box.press("Enter")
+    expect(debug_cell.locator(".jp-Cell-outputArea")).to_contain_text("6", timeout=30_000)
+    page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}session-debug-page.png"))
+    expect(debug_cell.locator(".jp-Stdin-input")).to_have_count(2, timeout=30_000)  # the next prompt
+    box = debug_cell.locator(".jp-Stdin-input").last
+    box.fill("q")
+    box.press("Enter")
+    wait_cell_done(debug_cell, 60_000)
+    expect(debug_cell.locator(".jp-Cell-outputArea")).to_contain_text("pdb in rank 0 of session s1")
+
+
+def test_a_breakpoint_shows_in_the_panel_and_its_prompt_in_the_input_box(jupyter, page, screenshots):
+    """``runtime.breakpoint(rank=1)`` in a session cell with the panel: the header says ``rank 1 in debugger``, pdb's
+    prompt is the frontend's input box, ``c`` lets the cell's all_reduce finish."""
+    from playwright.sync_api import expect
+
+    name = "session_breakpoint.ipynb"
+    write_notebook(
+        jupyter.root / name,
+        [
+            "%load_ext sgpu_magic",
+            "%distributed_session start --gpus 2 --no-mlflow",
+            "%%distributed --session\nimport torch, torch.distributed as dist\nfrom sgpu_magic import runtime\n"
+            "dist.init_process_group('gloo')",
+            "%%distributed --session\nx = torch.ones(1) * (dist.get_rank() + 1)\nruntime.breakpoint(rank=1)\n"
+            "dist.all_reduce(x)\nx.item()",
+        ],
+    )
+    notebook = open_notebook(page, jupyter, name)
+    for index in (0, 1, 2):
+        wait_cell_done(run_cell(page, notebook, index), JOB_TIMEOUT_MS)
+    cell = run_cell(page, notebook, 3)
+    box = cell.locator(".jp-Stdin-input").last
+    box.wait_for(timeout=60_000)
+    expect(panel_of(cell).locator(".widget-html").first).to_contain_text("rank 1 in debugger")
+    page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}session-breakpoint-page.png"))
+    box.fill("c")
+    box.press("Enter")
+    wait_cell_done(cell, 60_000)
+    expect(cell.locator(".jp-OutputArea-output").last).to_contain_text("3.0")
+    expect(panel_of(cell).locator(".widget-html").first).not_to_contain_text("in debugger")

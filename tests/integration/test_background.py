@@ -104,10 +104,11 @@ def test_background_magic_and_the_jobs_table_and_stop(ip, run_cell, go):
     result, out, err = run_cell("%distributed_jobs")
     table = repr(result.result)
     header, *rows = table.splitlines()
-    assert header.split() == ["job", "state", "world", "size", "GPUs", "elapsed", "MLflow", "run"]
+    assert header.split() == ["job", "state", "world", "size", "GPUs", "elapsed", "MLflow", "run", "what"]
     row = next(r for r in rows if r.startswith(job.job_id))
     assert row.split()[1:4] == ["running", "2", "cpu"]
-    assert job.mlflow_run_id and row.split()[-1] == job.mlflow_run_id  # the run id, even with no page to link
+    assert row.endswith("%%distributed cell")  # what it runs
+    assert job.mlflow_run_id and row.split()[-3] == job.mlflow_run_id  # the run id, even with no page to link
     html = result.result._repr_html_()
     assert f"<td>{job.job_id}</td><td>running</td>" in html and f"<td>{job.mlflow_run_id}</td>" in html
     result, out, err = run_cell(f"%distributed_stop {job.job_id[-6:]}")

@@ -199,3 +199,42 @@ def test_a_rank_that_dies_breaks_the_session_and_restart_brings_fresh_ranks(ip):
         SessionError, match=r"session fragile is stopped; start it again with %distributed_session restart"
     ):
         session.run_cell("1")
+
+
+def test_distributed_jobs_lists_the_session_and_its_cells(sess, run_cell):
+    sess.run_cell("1")
+    result, _, _ = run_cell("%distributed_jobs")
+    rows = repr(result.result).splitlines()[1:]
+    session_rows = [r for r in rows if r.startswith(sess.job.job_id)]
+    assert len(session_rows) == 1 and session_rows[0].split()[1] == "running"
+    assert session_rows[0].endswith("session shared")
+    last = sess.jobs[-1]
+    cell_row = next(r for r in rows if r.startswith(last.job_id))
+    assert cell_row.split()[1] == "succeeded" and cell_row.endswith(f"session shared cell {len(sess.jobs)}")
+
+
+def test_debugging_needs_a_failed_cell_a_rank_in_the_world_or_a_known_job(sess, ip):
+    sess.run_cell("1")
+    with pytest.raises(SessionError, match=r"the last cell of session shared did not fail: there is nothing to debug"):
+        sess.debug()
+    with pytest.raises(SessionError, match=r"ranks \[5\] are not in session shared"):
+        sess.debug(rank=5)
+    with pytest.raises(SessionError, match=r"rank 0's last cell did not fail: there is nothing to debug"):
+        sess.debug(rank=0)
+    with pytest.raises(UsageError, match=r"'nosuchjob' matches no job of this kernel"):
+        ip.run_line_magic("distributed_debug", "--job nosuchjob")
+    assert sess.run_cell("rank") == [0, 1]
+
+
+def test_a_breakpoint_in_a_job_is_said_and_skipped(ip):
+    from sgpu_magic import distributed
+
+    @distributed(gpus=1, mlflow=False, widgets=False)
+    def stops():
+        from sgpu_magic import runtime
+
+        runtime.breakpoint(rank=0)
+        return "ran on"
+
+    assert stops.distributed() == ["ran on"]
+    assert "runtime.breakpoint() stops a rank only in a live session's cell" in stops.last_job.logs(0)

@@ -88,3 +88,100 @@ def test_kernel_sigkill_leaves_no_session_rank(tmp_path):
     assert client.get_run(run_id).info.status == "KILLED"
     children = client.search_runs([client.get_run(run_id).info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
     assert [c.info.status for c in children] == ["FINISHED"]
+
+
+def _debug(kc, code: str, answers: list[str], timeout_s: float = 120):
+    """Run ``code`` answering each of the kernel's input requests (a pdb prompt) with the next of ``answers``;
+    return (stdout text, the prompts asked)."""
+    import queue
+
+    msg_id = kc.execute(code, allow_stdin=True)
+    prompts, pending = [], list(answers)
+    while True:
+        try:
+            request = kc.get_stdin_msg(timeout=0.05)
+        except queue.Empty:
+            request = None
+        if request is not None and request["msg_type"] == "input_request":
+            prompts.append(request["content"]["prompt"])
+            kc.input(pending.pop(0) if pending else "q")
+        try:
+            reply = kc.get_shell_msg(timeout=0.01)
+        except queue.Empty:
+            continue
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    out = collect(kc, msg_id, timeout_s)
+    return out, prompts
+
+
+def test_post_mortem_debugger_in_a_session_rank_and_a_jobs_saved_locals(kernel):
+    km, kc = kernel
+    out = execute(kc, "%distributed_session start --gpus 2 --no-mlflow -o sess")
+    assert out.error is None, out.error
+    out = execute(
+        kc,
+        "%%distributed --session\nimport os\ndef f(a):\n    secret = a * 2\n    return 1 / (a - 3)\n"
+        "x = f(3 if os.environ['RANK'] == '1' else 1)",
+    )
+    assert out.error is not None and out.error["ename"] == "RankFailedError"
+    assert "rank 1 failed (root cause): ZeroDivisionError: division by zero" in out.error["evalue"]
+    out, prompts = _debug(kc, "%distributed_debug", ["p secret", "p a", "q"])
+    assert prompts == ["(Pdb) "] * 3, prompts
+    assert "pdb in rank 1 of session s1, where its last cell failed" in out.stdout
+    assert "Cell In[3]>(5)f()" in out.stdout and "-> return 1 / (a - 3)" in out.stdout, out.stdout
+    assert "\n6\n3\n" in out.stdout, out.stdout
+    out = execute(kc, "%%distributed --session\nf(0) if os.environ['RANK'] == '0' else 'ok'")
+    assert out.error is None and out.results == ["-0.3333333333333333"], out  # the ranks are idle and usable
+
+    out = execute(kc, "%distributed_debug")
+    assert "UsageError: the last cell of session s1 did not fail: there is nothing to debug" in out.stderr, out
+    out = execute(kc, "%distributed_debug --rank 7")
+    assert "UsageError: ranks [7] are not in session s1 (world_size=2)" in out.stderr, out
+    assert "pdb in rank" not in out.stdout
+    out = execute(kc, "%distributed_debug --rank 1")
+    assert "UsageError: rank 1's last cell did not fail: there is nothing to debug" in out.stderr, out
+    execute(kc, "%distributed_session stop")
+
+    out = execute(
+        kc,
+        "from sgpu_magic import distributed\n@distributed(gpus=2, mlflow=False)\ndef g(n):\n    import os\n"
+        "    items = list(range(n))\n    if os.environ['RANK'] == '0':\n        raise KeyError('missing')\n    return n\n"
+        "try:\n    g.distributed(4)\nexcept Exception as e:\n    print(type(e).__name__)",
+    )
+    assert "RankFailedError" in out.stdout, out
+    assert value(kc, "g.last_job.failure_locals(0)") == "{'n': '4', 'items': '[0, 1, 2, 3]'}"
+    out = execute(kc, "%distributed_debug")
+    assert "the ranks of job" in out.stdout and "are gone" in out.stdout, out
+    assert "  items = [0, 1, 2, 3]" in out.stdout and "KeyError: 'missing'" in out.stdout, out
+
+
+def test_a_breakpoint_in_rank_1_stops_it_and_c_or_q_let_the_all_reduce_finish(kernel):
+    km, kc = kernel
+    out = execute(kc, "%distributed_session start --gpus 2 --no-mlflow -o sess")
+    assert out.error is None, out.error
+    out = execute(
+        kc,
+        "%%distributed --session\nimport torch, torch.distributed as dist\nfrom sgpu_magic import runtime\n"
+        "dist.init_process_group('gloo')",
+    )
+    assert out.error is None, out.error
+    cell = (
+        "%%distributed --session\nx = torch.ones(1) * (dist.get_rank() + 1)\nruntime.breakpoint(rank=1)\n"
+        "y = x * 10\ndist.all_reduce(y)\ny.item()"
+    )
+    out, prompts = _debug(kc, cell, ["p x", "c"])
+    assert out.error is None, out.error
+    assert prompts == ["[rank 1] (Pdb) ", "[rank 1] (Pdb) "], prompts
+    assert "sgpu_magic: rank 1 stopped in pdb" in out.stdout and "tensor([2.])" in out.stdout, out.stdout
+    assert out.results == ["30.0"], out  # the all_reduce finished with both ranks' values
+    out, prompts = _debug(kc, cell, ["q"])  # q detaches: the rank runs on and its peer's collective completes
+    assert out.error is None and out.results == ["30.0"], out
+    out = execute(kc, "%%distributed --session\ndist.get_rank()")
+    assert out.error is None and out.results == ["0"], out
+    # every rank stops: one pdb at a time, the second rank's prompts wait until the first one continues
+    out, prompts = _debug(kc, cell.replace("rank=1", "rank=None"), ["p x", "c", "p x", "c"])
+    assert out.error is None and out.results == ["30.0"], out
+    first, second = prompts[0][:8], prompts[2][:8]
+    assert prompts == [f"{first} (Pdb) "] * 2 + [f"{second} (Pdb) "] * 2 and {first, second} == {"[rank 0]", "[rank 1]"}
+    assert out.stdout.count("stopped in pdb") == 2 and "tensor([1.])" in out.stdout and "tensor([2.])" in out.stdout
