@@ -713,10 +713,10 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
         assert f"MLflow run: {run_url}" in out.stdout  # the summary line links it
         early_id = ast.literal_eval(execute(kc, "print(repr(early_job.mlflow_run_id))").stdout)
         table = execute(kc, "%distributed_jobs").results[0].splitlines()
-        assert table[0].split()[-4:] == ["MLflow", "run", "run", "page"], table
+        assert table[0].split()[-5:] == ["MLflow", "run", "what", "run", "page"], table
         for job_run in (early_id, run_id):  # the job from before %mlflow_ui is linked too
-            row = next(row for row in table if job_run in row)
-            assert row.split()[-2:] == [job_run, f"{base}/#/experiments/{experiment_id}/runs/{job_run}"], table
+            row = next(row for row in table if job_run in row).split()
+            assert job_run in row and row[-1] == f"{base}/#/experiments/{experiment_id}/runs/{job_run}", table
         with urllib.request.urlopen(f"{base}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=30) as reply:
             served = json.loads(reply.read())["run"]
         assert served["info"]["status"] == "FINISHED"
