@@ -56,6 +56,13 @@ def decode_lines(data: bytes) -> tuple[list[Point], int]:
     """The points in the complete lines of ``data`` and how many bytes those lines take (the rest is an unfinished
     line). A line that is not a point (a file written by something else) is skipped."""
     end = data.rfind(b"\n") + 1
+    if not end:
+        return [], 0
+    try:  # the whole chunk as one JSON array: one parse instead of one a line
+        rows = json.loads(b"[" + data[: end - 1].replace(b"\n", b",") + b"]")
+        return [(str(n), float(v), int(s), int(t)) for n, v, s, t in rows], end
+    except (ValueError, TypeError):
+        pass  # a line that is not a point: parse line by line and skip it
     points: list[Point] = []
     for line in data[:end].splitlines():
         try:

@@ -28,6 +28,7 @@ import functools
 import importlib
 import os
 import sys
+import time
 
 from sgpu_magic._util.imports import AfterImport
 from sgpu_magic._util.metrics import WRITER, Point
@@ -83,8 +84,6 @@ def guard_job_run() -> None:
 
 def _record(metrics: dict, step, timestamp) -> None:
     """Record points MLflow has just accepted in the metrics file (with the step MLflow stores: 0 when none)."""
-    import time
-
     time_ms = int(timestamp) if timestamp is not None else int(time.time() * 1000)
     for key, value in metrics.items():
         try:
@@ -162,7 +161,10 @@ def _create_rank_run(mlflow, job_run_id: str, experiment_id, run_name, kwargs: d
     return str(run.info.run_id)
 
 
-_clients: dict = {}
+@functools.cache
+def _client(mlflow):
+    """One ``MlflowClient`` for the forwarded batches (making one looks up the registry: milliseconds)."""
+    return mlflow.MlflowClient()
 
 
 def forward_metrics(job_run_id: str, batch: list[tuple[str | None, Point]]) -> None:
@@ -172,7 +174,7 @@ def forward_metrics(job_run_id: str, batch: list[tuple[str | None, Point]]) -> N
     try:
         mlflow = importlib.import_module("mlflow")  # dynamic: the rank imports mlflow only once a point is logged
         metric = importlib.import_module("mlflow.entities").Metric
-        client = _clients.get("client") or _clients.setdefault("client", mlflow.MlflowClient())
+        client = _client(mlflow)
         by_run: dict[str, list] = {}
         for run_id, (name, value, step, time_ms) in batch:
             by_run.setdefault(run_id or job_run_id, []).append(metric(name, value, time_ms, step))
