@@ -20,14 +20,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from sgpu_magic.errors import SessionError, describe_exit
+from sgpu_magic.errors import SessionError
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
 from sgpu_magic.rundir import RunDir, signal_status, write_status
 from sgpu_magic.session.channel import Request, SessionChannel
-from sgpu_magic.session.relay import DebugRelay, ReadLine, Write
+from sgpu_magic.session.launcher import CellLauncher
+from sgpu_magic.session.outcome import cell_status, death_message, mlflow_run, read_timeout
+from sgpu_magic.session.relay import DebugRelay, ReadLine, Write, read_line, write_output
 from sgpu_magic.spec import LaunchSpec
 
 INTERRUPT_GRACE_S = 5.0
@@ -45,28 +47,6 @@ class SessionState(enum.Enum):
     BUSY = "busy"
     BROKEN = "broken"
     STOPPED = "stopped"
-
-
-class CellLauncher:
-    """The :class:`~sgpu_magic.launch.base.Launcher` of one session cell: the session's live ranks."""
-
-    def __init__(self, core: SessionCore, ranks: tuple[int, ...], relay: DebugRelay | None = None) -> None:
-        self.core, self.ranks, self.relay = core, ranks, relay
-        self.pid = os.getpid()  # a cell holds no lease of its own (the session's job does)
-
-    def launch(self, run_dir: RunDir) -> None:
-        request = self.core.send_cell(run_dir, self.ranks)
-        if self.relay is not None:
-            self.relay.request = request
-
-    def cancel(self, run_dir: RunDir, reason: str) -> None:
-        self.core.interrupt(reason)
-
-    def alive(self) -> bool:
-        return self.core.state is not SessionState.STOPPED
-
-    def where(self) -> str:
-        return str(self.core.job.run_dir) if self.core.job is not None else "(not started)"
 
 
 SinkFactory = Callable[[LaunchSpec, "tuple[str, str] | None"], list[JobSink]]
@@ -103,7 +83,7 @@ class SessionCore:
         self.broken: str | None = None
         self.pids: dict[int, int] = {}
         self.on_idle_stop: Callable[[str], None] | None = None
-        self.debug_io: tuple[Write, ReadLine] = (_write, _read_line)
+        self.debug_io: tuple[Write, ReadLine] = (write_output, read_line)
         """How a rank's pdb talks to the user: ``(write(text), read_line(prompt))``; the kernel's output and input()."""
         self._names: dict[int, set[str]] = {}
         self._channel: SessionChannel | None = None
@@ -113,6 +93,10 @@ class SessionCore:
         self._reader: threading.Thread | None = None
         self._last_active = time.monotonic()
         self._parent_run: tuple[str, str] | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.state is SessionState.STOPPED
 
     @property
     def world_size(self) -> int:
@@ -150,7 +134,7 @@ class SessionCore:
             self._end_job()
             raise
         self.pids = {r: int(reply["pid"]) for r, reply in request.replies.items()}
-        self._parent_run = _mlflow_run(sinks)  # made by the session job's launch, which has happened now
+        self._parent_run = mlflow_run(sinks)  # made by the session job's launch, which has happened now
         self.state = SessionState.IDLE
         self._last_active = time.monotonic()
 
@@ -298,7 +282,7 @@ class SessionCore:
         """Hand a cell to its ranks (called by the cell's Job through :class:`CellLauncher`); its request."""
         self.check_usable()
         request = self._new_request(ranks, run_dir)
-        launch_timeout = _read_timeout(run_dir)
+        launch_timeout = read_timeout(run_dir)
         request.deadline = None if launch_timeout is None else time.monotonic() + launch_timeout
         self.state = SessionState.BUSY
         write_status(
@@ -376,7 +360,7 @@ class SessionCore:
             self.state = SessionState.IDLE
         self._last_active = time.monotonic()
         if request.run_dir is not None:
-            write_status(request.run_dir, _cell_status(request, broken))
+            write_status(request.run_dir, cell_status(request, broken))
         request.done.set()
 
     def _check_deadlines(self) -> None:
@@ -400,7 +384,7 @@ class SessionCore:
         job = self.job
         if job is None or self.state in (SessionState.BROKEN, SessionState.STOPPED) or not job.done():
             return
-        self.broken = _death_message(self.name, job)
+        self.broken = death_message(self.name, job)
         self.state = SessionState.BROKEN
         request = self._request
         if request is not None:
@@ -420,89 +404,5 @@ class SessionCore:
             self.on_idle_stop(message)
 
 
-def _write(text: str) -> None:
-    print(text, end="", flush=True)
-
-
-def _read_line(prompt: str) -> str:
-    """``input(prompt)`` as the kernel has it now (ipykernel replaces it while a cell runs: a frontend prompt)."""
-    import builtins
-
-    return builtins.input(prompt)
-
-
 def _no_warning(text: str) -> None:
     """Where a cell's capture warnings go when its view takes none."""
-
-
-def _mlflow_run(sinks: list[JobSink]) -> tuple[str, str] | None:
-    """The session job's MLflow run as ``(run id, experiment id)``: the parent of each cell's run."""
-    for sink in sinks:
-        run_id, experiment_id = getattr(sink, "run_id", None), getattr(sink, "experiment_id", None)
-        if run_id and experiment_id:
-            return str(run_id), str(experiment_id)
-    return None
-
-
-def _read_timeout(run_dir: RunDir) -> float | None:
-    from sgpu_magic.rundir import read_json
-
-    launch = read_json(run_dir.launch_file, private=True) or {}
-    timeout = launch.get("timeout_s")
-    return None if timeout is None else float(timeout)
-
-
-def _cell_status(request: Request, broken: str | None) -> dict[str, Any]:
-    """A cell's final ``status.json`` from its ranks' replies (or the reason the session broke)."""
-    replies = request.replies
-    failures = sorted(
-        (
-            {"rank": r, "exitcode": None, "time_s": reply.get("time_s", time.time())}  # the rank lives on
-            for r, reply in replies.items()
-            if not reply.get("ok") and not reply.get("interrupted")
-        ),
-        key=lambda f: f["time_s"],
-    )
-    interrupted = any(reply.get("interrupted") for reply in replies.values()) or bool(request.missing)
-    if broken is not None and request.reason is None:
-        state = "failed"
-    elif request.reason is not None and interrupted:
-        state = request.reason
-    else:
-        state = "failed" if failures else "succeeded"
-    status: dict[str, Any] = {
-        "state": state,
-        "started_s": request.started_s,
-        "ended_s": time.time(),
-        "failures": failures,
-        "rank_outcomes": {str(r): _outcome(replies.get(r)) for r in request.ranks},
-    }
-    if broken is not None:
-        status["host_lost"] = broken
-    return status
-
-
-def _outcome(reply: dict[str, Any] | None) -> str:
-    """How one rank ended a cell, as the panel's rank tab says it."""
-    if reply is None:
-        return "did not return"
-    if reply.get("ok"):
-        return "returned"
-    return "interrupted" if reply.get("interrupted") else "raised"
-
-
-def _death_message(name: str, job: Job) -> str:
-    """Why a session's job ended by itself: the rank that died first and how."""
-    status = job.status
-    failures = list(status.failures) or [
-        {"rank": r, "exitcode": code} for r, code in sorted(status.exitcodes.items()) if code
-    ]
-    if failures:
-        first = failures[0]
-        what = f"rank {first['rank']} died ({describe_exit(first.get('exitcode'))})"
-    else:
-        what = f"its ranks ended ({status.state})"
-    return (
-        f"session {name} is broken: {what}; the other ranks were stopped and the session's state is gone. Run "
-        f"%distributed_session restart (or sess.restart()) for fresh ranks. Logs: {job.run_dir}"
-    )

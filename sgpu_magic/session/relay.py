@@ -113,3 +113,15 @@ def _ask(read_line: ReadLine, prompt: str) -> str:
         return read_line(prompt)
     except (KeyboardInterrupt, EOFError):
         return "q"
+
+
+def write_output(text: str) -> None:
+    """Show pdb's output in the cell (the kernel's stdout)."""
+    print(text, end="", flush=True)
+
+
+def read_line(prompt: str) -> str:
+    """``input(prompt)`` as the kernel has it now (ipykernel replaces it while a cell runs: a frontend prompt)."""
+    import builtins
+
+    return builtins.input(prompt)

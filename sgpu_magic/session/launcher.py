@@ -1,0 +1,34 @@
+"""The :class:`~sgpu_magic.launch.base.Launcher` of a session's cells: the session's live ranks."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from sgpu_magic.rundir import RunDir
+
+if TYPE_CHECKING:
+    from sgpu_magic.session.core import SessionCore
+    from sgpu_magic.session.relay import DebugRelay
+
+
+class CellLauncher:
+    """The :class:`~sgpu_magic.launch.base.Launcher` of one session cell: the session's live ranks."""
+
+    def __init__(self, core: SessionCore, ranks: tuple[int, ...], relay: DebugRelay | None = None) -> None:
+        self.core, self.ranks, self.relay = core, ranks, relay
+        self.pid = os.getpid()  # a cell holds no lease of its own (the session's job does)
+
+    def launch(self, run_dir: RunDir) -> None:
+        request = self.core.send_cell(run_dir, self.ranks)
+        if self.relay is not None:
+            self.relay.request = request
+
+    def cancel(self, run_dir: RunDir, reason: str) -> None:
+        self.core.interrupt(reason)
+
+    def alive(self) -> bool:
+        return not self.core.stopped
+
+    def where(self) -> str:
+        return str(self.core.job.run_dir) if self.core.job is not None else "(not started)"

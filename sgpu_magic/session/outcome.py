@@ -1,0 +1,84 @@
+"""What the session's kernel side makes of its ranks' replies: a cell's final ``status.json``, why a session broke,
+and what a cell's launch file and the session's sinks say."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sgpu_magic.errors import describe_exit
+from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.handle import Job
+from sgpu_magic.rundir import RunDir, read_json
+from sgpu_magic.session.channel import Request
+
+
+def mlflow_run(sinks: list[JobSink]) -> tuple[str, str] | None:
+    """The session job's MLflow run as ``(run id, experiment id)``: the parent of each cell's run."""
+    for sink in sinks:
+        run_id, experiment_id = getattr(sink, "run_id", None), getattr(sink, "experiment_id", None)
+        if run_id and experiment_id:
+            return str(run_id), str(experiment_id)
+    return None
+
+
+def read_timeout(run_dir: RunDir) -> float | None:
+    launch = read_json(run_dir.launch_file, private=True) or {}
+    timeout = launch.get("timeout_s")
+    return None if timeout is None else float(timeout)
+
+
+def cell_status(request: Request, broken: str | None) -> dict[str, Any]:
+    """A cell's final ``status.json`` from its ranks' replies (or the reason the session broke)."""
+    replies = request.replies
+    failures = sorted(
+        (
+            {"rank": r, "exitcode": None, "time_s": reply.get("time_s", time.time())}  # the rank lives on
+            for r, reply in replies.items()
+            if not reply.get("ok") and not reply.get("interrupted")
+        ),
+        key=lambda f: f["time_s"],
+    )
+    interrupted = any(reply.get("interrupted") for reply in replies.values()) or bool(request.missing)
+    if broken is not None and request.reason is None:
+        state = "failed"
+    elif request.reason is not None and interrupted:
+        state = request.reason
+    else:
+        state = "failed" if failures else "succeeded"
+    status: dict[str, Any] = {
+        "state": state,
+        "started_s": request.started_s,
+        "ended_s": time.time(),
+        "failures": failures,
+        "rank_outcomes": {str(r): outcome(replies.get(r)) for r in request.ranks},
+    }
+    if broken is not None:
+        status["host_lost"] = broken
+    return status
+
+
+def outcome(reply: dict[str, Any] | None) -> str:
+    """How one rank ended a cell, as the panel's rank tab says it."""
+    if reply is None:
+        return "did not return"
+    if reply.get("ok"):
+        return "returned"
+    return "interrupted" if reply.get("interrupted") else "raised"
+
+
+def death_message(name: str, job: Job) -> str:
+    """Why a session's job ended by itself: the rank that died first and how."""
+    status = job.status
+    failures = list(status.failures) or [
+        {"rank": r, "exitcode": code} for r, code in sorted(status.exitcodes.items()) if code
+    ]
+    if failures:
+        first = failures[0]
+        what = f"rank {first['rank']} died ({describe_exit(first.get('exitcode'))})"
+    else:
+        what = f"its ranks ended ({status.state})"
+    return (
+        f"session {name} is broken: {what}; the other ranks were stopped and the session's state is gone. Run "
+        f"%distributed_session restart (or sess.restart()) for fresh ranks. Logs: {job.run_dir}"
+    )
