@@ -15,6 +15,7 @@ Layout::
         results/rank_<N>.exit.json  how rank N ended when it called sys.exit(0) (written by the rank)
         errors/rank_<N>.json exception of rank N (written by the rank)
         elastic/             torch elastic's own per-rank files
+        metrics/rank_<N>.jsonl  the points rank N logged (runtime.log_metric, mlflow.log_metric), appended in batches
         code.json            the notebook's labels and sources of the job's code, to map stack frames (by the kernel)
         stacks/rank_<N>.txt  rank N's stack when the job timed out or was cancelled while it ran (by the host)
         session/rank_<N>.cmd, rank_<N>.reply   a live session's channel to rank N (FIFOs, 0600)
@@ -171,6 +172,36 @@ FINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out", "inte
 
 
 @dataclass(frozen=True)
+class RankUsage:
+    """One rank's CPU and memory as the launch host last sampled them (about once a second; see
+    :mod:`sgpu_magic.launch.host.usage`).
+
+    Attributes:
+        cpu_percent: CPU use since the previous sample, in percent of one core (200.0: two cores busy).
+        rss_bytes: the rank process's resident memory, in bytes.
+        peak_rss_bytes: the most resident memory it has had so far, in bytes (the kernel's high-water mark).
+        time_s: epoch seconds of the sample.
+    """
+
+    cpu_percent: float
+    rss_bytes: int
+    peak_rss_bytes: int
+    time_s: float
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RankUsage:
+        return cls(float(d["cpu_percent"]), int(d["rss_bytes"]), int(d["peak_rss_bytes"]), float(d["time_s"]))
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "cpu_percent": self.cpu_percent,
+            "rss_bytes": self.rss_bytes,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "time_s": self.time_s,
+        }
+
+
+@dataclass(frozen=True)
 class HostStatus:
     """A job's ``status.json`` as its launcher (the launch host or the Ray supervisor) last wrote it: the typed
     view the Job handle, the panel and tracking read. Keys the file lacks take the defaults below.
@@ -190,6 +221,9 @@ class HostStatus:
             ``stacks/rank_<r>.txt``); ``{}`` when no rank was running then.
         rank_outcomes: a live session's cell: ``{rank: "returned" | "raised" | "interrupted" | "did not return"}``
             (its ranks do not exit, so ``exitcodes`` says nothing of them).
+        usage: ``{rank: RankUsage}``: each rank's CPU %, RSS and peak RSS, sampled about once a second by the launch
+            host while the job runs (the last sample once it has ended); ``{}`` before the first sample, on Ray
+            and for a session's cell.
     """
 
     state: str = "pending"
@@ -207,6 +241,7 @@ class HostStatus:
     pids: dict[int, int] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
     rank_outcomes: dict = field(default_factory=dict)
+    usage: dict[int, RankUsage] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, status: dict) -> HostStatus:
@@ -226,6 +261,7 @@ class HostStatus:
             pids={int(k): int(v) for k, v in (status.get("pids") or {}).items()},
             stacks={int(k): str(v) for k, v in (status.get("stacks") or {}).items()},
             rank_outcomes={int(k): v for k, v in (status.get("rank_outcomes") or {}).items()},
+            usage={int(k): RankUsage.from_dict(v) for k, v in (status.get("usage") or {}).items()},
         )
 
     @property
@@ -319,7 +355,7 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-SUBDIRS = ("logs", "results", "errors", "elastic")
+SUBDIRS = ("logs", "results", "errors", "elastic", "metrics")
 """The folders of every run directory."""
 
 
@@ -354,7 +390,7 @@ class RunDir:
         rd = cls(runs / (job_id or new_job_id()))
         rd.path.mkdir(mode=0o700)
         for sub in SUBDIRS:
-            if not (lean and sub == "elastic"):
+            if not (lean and sub in ("elastic", "metrics")):  # a cell's ranks make metrics/ when they log
                 (rd.path / sub).mkdir(mode=0o700)
         if lean:
             return rd
@@ -421,6 +457,16 @@ class RunDir:
     def attempt_errors_dir(self, attempt: int) -> Path:
         """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""
         return self.errors_dir / f"attempt_{attempt}"
+
+    metrics_dir = _entry(
+        "metrics",
+        "``rank_<r>.jsonl``: the metric points each rank logged, one JSON array per line "
+        "(:mod:`sgpu_magic._util.metrics`), appended by the rank, followed by the kernel (0700, files 0600).",
+    )
+
+    def metrics_file(self, rank: int) -> Path:
+        """``metrics/rank_<r>.jsonl``: the points rank ``rank`` logged (``runtime.log_metric``, ``mlflow.log_metric``)."""
+        return self.metrics_dir / f"rank_{rank}.jsonl"
 
     def log_file(self, rank: int) -> Path:
         return self.logs_dir / f"rank_{rank}.log"

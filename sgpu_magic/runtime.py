@@ -22,8 +22,13 @@ Example::
 
 from __future__ import annotations
 
+import operator
 import os
+import sys
+import time
 from typing import TYPE_CHECKING
+
+from sgpu_magic._util.metrics import WRITER
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +43,7 @@ __all__ = [
     "get_replica_rank",
     "backend",
     "device",
+    "log_metric",
     "breakpoint",
 ]
 
@@ -109,6 +115,80 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", get_local_rank() % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
+
+
+_next_step: dict[str, int] = {}
+"""Per metric name: the step a point logged without one gets (one more than the last step logged)."""
+
+
+def _number(name: str, value: object) -> float:
+    if not isinstance(value, (str, bytes)):
+        try:
+            return float(value)  # type: ignore[arg-type] # anything with __float__: int, numpy and 0-d torch values
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(
+        f"log_metric({name!r}, ...): the value must be a real number (int, float, or a one-element "
+        f"numpy/torch value), not {type(value).__name__} {value!r:.40}"
+    )
+
+
+def _step(name: str, step: object) -> int:
+    if step is None:
+        return _next_step.get(name, 0)
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)  # type: ignore[arg-type] # int, numpy integers
+        except TypeError:
+            pass
+    raise TypeError(f"log_metric({name!r}, ...): step must be an int or None, not {type(step).__name__} {step!r:.40}")
+
+
+def _active_run_id() -> str | None:
+    """The MLflow run active in this thread, when the rank's code has imported mlflow (else ``None``: the job's)."""
+    mlflow = sys.modules.get("mlflow")
+    run = getattr(mlflow, "active_run", lambda: None)() if mlflow is not None else None
+    return run.info.run_id if run is not None else None
+
+
+def log_metric(name: str, value: float, step: int | None = None) -> None:
+    """Record one point of metric ``name`` from this rank: for the panel, ``job.metrics()``, and MLflow.
+
+    The point is appended to this rank's metrics file in the job's run directory
+    (``metrics/rank_<r>.jsonl``), written in batches (at least every 0.2 s, and before the rank
+    reports), which the kernel follows as it follows the logs. When the job is tracked it is also logged to
+    MLflow under the same ``name``, from a background thread (the first such batch imports mlflow): to the
+    run active in this thread (a rank's ``with mlflow.start_run():`` run), else the job's run, where every
+    rank logs the same key: put the rank in the name, or log from one rank, to tell them apart there. A call
+    costs microseconds and never waits for the disk or MLflow. Outside an sgpu_magic job the point is
+    checked, then dropped.
+
+    Args:
+        name (str): the metric's name, not empty (MLflow's rules apply in a tracked job: letters, digits,
+            ``_ - . / `` and spaces).
+        value (float): a real number: ``int``, ``float``, or a one-element numpy or torch value (a CUDA tensor
+            is copied to the host, which waits for the GPU).
+        step (int | None): the point's step; default ``None``: one more than the last step this rank logged for
+            ``name`` (0 for the first).
+
+    Raises:
+        TypeError: ``name`` is not a str, ``value`` is not a real number, or ``step`` is not an int.
+        ValueError: ``name`` is empty.
+
+    Example::
+
+        from sgpu_magic import runtime
+        for step in range(100):
+            loss = train_step()
+            runtime.log_metric("loss", loss.item(), step=step)
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"log_metric: the name must be a str, not {type(name).__name__} {name!r:.40}")
+    if not name:
+        raise ValueError("log_metric: the name must not be empty")
+    number, at = _number(name, value), _step(name, step)
+    _next_step[name] = at + 1
+    WRITER.record(name, number, at, int(time.time() * 1000), _active_run_id(), forward=True)
 
 
 def breakpoint(rank: int | None = 0) -> None:

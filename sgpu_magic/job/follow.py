@@ -178,6 +178,9 @@ class JobSink:
     def tick(self, job: Job) -> None:
         """Called on every poll of the job (about 20 times a second): flush what is buffered."""
 
+    def metrics_logged(self, job: Job) -> None:
+        """The ranks logged new metric points (read at most every 0.2 s): see :meth:`Job.metrics`."""
+
     def restarted(self, job: Job, attempt: int) -> None:
         """A rank failed and every rank was started again (``max_restarts``); ``attempt`` counts from 1."""
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from sgpu_magic.errors import JobCancelledError, LauncherError, ResourceError, SgpuError
 from sgpu_magic.job.follow import PUMP_INTERVAL_S, JobSink, LogPump, StatusFeed
+from sgpu_magic.job.metrics import MetricsPump
 from sgpu_magic.job.outcome import build_error, ending_notes, load_result, stopped_error
 from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.base import Launcher
@@ -106,6 +107,7 @@ class Job:
         self._last_pump = 0.0
         self._host_checked = 0.0
         self._logs = LogPump([run_dir.log_file(r) for r in range(plan.world_size)], self._sinks, self._emit)
+        self._metrics = MetricsPump([run_dir.metrics_file(r) for r in range(plan.world_size)])
         self.background = False
         self.submitted_s = time.time()
         self.waited_s = 0.0
@@ -195,6 +197,31 @@ class Job:
                 self._rd, lambda: self.status, native, lambda t: host.request_stacks(self._rd, t, native)
             )
         return live_stacks(self._rd, lambda: self.status, native)
+
+    def metrics(self, name: str | None = None) -> dict[str, dict[int, list[tuple[int, float]]]]:
+        """The metric points the ranks logged so far (``sgpu_magic.runtime.log_metric``, and ``mlflow.log_metric`` /
+        ``mlflow.log_metrics`` in a tracked job), as the kernel has read them (every 0.2 s while the job runs, all of
+        them once it has ended).
+
+        Each series (one metric of one rank) holds at most :data:`~sgpu_magic.job.metrics.MAX_POINTS` (2000) points:
+        past that it is downsampled to evenly spaced points, always with the first and the last point logged.
+
+        Args:
+            name: only this metric; default ``None``: every metric.
+
+        Returns:
+            ``{name: {rank: [(step, value), ...]}}``, names and ranks sorted, points in the order each rank logged
+            them; ``{}`` when no point (of ``name``) was logged.
+
+        Example::
+
+            job.metrics("loss")   # {"loss": {0: [(0, 2.3), (1, 1.9)], 1: [(0, 2.4), (1, 2.0)]}}
+        """
+        return self._metrics.snapshot(name)
+
+    def last_metrics(self) -> dict[str, dict[int, float]]:
+        """``{name: {rank: last value}}`` of every metric logged so far (the summary's table)."""
+        return self._metrics.last_values()
 
     def failure_locals(self, rank: int) -> dict[str, str]:
         """The locals of the frame where rank ``rank`` failed, as ``{name: repr}`` (at most 50, each repr about 200
@@ -443,6 +470,8 @@ class Job:
     def _pump(self, final: bool = False) -> None:
         """Hand what the ranks wrote since the last call to the sinks; ``final``: all of it, then close the logs."""
         self._logs.pump(final)
+        if self._metrics.pump(final):
+            self._emit("metrics_logged", self)
 
     def _poll_once(self) -> bool:
         if self._final_status is not None:

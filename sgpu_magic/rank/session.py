@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from sgpu_magic._util.frames import read_frame, write_frame
+from sgpu_magic._util.metrics import WRITER as METRICS
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, open_private_fifo, read_private
 
 
@@ -81,6 +82,7 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
 
     rd = RunDir(msg["run_dir"])
     _flush()
+    METRICS.use(rd.metrics_file(rank))
     _output_to(rd.log_file(rank))
     reply: dict[str, Any] = {"ok": True, "interrupted": False}
     payload: dict = {}

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import cloudpickle
 
+from sgpu_magic._util.metrics import WRITER as METRICS
 from sgpu_magic._util.proc import allow_tracing_by, die_with_parent
 from sgpu_magic.errors import Unpicklable
 from sgpu_magic.rank import exit as rank_exit
@@ -181,6 +182,7 @@ def run_payload(payload: dict, ns: dict, held: list | None = None):
         kwargs = {k: cloudpickle.loads(b) for k, b in payload["kwargs"].items()}
         return settled_value(rank_exit.call_holding_frame(fn, args, kwargs, [] if held is None else held))
     finally:
+        METRICS.flush()  # the points reach the file (and MLflow) before the rank reports
         flush_async_logging()
 
 
@@ -313,6 +315,7 @@ def _execute(run_dir: RunDir, rank: int) -> int:
     payload = pickle.loads(read_private(run_dir.payload_file))
     if payload["kind"] == "session":
         payload["run_dir"] = str(run_dir.path)
+    METRICS.use(run_dir.metrics_file(rank))
     guard_job_run()  # before the payload's globals import mlflow: the kernel owns the run's status
     rank_exit.keep_process_groups()  # before they import torch.distributed (cold) or any group exists (warm)
     sys.argv = list(payload.get("argv") or sys.argv[:1])  # [cell or function name]: parse_args() reads defaults

@@ -9,10 +9,12 @@ flushed before each rank reports (:func:`sgpu_magic.rank.mlflow_guard.flush_asyn
 Ranks never end the run (the worker makes MLflow skip ``set_terminated`` for it); the kernel
 sets the final status when the job ends: FINISHED on success, FAILED when a rank fails, KILLED on
 cancel, timeout or interrupt. If the kernel dies while the job runs, the launch host marks the run
-KILLED on its way down. At the end the rank logs (``logs/rank_N.log``), the ranks' error files
+KILLED on its way down. ``mlflow.start_run()`` in a rank opens that rank's child run (see
+:mod:`sgpu_magic.rank.mlflow_guard`); those still RUNNING when the job ends get the job's status. At the end the rank logs (``logs/rank_N.log``), the ranks' error files
 (``errors/rank_N.json``) and the stacks taken when a job timed out or was cancelled (``stacks/rank_N.txt``) are
 attached as artifacts; CPU, memory, disk and network metrics (GPU
-too, through NVML) are recorded with MLflow's system metrics monitor while the job runs.
+too, through NVML) are recorded with MLflow's system metrics monitor while the job runs, and each rank's peak RSS
+(sampled by the launch host) as ``system/rank_<r>_peak_rss_megabytes`` when it ends.
 
 Where runs go:
 
@@ -48,7 +50,7 @@ from sgpu_magic._util.redact import redact
 from sgpu_magic.errors import SgpuError
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.state import JobState
-from sgpu_magic.rank.mlflow_guard import RUN_ID_ENV
+from sgpu_magic.rank.mlflow_guard import RANK_TAG, RUN_ID_ENV
 from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.tracking.server import run_link, start_ui
 from sgpu_magic.tracking.uri import absolute_tracking_uri, http_base, notebook_path, sqlite_dir
@@ -319,6 +321,7 @@ class MlflowTracking(JobSink):
             raw = job.status.state
             assert self._client is not None  # set with run_id (_create)
             self._client.set_tag(self.run_id, "sgpu_magic.state", raw)
+            self._log_peaks(job)
             self._log_artifacts(RunDir(job.run_dir))
         except Exception as exc:  # noqa: BLE001 - the job's result matters more than its artifacts
             _warn(
@@ -326,6 +329,7 @@ class MlflowTracking(JobSink):
                 f"{type(exc).__name__}: {exc}"
             )
         finally:
+            self._end_rank_runs(status, ended_s)
             self._terminate(status, ended_s)
             # tells the launch host this run needs nothing from it when it exits (no mlflow import there)
             atomic_write_bytes(RunDir(job.run_dir).mlflow_ended_file, b"")  # 0600, as every run dir file
@@ -350,6 +354,34 @@ class MlflowTracking(JobSink):
             self._client.set_terminated(self.run_id, status, end_time=int(ended_s * 1000))
         except Exception as exc:  # noqa: BLE001
             _warn(f"could not set MLflow run {self.run_id} to {status}: {type(exc).__name__}: {exc}")
+
+    def _log_peaks(self, job: Job) -> None:
+        """Each rank's peak RSS as sampled by the launch host: ``system/rank_<r>_peak_rss_megabytes``."""
+        from mlflow.entities import Metric
+
+        assert self._client is not None and self.run_id is not None  # called by finished, for a tracked job
+        usage = job.status.usage
+        if usage:
+            now_ms = int(time.time() * 1000)
+            metrics = [
+                Metric(f"system/rank_{r}_peak_rss_megabytes", round(u.peak_rss_bytes / 1e6, 1), now_ms, 0)
+                for r, u in sorted(usage.items())
+            ]
+            self._client.log_batch(self.run_id, metrics=metrics, synchronous=True)
+
+    def _end_rank_runs(self, status: str, ended_s: float) -> None:
+        """End the ranks' own runs (``mlflow.start_run()`` in a rank) that are still RUNNING (a rank killed inside
+        its ``with`` block) with the job's status, so no run of the job is left RUNNING."""
+        assert self._client is not None and self.run_id is not None and self.experiment_id is not None  # tracked
+        try:
+            left = self._client.search_runs(
+                [self.experiment_id],
+                f"tags.mlflow.parentRunId = '{self.run_id}' and tags.`{RANK_TAG}` != '' and attributes.status = 'RUNNING'",
+            )
+            for run in left:
+                self._client.set_terminated(run.info.run_id, status, end_time=int(ended_s * 1000))
+        except Exception as exc:  # noqa: BLE001 - the job's own run is ended below all the same
+            _warn(f"could not end the rank runs of MLflow run {self.run_id}: {type(exc).__name__}: {exc}")
 
     def _stop_monitor(self) -> None:
         """Stop the system metrics monitor and log one last sample (a job shorter than the sampling

@@ -19,8 +19,9 @@ from sgpu_magic.errors import describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
+from sgpu_magic.rundir import RankUsage
 from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES, TerminalBuffer
-from sgpu_magic.ui.text import TextView, restart_reason, summary_lines
+from sgpu_magic.ui.text import MAX_METRIC_LINES, TextView, restart_reason, summary_lines
 
 MAX_FLUSHES_PER_S = 5.0
 
@@ -327,6 +328,7 @@ class Panel(TextView):
             problem += "".join(f"<br><small>{html.escape(note)}</small>" for note in job.notes)
         elif job.activity:
             problem += f"<br><b>{html.escape(job.activity)}</b>"
+        problem += metrics_html(job.last_metrics(), dict(sorted(job.status.usage.items())), state.final)
         attempt = job.attempt if job.spec.max_restarts else 1
         if attempt > 1:
             badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"
@@ -339,6 +341,48 @@ class Panel(TextView):
             f"{html.escape(job.plan.device_kind)}{_NO_GPU if job.plan.no_gpu else ''} &middot; "
             f"{elapsed}{link}{problem}</div>"
         )
+
+
+def _usage_rows(usage: dict[int, RankUsage], final: bool) -> dict[str, dict[int, str]]:
+    """The header table's first rows: each rank's CPU % and RSS as the launch host last sampled them; once the job
+    has ended, each rank's peak RSS."""
+    if not usage:
+        return {}
+    if final:
+        return {"<i>peak RSS MiB</i>": {r: f"{u.peak_rss_bytes / 2**20:.0f}" for r, u in usage.items()}}
+    return {
+        "<i>cpu %</i>": {r: f"{u.cpu_percent:.0f}" for r, u in usage.items()},
+        "<i>RSS MiB</i>": {r: f"{u.rss_bytes / 2**20:.0f}" for r, u in usage.items()},
+    }
+
+
+def metrics_html(
+    last: dict[str, dict[int, float]], usage: dict[int, RankUsage] | None = None, final: bool = False
+) -> str:
+    """The header's table, one column per rank: each rank's CPU % and RSS (``usage``, sampled about once a second;
+    once the job has ended (``final``), its peak RSS), then one row per metric with its last value (at most
+    ``MAX_METRIC_LINES``); ``""`` when there is neither. Plain HTML in the header widget: no widget (comm) of its
+    own."""
+    table = _usage_rows(usage or {}, final)
+    for name, by_rank in list(last.items())[:MAX_METRIC_LINES]:
+        table[f"<code>{html.escape(name)}</code>"] = {r: f"{v:.4g}" for r, v in by_rank.items()}
+    if not table:
+        return ""
+    ranks = sorted({rank for by_rank in table.values() for rank in by_rank})
+    cell = 'style="padding:0 8px;text-align:right"'
+    head = "".join(f"<th {cell}>rank {r}</th>" for r in ranks)
+    rows = "".join(
+        f'<tr><td style="padding:0 8px">{label}</td>'
+        + "".join(f"<td {cell}>{by_rank.get(r, '')}</td>" for r in ranks)
+        + "</tr>"
+        for label, by_rank in table.items()
+    )
+    more = len(last) - MAX_METRIC_LINES
+    extra = f"<br><small>... and {more} more: <code>job.metrics()</code></small>" if more > 0 else ""
+    return (
+        f'<br><small><table style="border-collapse:collapse"><tr><th {cell}></th>{head}</tr>'
+        f"{rows}</table>{extra}</small>"
+    )
 
 
 def _forget_reply_route(widget) -> None:

@@ -9,7 +9,7 @@ from sgpu_magic.errors import describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
-from sgpu_magic.rundir import RunDir, is_attempt_marker, is_traceback_marker
+from sgpu_magic.rundir import RankUsage, RunDir, is_attempt_marker, is_traceback_marker
 from sgpu_magic.ui.terminal import terminal_line
 
 
@@ -23,9 +23,37 @@ def summary_line(job: Job) -> str:
     )
 
 
+MAX_METRIC_LINES = 20
+"""The summary's last-value table shows this many metrics at most (then says how many more ``job.metrics()`` has)."""
+
+
+def metrics_table(last: dict[str, dict[int, float]]) -> list[str]:
+    """The last-value table: a heading, then one line per metric with each rank's last value (``:.4g``);
+    ``[]`` when nothing was logged."""
+    if not last:
+        return []
+    width = min(40, max(len(name) for name in last))
+    lines = ["metrics, last value per rank:"]
+    for name, by_rank in list(last.items())[:MAX_METRIC_LINES]:
+        values = "  ".join(f"rank {rank}: {value:.4g}" for rank, value in by_rank.items())
+        lines.append(f"  {name:<{width}}  {values}")
+    if len(last) > MAX_METRIC_LINES:
+        lines.append(f"  ... and {len(last) - MAX_METRIC_LINES} more (job.metrics())")
+    return lines
+
+
+def peak_rss_line(usage: dict[int, RankUsage]) -> list[str]:
+    """``["peak RSS per rank: rank 0 412 MiB, rank 1 410 MiB"]`` from the launch host's samples; ``[]`` without."""
+    if not usage:
+        return []
+    return ["peak RSS per rank: " + ", ".join(f"rank {r} {u.peak_rss_bytes / 2**20:.0f} MiB" for r, u in usage.items())]
+
+
 def summary_lines(job: Job) -> list[str]:
-    """:func:`summary_line`, then one ``sgpu_magic: ...`` line per note on how ranks ended (:attr:`Job.notes`)."""
-    return [summary_line(job)] + [f"sgpu_magic: {note}" for note in job.notes]
+    """:func:`summary_line`, one ``sgpu_magic: ...`` line per note on how ranks ended (:attr:`Job.notes`), each rank's
+    peak RSS (:func:`peak_rss_line`), then the last-value table of the metrics the ranks logged (:func:`metrics_table`)."""
+    notes = job.notes + peak_rss_line(dict(sorted(job.status.usage.items()))) + metrics_table(job.last_metrics())
+    return [summary_line(job)] + [f"sgpu_magic: {note}" for note in notes]
 
 
 def restart_reason(job: Job) -> str:

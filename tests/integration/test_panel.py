@@ -327,3 +327,58 @@ def test_panel_reads_only_the_tail_of_fast_logs_and_counts_every_line_at_the_end
         assert lines == job.logs(rank).splitlines()[-2000:]
         assert panel.buffers[rank].skipped_bytes > 0  # the middle of the log was not read
         assert "198000 earlier lines are only in the log file" in panel.footers[rank].value
+
+
+@distributed(gpus=2, mlflow=False)
+def logs_two_metrics():
+    from sgpu_magic import runtime
+
+    rank = runtime.get_global_rank()
+    for step in range(3):
+        runtime.log_metric("loss", 1.0 - step / 10 - rank / 100, step=step)
+    if rank == 1:
+        runtime.log_metric("grad<norm>", 0.25)
+
+
+def test_the_header_shows_each_metric_s_last_value_per_rank():
+    """The header's table (HTML in the header widget, no widget of its own): one row per metric, a column per rank,
+    a rank that did not log a metric left blank; names escaped."""
+    panel, job, _ = run_with_panel(logs_two_metrics)
+    header = panel.header.value
+    assert '<th style="padding:0 8px;text-align:right">rank 1</th>' in header
+    assert "<code>loss</code></td>" in header and ">0.8</td>" in header and ">0.79</td>" in header
+    assert "<code>grad&lt;norm&gt;</code>" in header and ">0.25</td>" in header
+    assert '<code>grad&lt;norm&gt;</code></td><td style="padding:0 8px;text-align:right"></td>' in header
+    assert len(panel.widget.children) == 2  # the header row and the tabs: nothing added
+
+
+@distributed(gpus=2, mlflow=False, timeout=120)
+def waits_for_go(folder):
+    import os
+    import time
+
+    deadline = time.monotonic() + 100
+    while not os.path.exists(os.path.join(folder, "go")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_the_header_shows_each_rank_s_cpu_and_rss_live_and_its_peak_at_the_end(tmp_path):
+    panel = Panel()
+    job = start(
+        waits_for_go.spec, lambda warn: waits_for_go._payload((str(tmp_path),), {}, warn), panel, background=True
+    )
+    cell = 'style="padding:0 8px;text-align:right"'
+    try:
+        header = wait_for(
+            lambda: "<i>RSS MiB</i>" in (value := panel.header.value) and len(job.status.usage) == 2 and value,
+            120,
+            "the first sample of both ranks in the header",
+        )
+        assert f"<th {cell}>rank 0</th><th {cell}>rank 1</th>" in header and "<i>cpu %</i>" in header
+    finally:
+        (tmp_path / "go").touch()
+    job.result(timeout_s=60)
+    header = panel.header.value
+    peaks = [f"<td {cell}>{job.status.usage[r].peak_rss_bytes / 2**20:.0f}</td>" for r in (0, 1)]
+    assert f'<td style="padding:0 8px"><i>peak RSS MiB</i></td>{"".join(peaks)}</tr>' in header
+    assert "<i>cpu %</i>" not in header

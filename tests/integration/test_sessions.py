@@ -68,6 +68,19 @@ def test_a_cell_error_fails_the_cell_and_keeps_the_ranks(sess):
     assert sess.pids == pids and all(psutil.pid_exists(p) for p in pids.values())
 
 
+def test_each_cell_s_metrics_are_its_own(sess):
+    """A session's ranks log into the metrics file of the cell that runs (a lean run directory: the rank makes
+    ``metrics/``), so each cell's ``job.metrics()`` holds its own points."""
+    code = "from sgpu_magic import runtime\nfor s in range(3):\n    runtime.log_metric('{name}', s + rank, step=s)"
+    first = sess.submit_cell(code.format(name="a"), {})
+    first.result()
+    second = sess.submit_cell(code.format(name="b"), {})
+    second.result()
+    assert first.metrics() == {"a": {0: [(0, 0.0), (1, 1.0), (2, 2.0)], 1: [(0, 1.0), (1, 2.0), (2, 3.0)]}}
+    assert sorted(second.metrics()) == ["b"]
+    assert (second.run_dir / "metrics").stat().st_mode & 0o777 == 0o700
+
+
 def test_run_calls_a_function_in_the_ranks_namespace(sess):
     def weighted(k):
         return float(w.sum()) * k  # noqa: F821 - w lives in the ranks' namespace

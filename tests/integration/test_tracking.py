@@ -194,9 +194,9 @@ def test_ranks_never_end_the_run_even_with_start_run_end_run_or_a_with_block(exp
 
         if rank == 0:
             wait_for(adopted)  # so that rank 1's adoption (which sets RUNNING) cannot hide an ended run
-            with mlflow.start_run() as run:
+            with mlflow.start_run() as run:  # this rank's child run (see test_start_run_in_a_rank_...)
                 mlflow.log_metric("inside_with", 1.0)
-                assert run.info.run_id == run_id, "start_run did not resume the job's run"
+                assert run.info.run_id != run_id
             mlflow.start_run(run_id=run_id)
             mlflow.end_run()
             mlflow.start_run(run_id=run_id)  # left active: MLflow's atexit handler ends it
@@ -209,9 +209,103 @@ def test_ranks_never_end_the_run_even_with_start_run_end_run_or_a_with_block(exp
     run_id, status_seen_by_rank1 = logs_like_users_do.distributed(str(tmp_path))
     assert status_seen_by_rank1 == "RUNNING"
     assert sorted(os.listdir(tmp_path)) == ["atexit-ran-0", "atexit-ran-1", "rank1-adopted-the-run"]
-    (run,) = runs_of(client, name)
+    run, child = runs_of(client, name)
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
-    assert run.data.metrics["inside_with"] == 1.0 and run.data.metrics["bare"] == 2.0
+    assert run.data.metrics["bare"] == 2.0 and "inside_with" not in run.data.metrics
+    assert child.data.tags["mlflow.parentRunId"] == run_id and child.info.status == "FINISHED"
+    assert child.data.metrics == {"inside_with": 1.0}
+
+
+def test_start_run_in_a_rank_opens_the_rank_s_own_child_run(experiment):
+    """Code written for one process, ``with mlflow.start_run(): mlflow.log_param("seed", 1000 + rank)``, gives each
+    rank a child run of the job's run (params differ freely), every run ends FINISHED, and a bare
+    ``mlflow.log_metric`` after the block still logs to the job's run."""
+    client, name = experiment
+
+    @distributed(gpus=2)
+    def seeds():
+        import mlflow
+
+        from sgpu_magic import runtime
+
+        rank = runtime.get_global_rank()
+        with mlflow.start_run():
+            mlflow.log_param("seed", 1000 + rank)
+            mlflow.log_metric("inner", rank)
+        with mlflow.start_run(run_name="eval", tags={"phase": "eval"}) as run:
+            mlflow.log_param("seed", 2000 + rank)
+            eval_run = run.info.run_id
+        mlflow.log_metric(f"outer_rank{rank}", 1.0)
+        return eval_run
+
+    eval_runs = seeds.distributed()
+    job_run = seeds.last_job.mlflow_run_id
+    runs = {r.info.run_id: r for r in runs_of(client, name)}
+    assert runs[job_run].info.status == "FINISHED" and "seed" not in runs[job_run].data.params
+    assert {k: v for k, v in runs[job_run].data.metrics.items() if not k.startswith("system/")} == {
+        "outer_rank0": 1.0,
+        "outer_rank1": 1.0,
+    }
+    children = [r for r in runs.values() if r.data.tags.get("mlflow.parentRunId") == job_run]
+    found = {(r.data.tags["sgpu_magic.rank"], r.data.tags["mlflow.runName"], r.data.params["seed"]) for r in children}
+    assert found == {("0", "rank 0", "1000"), ("1", "rank 1", "1001"), ("0", "eval 0", "2000"), ("1", "eval 1", "2001")}
+    assert {r.info.status for r in children} == {"FINISHED"}
+    assert [runs[i].data.tags["phase"] for i in eval_runs] == ["eval", "eval"]
+    assert {r.data.metrics.get("inner") for r in children if r.data.tags["mlflow.runName"].startswith("rank")} == {0, 1}
+
+
+def test_a_rank_run_left_open_by_a_killed_rank_ends_with_the_job(experiment):
+    client, name = experiment
+
+    @distributed(gpus=1)
+    def dies_inside():
+        import os
+        import signal
+
+        import mlflow
+
+        with mlflow.start_run():
+            mlflow.log_param("seed", 1)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(RankFailedError, match="SIGKILL"):
+        dies_inside.distributed()
+    job_run, child = runs_of(client, name)
+    assert child.data.tags["mlflow.parentRunId"] == job_run.info.run_id
+    assert (job_run.info.status, child.info.status) == ("FAILED", "FAILED")
+
+
+def test_rank_metrics_reach_mlflow_and_the_metrics_file(experiment):
+    """``runtime.log_metric`` points go to the job's run (from the writer's thread) and to ``job.metrics()``;
+    ``mlflow.log_metric`` / ``mlflow.log_metrics`` called by the rank's code still reach MLflow and are in
+    ``job.metrics()`` too (a point without a step has MLflow's step 0)."""
+    client, name = experiment
+
+    @distributed(gpus=2, widgets=False)
+    def logs_both_ways(n):
+        import mlflow
+
+        from sgpu_magic import runtime
+
+        rank = runtime.get_global_rank()
+        for step in range(n):
+            runtime.log_metric(f"loss_rank{rank}", 1.0 / (step + 1), step=step)
+        for step in range(3):
+            mlflow.log_metric(f"acc_rank{rank}", step / 10, step=step)
+        mlflow.log_metrics({f"m_rank{rank}": rank + 0.5, f"k_rank{rank}": 2})
+
+    logs_both_ways.distributed(700)
+    job = logs_both_ways.last_job
+    run_id = job.mlflow_run_id
+    for rank in range(2):
+        history = client.get_metric_history(run_id, f"loss_rank{rank}")
+        assert sorted((m.step, m.value) for m in history) == [(s, 1.0 / (s + 1)) for s in range(700)]
+        assert len(client.get_metric_history(run_id, f"acc_rank{rank}")) == 3
+        assert job.metrics(f"loss_rank{rank}")[f"loss_rank{rank}"] == {rank: [(s, 1.0 / (s + 1)) for s in range(700)]}
+        assert job.metrics(f"acc_rank{rank}")[f"acc_rank{rank}"] == {rank: [(0, 0.0), (1, 0.1), (2, 0.2)]}
+        assert job.metrics(f"m_rank{rank}")[f"m_rank{rank}"] == {rank: [(0, rank + 0.5)]}
+        assert job.metrics(f"k_rank{rank}")[f"k_rank{rank}"] == {rank: [(0, 2.0)]}
+    assert "could not be logged" not in job.logs(0) + job.logs(1)
 
 
 def test_nested_under_the_kernels_active_run(experiment, tmp_path):
@@ -619,10 +713,10 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
         assert f"MLflow run: {run_url}" in out.stdout  # the summary line links it
         early_id = ast.literal_eval(execute(kc, "print(repr(early_job.mlflow_run_id))").stdout)
         table = execute(kc, "%distributed_jobs").results[0].splitlines()
-        assert table[0].split()[-4:] == ["MLflow", "run", "run", "page"], table
+        assert table[0].split()[-5:] == ["MLflow", "run", "what", "run", "page"], table
         for job_run in (early_id, run_id):  # the job from before %mlflow_ui is linked too
-            row = next(row for row in table if job_run in row)
-            assert row.split()[-2:] == [job_run, f"{base}/#/experiments/{experiment_id}/runs/{job_run}"], table
+            row = next(row for row in table if job_run in row).split()
+            assert job_run in row and row[-1] == f"{base}/#/experiments/{experiment_id}/runs/{job_run}", table
         with urllib.request.urlopen(f"{base}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=30) as reply:
             served = json.loads(reply.read())["run"]
         assert served["info"]["status"] == "FINISHED"
@@ -659,3 +753,43 @@ def _pgid(pid: int):
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+@distributed(gpus=2, widgets=False, timeout=120)
+def holds_memory(folder):
+    import os
+    import time
+
+    from sgpu_magic import runtime
+
+    block = b"\1" * (200 << 20) if runtime.get_global_rank() == 1 else b""  # resident: every page written
+    deadline = time.monotonic() + 100
+    while not os.path.exists(os.path.join(folder, "go")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(block)
+
+
+def test_each_rank_s_cpu_and_memory_are_sampled_and_its_peak_rss_reported(experiment, tmp_path, capsys):
+    """The launch host samples each rank's CPU % and RSS about once a second into the job's status; when the job
+    ends each rank's peak RSS is in the summary and in the job's MLflow run. Rank 1 holds 200 MiB more."""
+    client, name = experiment
+    job = holds_memory.submit(str(tmp_path))
+    try:
+        usage = wait_for(
+            lambda: len(u := job.status.usage) == 2 and u[1].peak_rss_bytes - u[0].peak_rss_bytes > 150 << 20 and u,
+            START_DEADLINE_S,
+            "a sample of both ranks after rank 1 took its memory",
+        )
+        assert all(u.cpu_percent >= 0 and u.rss_bytes > 0 and u.time_s > job.submitted_s for u in usage.values())
+    finally:
+        (tmp_path / "go").touch()
+    assert job.result(timeout_s=60) == [0, 200 << 20]
+    peaks = {r: u.peak_rss_bytes for r, u in job.status.usage.items()}
+    out = capsys.readouterr().out
+    match = re.search(r"sgpu_magic: peak RSS per rank: rank 0 (\d+) MiB, rank 1 (\d+) MiB\n", out)
+    assert match, out
+    assert [int(m) for m in match.groups()] == [round(peaks[r] / 2**20) for r in (0, 1)]
+    metrics = client.get_run(job.mlflow_run_id).data.metrics
+    assert [metrics[f"system/rank_{r}_peak_rss_megabytes"] for r in (0, 1)] == [
+        round(peaks[r] / 1e6, 1) for r in (0, 1)
+    ]

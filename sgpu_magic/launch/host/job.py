@@ -17,6 +17,7 @@ from sgpu_magic._util.fs import count_lines
 from sgpu_magic._util.redact import redact
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.launch.env import rank_env
+from sgpu_magic.launch.host.usage import UsageSampler
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import save_stacks
 from sgpu_magic.launch.teardown import TeardownGuard
@@ -174,6 +175,7 @@ class HostJob:
         )
         self.ctx: PContext | None = None
         self.pids: dict[int, int] = {}
+        self.usage = UsageSampler()
         self.warm_by = 0.0
         self._start_when_warm()
 
@@ -196,6 +198,7 @@ class HostJob:
         self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.attempt - 1)
         self.ctx.start()
         self.pids = self.ctx.pids()
+        self.usage.watch(self.pids)
         _make_tree_private(self.run_dir.elastic_dir)  # torch elastic made its per-rank folders with the umask
         self.status.update(
             state="running", attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()}
@@ -240,6 +243,9 @@ class HostJob:
         self.guard.check(self.pids)
         result = self.ctx.wait(0)
         if result is None:
+            if self.usage.sample():
+                self.status["usage"] = self.usage.as_status()
+                self.write()
             return
         failures = self.guard.spare(getattr(self.ctx, "first_failures", None) or result.failures)
         now = time.time()
