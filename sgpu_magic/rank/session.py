@@ -25,7 +25,7 @@ import pickle
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from sgpu_magic._util.frames import read_frame, write_frame
 from sgpu_magic._util.metrics import WRITER as METRICS
@@ -169,7 +169,7 @@ def _reply(fd: int, seq: int, rank: int, reply: dict[str, Any], value: bytes | N
         write_frame(fd, value)
 
 
-def _wait_to_be_stopped() -> None:
+def _wait_to_be_stopped() -> NoReturn:
     """The kernel is gone: wait for the launch host (which sees that within a second) to stop this rank, so the
     session ends as killed, not as a session that finished (its MLflow run KILLED). A rank whose host is gone too
     dies with it (PR_SET_PDEATHSIG)."""
