@@ -188,6 +188,8 @@ def test_a_rank_that_dies_breaks_the_session_and_restart_brings_fresh_ranks(ip):
         assert wait_gone(old.values()) == []
         with pytest.raises(SessionError, match=r"session fragile is broken: .*%distributed_session restart"):
             session.run_cell("1")
+        with pytest.raises(SessionError, match=r"session fragile is broken: rank 1 died"):
+            session.debug()  # the rank that would be debugged has exited
         session.restart()
         with pytest.raises(RankFailedError, match=r"NameError: name 'kept' is not defined"):
             session.run_cell("kept")
