@@ -349,8 +349,9 @@ class Session:
         """A value from the ranks' namespaces: rank ``rank``'s (tensors on the CPU), or a list, one per rank.
 
         Raises:
-            SessionError: a rank has no such name (the message names the rank), the value cannot be pickled, a
-                rank outside the world, or the session is stopped, broken or busy.
+            SessionError: a rank has no such name (the message names the rank), the value cannot be pickled on the
+                rank or rebuilt in the kernel (a DDP model: pull its ``module.state_dict()``), a rank outside the
+                world, or the session is stopped, broken or busy.
         """
         ranks = self._core.check_ranks(None if rank is None else [rank])
         request = self._core.request({"op": "pull", "name": name}, ranks)
@@ -361,8 +362,20 @@ class Session:
                     f"{reply.get('error', 'the pull failed')} in session {self.name}; names it has: "
                     f"{', '.join(sorted(reply.get('names', []))) or 'none'}"
                 )
-        values = [pickle.loads(request.values[r]) for r in ranks]
+        values = [self._unpickle(name, r, request.values[r]) for r in ranks]
         return values[0] if rank is not None else values
+
+    def _unpickle(self, name: str, rank: int, data: bytes) -> Any:
+        """A pulled value rebuilt in the kernel; an object that needs the ranks' process group (a DDP model) or
+        their modules cannot be, and :class:`~sgpu_magic.errors.SessionError` says what to pull instead."""
+        try:
+            return pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - any failure to rebuild it is said with the remedy
+            raise SessionError(
+                f"{name!r} from rank {rank} of session {self.name} cannot be rebuilt in the kernel "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); pull plain values, tensors "
+                f"or a state_dict instead, e.g. run 'state = model.module.state_dict()' on the ranks and pull 'state'"
+            ) from None
 
     # -- life cycle
 

@@ -236,9 +236,11 @@ class SessionMagics(Magics):
         if missing:
             raise UsageError(f"%distributed_push: no name {', '.join(map(repr, missing))} in the kernel's namespace")
         try:
-            find_session(args.session).push(**{n: self.shell.user_ns[n] for n in args.names})
+            session = find_session(args.session)
+            session.push(**{n: self.shell.user_ns[n] for n in args.names})
         except SessionError as exc:
             raise UsageError(str(exc)) from None
+        print(f"sgpu_magic: {', '.join(args.names)} copied to the {session.world_size} ranks of session {session.name}")
 
     @magic_arguments(name="distributed_pull")
     @argument("name", help="The name to read from the ranks' namespaces.")

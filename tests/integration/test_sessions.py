@@ -240,3 +240,15 @@ def test_a_breakpoint_in_a_job_is_said_and_skipped(ip):
 
     assert stops.distributed() == ["ran on"]
     assert "runtime.breakpoint() stops a rank only in a live session's cell" in stops.last_job.logs(0)
+
+
+def test_pulling_a_ddp_model_says_to_pull_its_state_dict(sess, run_cell, ip):
+    ip.user_ns["offset"] = 5
+    sess.run_cell("from torch.nn.parallel import DistributedDataParallel as DDP\nddp = DDP(torch.nn.Linear(2, 1))")
+    with pytest.raises(
+        SessionError, match=r"'ddp' from rank 0 of session shared cannot be rebuilt in the kernel .*state_dict"
+    ):
+        sess.pull("ddp", rank=0)
+    result, out, _ = run_cell("%distributed_push offset --session shared")
+    assert result.error_in_exec is None and "sgpu_magic: offset copied to the 2 ranks of session shared" in out
+    assert sess.run_cell("sorted(ddp.module.state_dict())") == [["bias", "weight"], ["bias", "weight"]]
