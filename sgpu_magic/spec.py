@@ -112,10 +112,15 @@ def _check_gpu_type(gpu_type: object) -> str | None:
     return gpu_type.strip()
 
 
-def _check_timeout(timeout: object) -> float | None:
+def check_timeout(timeout: object, name: str = "timeout") -> float | None:
+    """``timeout`` (the option ``name``) as seconds, ``None`` for no limit (also for infinity).
+
+    Raises:
+        SpecError: not a number of seconds > 0 or None, naming ``name`` and the value given.
+    """
     if timeout is None:
         return None
-    message = f"timeout must be a number of seconds > 0, or None for no limit; got {shown(timeout)}"
+    message = f"{name} must be a number of seconds > 0, or None for no limit; got {shown(timeout)}"
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise SpecError(message)
     try:
@@ -250,7 +255,7 @@ def make_spec(
     return LaunchSpec(
         gpus=count,
         gpu_type=_check_gpu_type(gpu_type),
-        timeout_s=_check_timeout(timeout),
+        timeout_s=check_timeout(timeout),
         port=_check_port(port),
         name=name,
         widgets=check_switch("widgets", widgets, "the widget panel, plain text, or decide", True),

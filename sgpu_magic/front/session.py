@@ -37,7 +37,7 @@ from sgpu_magic.front.decorator import FromConfig, job_spec, make_sinks, resolve
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.session.core import SessionCore, SessionState
-from sgpu_magic.spec import LaunchSpec, shown
+from sgpu_magic.spec import LaunchSpec, check_timeout, shown
 
 _SESSIONS: list[Session] = []
 _SESSIONS_LOCK = threading.Lock()
@@ -76,16 +76,6 @@ def find_session(name: str | None) -> Session:
             return session
     known = ", ".join(f"{s.name} ({s.state.value})" for s in sessions()) or "none yet"
     raise SessionError(f"no session named {name!r} in this kernel (sessions: {known})")
-
-
-def _check_idle_timeout(value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise SpecError(
-            f"idle_timeout must be a number of seconds > 0, or None for no idle timeout; got {shown(value)}"
-        )
-    return float(value)
 
 
 class Session:
@@ -132,7 +122,7 @@ class Session:
             mlflow=resolve_config(mlflow),
             gpu_ids=gpu_ids,
         )
-        idle_timeout_s = _check_idle_timeout(resolve_config(idle_timeout))
+        idle_timeout_s = check_timeout(resolve_config(idle_timeout), "idle_timeout")
         self.name = self._unique_name(name)
         lease_dir = resolve_config(FromConfig("lease_dir", "")) or None
         self._core = SessionCore(spec, self._sinks, self.name, idle_timeout_s, lease_dir)
@@ -240,7 +230,7 @@ class Session:
         quiet: bool = False,
     ) -> Job:
         """The Job of one cell, launched on the session's ranks (the caller follows it). See :meth:`run_cell`."""
-        chosen, timeout_s = self._core.check_ranks(ranks), _timeout_s(timeout)
+        chosen, timeout_s = self._core.check_ranks(ranks), check_timeout(timeout)
         label = f"session {self.name} cell {len(self._core.jobs) + 1}"
         filename = filename or f"<{label}>"
 
@@ -401,14 +391,6 @@ class Session:
         if self.broken:
             line += f"\n{self.broken}"
         return line
-
-
-def _timeout_s(timeout: object) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise SpecError(f"timeout must be a number of seconds > 0, or None for no limit; got {shown(timeout)}")
-    return float(timeout)
 
 
 def _user_namespace() -> dict[str, Any]:

@@ -19,7 +19,6 @@ host to stop it.
 from __future__ import annotations
 
 import io
-import linecache
 import os
 import pickle
 import signal
@@ -58,27 +57,11 @@ def _output_to(log_file: os.PathLike) -> None:
     _redirect_output(log_file)
 
 
-def _merge_globals(payload: dict, ns: dict) -> None:
-    """Put the captured globals the rank does not have yet into ``ns`` (the rank's own names win)."""
-    from sgpu_magic.errors import Unpicklable
-    from sgpu_magic.rank.worker import _load_global
-
-    for filename, text in payload.get("sources", {}).items():
-        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-    for name, entry in payload["globals"].items():
-        if name in ns:
-            continue
-        try:
-            ns[name] = _load_global(entry)
-        except Exception as exc:  # noqa: BLE001 - reported on use, like an unpicklable global
-            ns[name] = Unpicklable(name, str(entry[0]), f"could not be loaded in the rank: {type(exc).__name__}: {exc}")
-
-
 def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int, int]) -> dict[str, Any]:
     """Run one cell (or function) of the session; write its value or error into its run directory. ``fds``: the
     rank's reply and command FIFOs, for a ``runtime.breakpoint()`` in the cell."""
     from sgpu_magic.rank.debug import cell_channel
-    from sgpu_magic.rank.worker import _dump_result, _write_error, run_payload
+    from sgpu_magic.rank.worker import _dump_result, _write_error, load_globals, run_payload
 
     rd = RunDir(msg["run_dir"])
     _flush()
@@ -89,7 +72,7 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
     running.failure = None
     try:
         payload = pickle.loads(read_private(rd.payload_file, rd.path))
-        _merge_globals(payload, ns)
+        load_globals(payload, ns, keep=True)  # the rank's own names win
         held: list = []
         running.cell = True
         try:

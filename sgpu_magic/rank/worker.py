@@ -92,18 +92,27 @@ def _load_global(entry: tuple):
     return Unpicklable(*entry[1:])
 
 
+def load_globals(payload: dict, ns: dict, keep: bool = False) -> None:
+    """Put the payload's captured globals into ``ns`` (and its cell sources into linecache); ``keep``: leave the
+    names ``ns`` already has (a live session's rank: its own names win). A global that cannot be loaded becomes an
+    :class:`~sgpu_magic.errors.Unpicklable` that says why on first use."""
+    for filename, text in payload.get("sources", {}).items():
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    for name, entry in payload["globals"].items():
+        if keep and name in ns:
+            continue
+        try:
+            ns[name] = _load_global(entry)
+        except Exception as exc:  # noqa: BLE001 - reported on use, like an unpicklable global
+            ns[name] = Unpicklable(name, str(entry[0]), f"could not be loaded in the rank: {type(exc).__name__}: {exc}")
+
+
 def _build_namespace(payload: dict) -> dict:
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
     ns = main.__dict__
     ns["__builtins__"] = builtins
-    for filename, text in payload.get("sources", {}).items():
-        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-    for name, entry in payload["globals"].items():
-        try:
-            ns[name] = _load_global(entry)
-        except Exception as exc:  # noqa: BLE001 - reported on use, like an unpicklable global
-            ns[name] = Unpicklable(name, str(entry[0]), f"could not be loaded in the rank: {type(exc).__name__}: {exc}")
+    load_globals(payload, ns)
     return ns
 
 
