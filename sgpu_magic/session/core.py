@@ -28,7 +28,7 @@ from sgpu_magic.job.start import submit
 from sgpu_magic.rundir import RunDir, signal_status, write_status
 from sgpu_magic.session.channel import Request, SessionChannel
 from sgpu_magic.session.launcher import CellLauncher
-from sgpu_magic.session.outcome import cell_status, death_message, mlflow_run, read_timeout
+from sgpu_magic.session.outcome import cell_status, death_message, mlflow_run
 from sgpu_magic.session.relay import DebugRelay, ReadLine, Write, read_line, write_output
 from sgpu_magic.spec import LaunchSpec
 
@@ -269,7 +269,7 @@ class SessionCore:
         payload = build_payload(self.names_everywhere(ranks), getattr(sinks[-1], "warn", _no_warning))
         assert self._channel is not None  # usable: started
         relay = DebugRelay(self._channel, *self.debug_io)  # serves runtime.breakpoint() while the cell runs
-        launcher = CellLauncher(self, ranks, relay)
+        launcher = CellLauncher(self, ranks, timeout_s, relay)
         sinks.insert(0, relay)
         plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none
         job = submit(spec, plan, payload, lambda: launcher, sinks, ranks=ranks, lean=True)
@@ -278,12 +278,11 @@ class SessionCore:
         self.jobs.append(job)
         return job
 
-    def send_cell(self, run_dir: RunDir, ranks: tuple[int, ...]) -> Request:
+    def send_cell(self, run_dir: RunDir, ranks: tuple[int, ...], timeout_s: float | None) -> Request:
         """Hand a cell to its ranks (called by the cell's Job through :class:`CellLauncher`); its request."""
         self.check_usable()
         request = self._new_request(ranks, run_dir)
-        launch_timeout = read_timeout(run_dir)
-        request.deadline = None if launch_timeout is None else time.monotonic() + launch_timeout
+        request.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.state = SessionState.BUSY
         write_status(
             run_dir, {"state": "running", "started_s": request.started_s, "pids": {str(r): self.pids[r] for r in ranks}}

@@ -15,12 +15,14 @@ if TYPE_CHECKING:
 class CellLauncher:
     """The :class:`~sgpu_magic.launch.base.Launcher` of one session cell: the session's live ranks."""
 
-    def __init__(self, core: SessionCore, ranks: tuple[int, ...], relay: DebugRelay | None = None) -> None:
-        self.core, self.ranks, self.relay = core, ranks, relay
+    def __init__(
+        self, core: SessionCore, ranks: tuple[int, ...], timeout_s: float | None, relay: DebugRelay | None = None
+    ) -> None:
+        self.core, self.ranks, self.timeout_s, self.relay = core, ranks, timeout_s, relay
         self.pid = os.getpid()  # a cell holds no lease of its own (the session's job does)
 
     def launch(self, run_dir: RunDir) -> None:
-        request = self.core.send_cell(run_dir, self.ranks)
+        request = self.core.send_cell(run_dir, self.ranks, self.timeout_s)
         if self.relay is not None:
             self.relay.request = request
 

@@ -1,5 +1,5 @@
 """What the session's kernel side makes of its ranks' replies: a cell's final ``status.json``, why a session broke,
-and what a cell's launch file and the session's sinks say."""
+and what the session's sinks say."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
-from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.session.channel import Request
 
 
@@ -20,12 +19,6 @@ def mlflow_run(sinks: list[JobSink]) -> tuple[str, str] | None:
         if run_id and experiment_id:
             return str(run_id), str(experiment_id)
     return None
-
-
-def read_timeout(run_dir: RunDir) -> float | None:
-    launch = read_json(run_dir.launch_file, private=True) or {}
-    timeout = launch.get("timeout_s")
-    return None if timeout is None else float(timeout)
 
 
 def cell_status(request: Request, broken: str | None) -> dict[str, Any]:
