@@ -28,7 +28,9 @@ import json
 import os
 import secrets
 import stat
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -295,6 +297,81 @@ def write_status(run_dir: RunDir, status: dict) -> None:
         finally:
             os.close(fd)
     signal_status(run_dir)
+
+
+class StatusWriter:
+    """The one writer of a job's ``status.json``, used by every launcher (the launch host's jobs, the Ray
+    supervisor, a live session's cells, the kernel for a job that never reached its launcher).
+
+    It holds the status as a dict (:attr:`status`, which the launcher may change in place before the next
+    :meth:`write`) and makes "the final status is the last write" structural: once :meth:`finish` has written
+    a final state, every later :meth:`write`, :meth:`update` and :meth:`finish` is refused (returns ``False``),
+    so a reader that saw a final state never sees it change.
+
+    A write that fails (a full disk that even :func:`write_status`'s fallback did not cover) is remembered
+    (:attr:`unwritten`) and reported once through ``on_error``; the launcher calls :meth:`write` again later.
+
+    Args:
+        run_dir: the job's run directory.
+        on_error: called with the ``OSError`` of the first failed write in a row; default: raise it.
+        **initial: the status's first keys (not written until :meth:`write` or :meth:`update`).
+    """
+
+    def __init__(self, run_dir: RunDir, on_error: Callable[[OSError], None] | None = None, **initial: Any) -> None:
+        self.run_dir = run_dir
+        self.status: dict[str, Any] = dict(initial)
+        self.finished = False
+        self.unwritten = False
+        self._on_error = on_error
+        self._lock = threading.Lock()
+
+    def write(self) -> bool:
+        """Write :attr:`status` as it is now; ``False`` when the job has finished (nothing is written) or the
+        write failed (see ``on_error``)."""
+        with self._lock:
+            return self._write_locked()
+
+    def update(self, **change: Any) -> bool:
+        """Merge ``change`` into the status and write it; ``False`` (nothing changed) once finished."""
+        with self._lock:
+            if self.finished:
+                return False
+            self.status.update(change)
+            return self._write_locked()
+
+    def finish(self, state: str, **change: Any) -> bool:
+        """Write the final status: ``state`` (one of :data:`FINAL_STATES`), ``ended_s`` (now, unless given) and
+        ``change``; later writes are refused. ``False`` when the job had finished already.
+
+        Raises:
+            ValueError: ``state`` is not a final state.
+        """
+        if state not in FINAL_STATES:
+            raise ValueError(f"{state!r} is not a final job state; one of {sorted(FINAL_STATES)}")
+        with self._lock:
+            if self.finished:
+                return False
+            self.status.update(change)
+            self.status["state"] = state
+            self.status.setdefault("ended_s", time.time())
+            self.finished = True  # a failed write is retried by write(), which must then still go through
+            self._write_locked(final=True)
+            return True
+
+    def _write_locked(self, final: bool = False) -> bool:
+        if self.finished and not final and not self.unwritten:
+            return False
+        try:
+            write_status(self.run_dir, self.status)
+        except OSError as exc:
+            if self._on_error is None:
+                raise
+            if not self.unwritten:
+                self._on_error(exc)
+            self.unwritten = True
+            return False
+        self.unwritten = False
+        return True
 
 
 def signal_status(run_dir: RunDir) -> None:

@@ -24,7 +24,7 @@ from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.client import LaunchHost
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_json, read_json
+from sgpu_magic.rundir import HostStatus, RunDir, StatusWriter, atomic_write_json, read_json
 from sgpu_magic.spec import LaunchSpec
 
 HOST_CHECK_S = 0.5
@@ -448,8 +448,9 @@ class Job:
     def _write_final(self, state: str, **extra: Any) -> None:
         """End a job that never reached the launch host (cancelled while pending, or refused)."""
         self._release()
-        status = {"state": state, "ended_s": time.time(), **extra}
-        atomic_write_json(self._feed.path, status)
+        writer = StatusWriter(self._rd)
+        writer.finish(state, **extra)
+        status = writer.status
         self._end(status, finished=state_from_status(status) is JobState.CANCELLED)
 
     def _end(self, status: dict[str, Any], finished: bool = True) -> None:

@@ -9,9 +9,10 @@ Two launchers implement it: the kernel's client of its local launch host
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from sgpu_magic.rundir import RunDir
+from sgpu_magic._util.fs import count_lines
+from sgpu_magic.rundir import RunDir, StatusWriter
 
 
 @runtime_checkable
@@ -37,3 +38,23 @@ class Launcher(Protocol):
 
     def where(self) -> str:
         """Where the launcher's own diagnostics are, for error messages (a log file's path)."""
+
+
+def finish_job(writer: StatusWriter, state: str, world_size: int, **change: Any) -> bool:
+    """The end every launcher gives a job once its ranks are gone: the payload (a pickle: code) is deleted,
+    each rank log's line count is recorded (``log_lines``), and the final status is written, last, through
+    ``writer`` (:meth:`StatusWriter.finish`), so a kernel that reads it finds the run dir in its final form.
+    Whatever else must precede the final status (leases given back, logs pulled) is done by the caller first.
+
+    Returns:
+        ``False`` when the job had been finished already (nothing is written).
+    """
+    if writer.finished:
+        return False
+    run_dir = writer.run_dir
+    try:
+        run_dir.payload_file.unlink()
+    except FileNotFoundError:
+        pass
+    log_lines = count_lines([run_dir.log_file(r) for r in range(world_size)])
+    return writer.finish(state, log_lines=log_lines, **change)

@@ -88,6 +88,10 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
         running.failure = exc
         _write_error(rd, rank, exc, payload.get("display_names"))
     _flush()
+    try:  # the cell's points are in its metrics file before its reply: the kernel reads them on the final status
+        METRICS.flush()
+    except Exception as exc:  # noqa: BLE001 - the points are lost, the cell's outcome is not; its log says why
+        print(f"sgpu_magic: metrics could not be written ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
     return reply
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgpu_magic._util.frames import read_frame, write_frame
-from sgpu_magic.rundir import RunDir, make_private_dir, make_private_fifo, open_private_fifo
+from sgpu_magic.rundir import RunDir, StatusWriter, make_private_dir, make_private_fifo, open_private_fifo
 
 
 @dataclass
@@ -42,6 +42,8 @@ class Request:
     replies: dict[int, dict[str, Any]] = field(default_factory=dict)
     values: dict[int, bytes] = field(default_factory=dict)
     run_dir: RunDir | None = None
+    writer: StatusWriter | None = None
+    """The cell's status writer (``None`` for push, pull, stop)."""
     deadline: float | None = None
     reason: str | None = None
     grace_end: float | None = None

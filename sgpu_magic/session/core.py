@@ -25,7 +25,7 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
-from sgpu_magic.rundir import RunDir, signal_status, write_status
+from sgpu_magic.rundir import RunDir, StatusWriter, signal_status
 from sgpu_magic.session.channel import Request, SessionChannel
 from sgpu_magic.session.launcher import CellLauncher
 from sgpu_magic.session.outcome import cell_status, death_message, mlflow_run
@@ -284,9 +284,8 @@ class SessionCore:
         request = self._new_request(ranks, run_dir)
         request.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.state = SessionState.BUSY
-        write_status(
-            run_dir, {"state": "running", "started_s": request.started_s, "pids": {str(r): self.pids[r] for r in ranks}}
-        )
+        request.writer = StatusWriter(run_dir)
+        request.writer.update(state="running", started_s=request.started_s, pids={str(r): self.pids[r] for r in ranks})
         assert self._channel is not None  # usable: started
         self._channel.send(ranks, {"op": "cell", "run_dir": str(run_dir.path), "seq": request.seq})
         return request
@@ -358,8 +357,9 @@ class SessionCore:
         if self.state is SessionState.BUSY:
             self.state = SessionState.IDLE
         self._last_active = time.monotonic()
-        if request.run_dir is not None:
-            write_status(request.run_dir, cell_status(request, broken))
+        if request.writer is not None:
+            status = cell_status(request, broken)
+            request.writer.finish(status.pop("state"), **status)
         request.done.set()
 
     def _check_deadlines(self) -> None:

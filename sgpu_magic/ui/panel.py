@@ -328,12 +328,12 @@ class Panel(TextView):
             problem += "".join(f"<br><small>{html.escape(note)}</small>" for note in job.notes)
         elif job.activity:
             problem += f"<br><b>{html.escape(job.activity)}</b>"
-        problem += metrics_html(job.last_metrics(), dict(sorted(job.status.usage.items())), state.final)
         attempt = job.attempt if job.spec.max_restarts else 1
         if attempt > 1:
             badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"
-            if not problem:
-                problem = f"<br><small>{html.escape(restart_reason(job))}; all ranks restarted</small>"
+            if not error and not (state is JobState.PENDING and job.pending_reason):  # (an error says more)
+                problem += f"<br><small>{html.escape(restart_reason(job))}; all ranks restarted</small>"
+        problem += metrics_html(job.last_metrics(), dict(sorted(job.status.usage.items())), state.final)
         self.header.value = (
             f'<div style="{_TEXT_STYLE}">'
             f"<b>sgpu_magic {'job' if job.title.startswith('job ') else html.escape(job.title)}</b> "

@@ -45,3 +45,51 @@ def test_directory_of_another_user_is_refused(tmp_path):
     os.chown(d, 12345, 12345)
     with pytest.raises(PermissionError, match=r"owned by uid 12345, not by you; set SGPU_MAGIC_HOME"):
         make_private_dir(d)
+
+
+def test_status_writer_makes_the_final_status_the_last_write(tmp_path):
+    from sgpu_magic.launch.base import finish_job
+    from sgpu_magic.rundir import StatusWriter
+
+    rd = RunDir.create(tmp_path)
+    rd.payload_file.write_bytes(b"code")
+    rd.log_file(0).write_text("one\ntwo\n")
+    writer = StatusWriter(rd, state="starting", started_s=1.0)
+    assert writer.update(state="running", pids={"0": 123})
+    assert read_json(rd.status_file)["state"] == "running"
+    assert finish_job(writer, "succeeded", 1, exitcodes={"0": 0})
+    final = read_json(rd.status_file)
+    assert final["state"] == "succeeded" and final["log_lines"] == {"0": 2} and final["schema"] == 1
+    assert final["ended_s"] >= final["started_s"] and not rd.payload_file.exists()
+    # every later write is refused and changes nothing on disk
+    writer.status["state"] = "running"
+    assert not writer.write()
+    assert not writer.update(state="running")
+    assert not writer.finish("failed")
+    assert not finish_job(writer, "failed", 1)
+    assert read_json(rd.status_file) == final
+
+
+def test_status_writer_refuses_a_state_that_is_not_final(tmp_path):
+    from sgpu_magic.rundir import StatusWriter
+
+    writer = StatusWriter(RunDir.create(tmp_path))
+    with pytest.raises(ValueError, match=r"^'running' is not a final job state; one of \['cancelled', 'failed', "):
+        writer.finish("running")
+    assert not writer.finished
+
+
+def test_status_writer_retries_a_failed_write_and_reports_it_once(tmp_path):
+    from sgpu_magic.rundir import StatusWriter
+
+    rd = RunDir.create(tmp_path)
+    rd.status_file.mkdir()  # a write cannot replace a directory: each write fails with an OSError
+    errors: list[OSError] = []
+    writer = StatusWriter(rd, on_error=errors.append, state="running")
+    assert not writer.write() and not writer.write()
+    assert len(errors) == 1 and writer.unwritten
+    assert writer.finish("failed", launch_error="x") and writer.unwritten  # final, but not on disk yet
+    rd.status_file.rmdir()
+    assert writer.write() and not writer.unwritten  # the retry writes the final status
+    assert read_json(rd.status_file)["state"] == "failed"
+    assert not writer.write()

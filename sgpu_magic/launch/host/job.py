@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 
-from sgpu_magic._util.fs import count_lines
 from sgpu_magic._util.redact import redact
 from sgpu_magic.errors import describe_exit
+from sgpu_magic.launch.base import finish_job
 from sgpu_magic.launch.env import rank_env
 from sgpu_magic.launch.host.usage import UsageSampler
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import save_stacks
 from sgpu_magic.launch.teardown import TeardownGuard
-from sgpu_magic.rundir import RunDir, attempt_marker, read_json, write_status
+from sgpu_magic.rundir import RunDir, StatusWriter, attempt_marker, read_json
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
 
 if TYPE_CHECKING:
@@ -158,8 +158,17 @@ class HostJob:
         self.started_s = time.time()
         timeout_s = self.launch.get("timeout_s")
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.status = {"state": "starting", "port": self.port, "started_s": self.started_s, "host_pid": os.getpid()}
-        self.unwritten = False
+        self.writer = StatusWriter(
+            run_dir,
+            on_error=lambda exc: host_log(
+                f"sgpu_magic host: cannot write the status of job {run_dir.job_id} ({exc}); retrying"
+            ),
+            state="starting",
+            port=self.port,
+            started_s=self.started_s,
+            host_pid=os.getpid(),
+        )
+        self.status = self.writer.status  # changed in place, written by write()
         self.write()
         env = {**env, **self.launch.get("env", {})}
         os.environ.clear()
@@ -208,13 +217,12 @@ class HostJob:
     def write(self) -> None:
         """Write status.json; when that fails (a full disk that even the reserve did not cover), keep the
         status and try again on every turn of the host's loop (:meth:`Host.run`) instead of failing."""
-        try:
-            write_status(self.run_dir, self.status)
-            self.unwritten = False
-        except OSError as exc:
-            if not self.unwritten:
-                host_log(f"sgpu_magic host: cannot write the status of job {self.run_dir.job_id} ({exc}); retrying")
-            self.unwritten = True
+        self.writer.write()
+
+    @property
+    def unwritten(self) -> bool:
+        """The last write of the status failed; the host's loop writes it again."""
+        return self.writer.unwritten
 
     def wake_fds(self) -> list[int]:
         """File descriptors that become readable when a warm rank returns or exits (its return-value
@@ -322,21 +330,12 @@ class HostJob:
         kill_leftovers(set(self.pids.values()), self.launch["job_id"])
         if self.guard.ended:
             self.status["teardown_ended"] = self.guard.report()
-        self.status.update(
-            state=state,
-            ended_s=time.time(),
-            exitcodes={str(r): code for r, code in _exitcodes(self.ctx).items()} if self.ctx else {},
-            log_lines=count_lines([self.run_dir.log_file(r) for r in range(self.launch["world_size"])]),
-        )
+        exitcodes = {str(r): code for r, code in _exitcodes(self.ctx).items()} if self.ctx else {}
         self.store = None  # closes the rendezvous listener before the kernel hears the job ended
         # the final status is the last thing written: once the kernel reads it, the run dir and the
         # leases are in their final form (no payload, GPUs free)
-        try:
-            self.run_dir.payload_file.unlink()
-        except FileNotFoundError:
-            pass
         _release_lease(self.launch)
-        self.write()
+        finish_job(self.writer, state, self.launch["world_size"], exitcodes=exitcodes)
         self.done = True
 
 

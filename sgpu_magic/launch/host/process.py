@@ -40,7 +40,7 @@ from sgpu_magic._util.proc import adopt_orphans
 from sgpu_magic.launch.host.job import HostJob, end_mlflow_run, host_log, reap_adopted
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import answer as answer_stacks
-from sgpu_magic.rundir import HOST_WARM_STATS, RunDir, host_warm_marker, write_status
+from sgpu_magic.rundir import HOST_WARM_STATS, RunDir, StatusWriter, host_warm_marker
 
 POLL_S = 0.02
 
@@ -85,7 +85,7 @@ class Host:
                 self.jobs[run_dir.job_id] = HostJob(run_dir, cmd["env"], self.pool)
             except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
                 try:
-                    write_status(run_dir, {"state": "failed", "launch_error": f"{type(exc).__name__}: {exc}"})
+                    StatusWriter(run_dir).finish("failed", launch_error=f"{type(exc).__name__}: {exc}")
                 except OSError as write_exc:
                     host_log(f"sgpu_magic host: job {run_dir.job_id} could not start ({exc}) nor say so ({write_exc})")
         elif cmd["op"] == "stacks":  # answered from a thread: the dumps take up to stacks.DUMP_TIMEOUT_S

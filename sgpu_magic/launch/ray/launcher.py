@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from sgpu_magic.launch.base import finish_job
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, write_status
+from sgpu_magic.rundir import RunDir, StatusWriter, atomic_write_bytes, atomic_write_json, read_json
 
 if TYPE_CHECKING:
     import subprocess
@@ -142,13 +143,10 @@ class _Supervisor(threading.Thread):
         # the kernel wrote launch.json before it handed the run dir over
         self.launch = cast("dict[str, Any]", read_json(rd.launch_file, private=True))
         self.world = self.launch["world_size"]
-        self.status: dict[str, Any] = {
-            "state": "starting",
-            "started_s": time.time(),
-            "host_pid": os.getpid(),
-            "cluster": cluster,
-            "start_method": "ray",
-        }
+        self.writer = StatusWriter(
+            rd, state="starting", started_s=time.time(), host_pid=os.getpid(), cluster=cluster, start_method="ray"
+        )
+        self.status = self.writer.status  # changed in place, written by _write
         self._stop_reason: str | None = None
         self.finished = False
         self.offsets = [0] * self.world
@@ -159,8 +157,7 @@ class _Supervisor(threading.Thread):
         self._stop_reason = reason  # read by the supervisor's loop within 0.1 s
 
     def _write(self, **change) -> None:
-        self.status.update(change)
-        write_status(self.rd, self.status)
+        self.writer.update(**change)
 
     def run(self) -> None:
         try:
@@ -340,18 +337,7 @@ class _Supervisor(threading.Thread):
                 ray.kill(actor)
             except Exception:  # noqa: BLE001
                 pass
-        from sgpu_magic._util.fs import count_lines
-
-        try:  # before the final status, as the launch host does: the kernel then finds the run dir final
-            self.rd.payload_file.unlink()
-        except FileNotFoundError:
-            pass
-        self._write(
-            state=state,
-            ended_s=time.time(),
-            log_lines=count_lines([self.rd.log_file(r) for r in range(self.world)]),
-            **change,
-        )
+        finish_job(self.writer, state, self.world, **change)
 
     def _release(self) -> None:
         if self.pg is not None:
