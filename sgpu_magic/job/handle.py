@@ -6,7 +6,6 @@ A job is followed through its RunDir: the host's ``status.json``, each rank's lo
 
 from __future__ import annotations
 
-import contextvars
 import os
 import sys
 import threading
@@ -15,38 +14,23 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sgpu_magic.errors import JobCancelledError, LauncherError, ResourceError, SgpuError
-from sgpu_magic.job.follow import PUMP_INTERVAL_S, JobSink, LogPump, StatusFeed
-from sgpu_magic.job.metrics import MetricsPump
+from sgpu_magic.errors import SgpuError
+from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.lifecycle import CANCEL_WAIT_S, JobLifecycle
 from sgpu_magic.job.outcome import build_error, ending_notes, load_result, stopped_error
+from sgpu_magic.job.registry import jobs, register
 from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.client import LaunchHost
-from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
-from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import HostStatus, RunDir, StatusWriter, atomic_write_json, read_json
+from sgpu_magic.launch.leases import LeaseRegistry
+from sgpu_magic.launch.resources import DevicePlan
+from sgpu_magic.rundir import HostStatus, RunDir, read_json
 from sgpu_magic.spec import LaunchSpec
 
-HOST_CHECK_S = 0.5
-"""How often a followed job checks that its launch host process still runs."""
+__all__ = ["CANCEL_WAIT_S", "Job", "jobs"]
 
 
-CANCEL_WAIT_S = 15.0
-
-
-_JOBS: list[Job] = []
-
-
-_JOBS_LOCK = threading.Lock()
-
-
-def jobs() -> list[Job]:
-    """Every job started in this process (kernel), oldest first."""
-    with _JOBS_LOCK:
-        return list(_JOBS)
-
-
-class Job:
+class Job(JobLifecycle):
     """A pending, running or finished distributed job (future-like).
 
     Returned at once by ``fn.submit(...)`` and ``%%distributed --background``; a blocking
@@ -80,42 +64,15 @@ class Job:
         registry: LeaseRegistry | None = None,
         ranks: Sequence[int] | None = None,
     ) -> None:
-        self._rd = run_dir
+        super().__init__(run_dir, spec, plan, get_host, sinks, registry)
         self.ranks: tuple[int, ...] = tuple(range(plan.world_size) if ranks is None else ranks)
         self.title = f"job {run_dir.job_id}"
         self.summary_on_success = True
         self.activity = ""
-        self._feed = StatusFeed(run_dir)
-        self.spec = spec
-        self.plan = plan
-        self._get_host = get_host
-        self._host: Launcher | None = None
-        self._registry = registry
-        self._lease: Lease | None = None
-        self._skipped: dict[str, str] = {}  # free GPUs the last lease try passed over: uuid -> why
-        self._sinks = list(sinks)
-        self._last_state: JobState | None = None
-        self._attempt = 1
         self._results: list[Any] | None = None
-        self._error: BaseException | None = None
-        self._final_status: dict[str, Any] | None = None
-        self._cancel = threading.Event()
-        self._cancel_reason = "cancelled"
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stamp: tuple[Any, ...] | None = None
-        self._last_pump = 0.0
-        self._host_checked = 0.0
-        self._logs = LogPump([run_dir.log_file(r) for r in range(plan.world_size)], self._sinks, self._emit)
-        self._metrics = MetricsPump([run_dir.metrics_file(r) for r in range(plan.world_size)])
-        self.background = False
-        self.submitted_s = time.time()
-        self.waited_s = 0.0
-        self.pending_reason = ""
         self.mlflow_run_id: str | None = None
         self._notes: list[str] | None = None
-        with _JOBS_LOCK:
-            _JOBS.append(self)
+        register(self)
 
     job_id = property(lambda self: self._rd.job_id)
     run_dir = property(lambda self: self._rd.path)
@@ -263,13 +220,6 @@ class Job:
             self._notes = ending_notes(self._rd, self._status(), self.world_size)
         return self._notes
 
-    def _status(self, stamp: tuple[Any, ...] | None = None) -> dict[str, Any]:
-        """The job's status as last written (the final one once the job has ended); ``stamp``: the status
-        file's :meth:`StatusFeed.stamp` if the caller has just taken it."""
-        if self._final_status is not None:
-            return self._final_status
-        return self._feed.read(stamp)
-
     @property
     def status(self) -> HostStatus:
         """The job's status record as its launcher last wrote it (typed; see :class:`~sgpu_magic.rundir.HostStatus`)."""
@@ -295,10 +245,6 @@ class Job:
     def done(self) -> bool:
         return self.state.final
 
-    def _emit(self, event: str, *args: Any) -> None:
-        for sink in self._sinks:
-            getattr(sink, event)(*args)
-
     def start(self, background: bool = False) -> None:
         """Take the first try for the GPUs in the calling thread (so ``wait=False`` refuses at once); then launch
         a blocking job here, or start the thread that launches and follows a background one (creating its
@@ -313,268 +259,6 @@ class Job:
             raise
         if background:
             self._start_background()
-
-    def _end_unstarted(self, state: str) -> None:
-        """End the job as ``state`` unless it has ended already (the launcher was never asked, or was too late)."""
-        if not self.done():
-            self._write_final(state)
-
-    # -- start: lease GPUs, prepare the sinks, hand the run dir to the launch host
-
-    def _try_lease(self) -> bool:
-        """One attempt at the GPUs (no queueing unless the job may wait). True when the job may launch."""
-        if not self.plan.needs_lease or self._lease is not None:
-            return True
-        assert self._registry is not None  # a job whose plan needs a lease is given the registry (job.start)
-        lease, why = self._registry.try_acquire(
-            self.job_id,
-            self.world_size,
-            list(self.plan.candidates),
-            explicit=self.plan.explicit,
-            skip=self._skip,
-            enqueue=self.spec.wait,
-        )
-        if lease is None:
-            if not self.spec.wait:
-                self._error = ResourceError(
-                    f"job {self.job_id} cannot start now: {why}. Leave out --no-wait / wait=False to queue for the GPUs"
-                )
-                self._write_final("failed", launch_error=why)
-                with _JOBS_LOCK:  # refused before anything started: not one of the kernel's jobs
-                    _JOBS.remove(self)
-                raise self._error
-            self._set_pending(why)
-            return False
-        self._got_lease(lease)
-        return True
-
-    def _skip(self, free: list[Gpu]) -> dict[str, str]:
-        busy = {} if self.plan.explicit else foreign_processes(free)
-        self._skipped = busy
-        return busy
-
-    def _set_pending(self, why: str) -> None:
-        self.pending_reason = why
-        self._emit("pending", self, why)
-
-    def _wait_for_lease(self) -> None:
-        assert self._registry is not None  # only a job whose plan needs a lease waits for one (_try_lease)
-
-        def on_wait(why: str) -> None:
-            if why != self.pending_reason:
-                self._set_pending(why)
-
-        self._got_lease(
-            self._registry.acquire(
-                self.job_id,
-                self.world_size,
-                list(self.plan.candidates),
-                explicit=self.plan.explicit,
-                skip=self._skip,
-                on_wait=on_wait,
-                cancelled=self._cancel,
-            )
-        )
-
-    def _got_lease(self, lease: Lease) -> None:
-        self._lease = lease
-        self.waited_s = time.time() - self.submitted_s if self.pending_reason else 0.0
-        self.pending_reason = ""
-        self.plan = self.plan.with_gpus(lease.gpus)
-        by_uuid = {g.uuid: g for g in self.plan.candidates}
-        for uuid, reason in self._skipped.items():
-            if hasattr(self._sinks[-1], "warn"):
-                self._sinks[-1].warn(
-                    f"GPU {by_uuid[uuid].index} skipped: it runs processes outside sgpu_magic "
-                    f"({reason}); pass gpu_ids=[...] / --gpu-ids to use it anyway"
-                )
-
-    def _launch(self) -> None:
-        """Write launch.json (with what the sinks prepare) and hand the run dir to the launch host."""
-        rd, plan, spec = self._rd, self.plan, self.spec
-        launch: dict[str, Any] = {
-            "job_id": rd.job_id,
-            "name": spec.name,
-            "world_size": plan.world_size,
-            "backend": plan.backend,
-            "cuda_visible_devices": plan.cuda_visible_devices,
-            "timeout_s": spec.timeout_s,
-            "port": spec.port,
-            "max_restarts": spec.max_restarts,
-            "cwd": self._cwd,
-            "sys_path": self._sys_path,
-            "env": {},
-            "teardown_grace_s": spec.teardown_grace_s,
-        }
-        if plan.gpus:
-            launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
-        if self._lease is not None:  # the launch host gives the GPUs back as soon as the ranks are gone
-            assert self._registry is not None  # the lease came from it
-            launch["lease_dir"] = str(self._registry.dir)
-        prepared: list[JobSink] = []
-        try:
-            for sink in self._sinks:
-                extra = sink.prepare(rd.job_id, spec, plan)
-                prepared.append(sink)
-                launch["env"].update(extra.pop("env", {}))
-                launch.update(extra)
-            atomic_write_json(rd.launch_file, launch)
-            for rank in range(plan.world_size):
-                rd.log_file(rank).touch(mode=0o600)
-            self._feed.open_signal()
-            host = self._get_host()
-            try:
-                host.launch(rd)
-            except LauncherError:
-                host = self._get_host()
-                host.launch(rd)
-            self._host = host
-            if self._lease is not None:
-                self._lease.add_process(host.pid)
-        except BaseException as exc:
-            for sink in prepared:
-                sink.launch_failed(rd.job_id, exc)
-            self._release()
-            raise
-        self._emit("started", self)
-        if self._cancel.is_set():
-            self.request_cancel(self._cancel_reason)
-
-    def _release(self) -> None:
-        self._feed.close_signal()
-        if self._lease is not None:
-            self._lease.release()
-
-    def _write_final(self, state: str, **extra: Any) -> None:
-        """End a job that never reached the launch host (cancelled while pending, or refused)."""
-        self._release()
-        writer = StatusWriter(self._rd)
-        writer.finish(state, **extra)
-        status = writer.status
-        self._end(status, finished=state_from_status(status) is JobState.CANCELLED)
-
-    def _end(self, status: dict[str, Any], finished: bool = True) -> None:
-        """The one finalize sequence: keep the final status, release the lease and the status FIFO, tell the
-        sinks (``state_changed``, then ``finished`` unless the job never started), wake whoever waits."""
-        self._final_status = status
-        state = state_from_status(status)
-        self._release()
-        if state is not self._last_state:
-            self._last_state = state
-            self._emit("state_changed", self, state)
-        if finished:
-            self._emit("finished", self)
-        self._done.set()
-
-    # -- follow
-
-    def _pump(self, final: bool = False) -> None:
-        """Hand what the ranks wrote since the last call to the sinks; ``final``: all of it, then close the logs."""
-        self._logs.pump(final)
-        if self._metrics.pump(final):
-            self._emit("metrics_logged", self)
-
-    def _poll_once(self) -> bool:
-        if self._final_status is not None:
-            return True
-        stamp, now = self._feed.stamp(), time.monotonic()
-        if stamp == self._stamp and now - self._last_pump < PUMP_INTERVAL_S:
-            return False
-        self._stamp, self._last_pump = stamp, now
-        self._pump()
-        status = self._status(stamp)
-        state = state_from_status(status)
-        waiting = status.get("waiting")  # a Ray job waiting for the cluster's resources (sgpu_magic.launch.ray.cluster)
-        if waiting and waiting != self.pending_reason and not state.final:
-            self._set_pending(waiting)
-        if status.get("attempt", 1) != self._attempt:
-            self._attempt = status["attempt"]
-            self._emit("restarted", self, self._attempt)
-        if state.final:
-            self._pump(final=True)
-            self._end(status)
-            return True
-        if state is not self._last_state:
-            self._last_state = state
-            self._emit("state_changed", self, state)
-        self._emit("tick", self)
-        if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
-            assert self._host is not None  # _host_alive asked it
-            message = (
-                f"the launch host died while job {self.job_id} ran; see {self._host.where()} "
-                f"and the rank logs in {self._rd.logs_dir}"
-            )
-            self._pump(final=True)
-            self._end({**status, "state": "failed", "host_lost": message, "ended_s": time.time()})
-            raise LauncherError(message)
-        return False
-
-    def _host_alive(self, now: float) -> bool:
-        self._host_checked = now
-        assert self._host is not None  # followed only once launched, through the host
-        return self._host.alive()
-
-    def _run_to_end(self) -> None:
-        """Lease the GPUs (waiting in the queue) and launch, unless done already; then follow to the end."""
-        if self._host is None:
-            if self._lease is None and self.plan.needs_lease:
-                self._wait_for_lease()
-            if self._cancel.is_set():  # cancelled before its launch: start nothing
-                raise JobCancelledError(f"job {self.job_id} was cancelled before it started (no rank ran)")
-            self._launch()
-        while not self._poll_once():
-            self._feed.wait()
-
-    def _follow_blocking(self) -> None:
-        """:meth:`_run_to_end` in the calling thread; an interrupt cancels the job and raises
-        :class:`~sgpu_magic.errors.JobCancelledError`."""
-        try:
-            self._run_to_end()
-        except JobCancelledError:
-            self._end_unstarted("cancelled")
-            raise
-        except KeyboardInterrupt:
-            if self._host is None:
-                self._write_final("interrupted")
-            else:
-                self.request_cancel("interrupted")
-                self._drain(CANCEL_WAIT_S)
-            raise stopped_error(self._rd, "interrupted", self._final_status) from None
-
-    def _follow_background(self) -> None:
-        """Body of the background thread of a submitted job."""
-        try:
-            self._run_to_end()
-        except JobCancelledError:
-            self._end_unstarted("cancelled")
-        except BaseException as exc:  # noqa: BLE001 - recorded on the job, shown by its view
-            self._error = (
-                exc
-                if isinstance(exc, SgpuError)
-                else LauncherError(f"job {self.job_id} could not run: {type(exc).__name__}: {exc}")
-            )
-            if self._final_status is None:
-                self._write_final("failed", launch_error=str(self._error))
-        finally:
-            self._done.set()
-
-    def _start_background(self) -> None:
-        """Follow the job from a daemon thread that runs in a copy of the caller's context, so output
-        that the text view writes after the cell ended still goes to the cell that started the job."""
-        self.background = True
-        context = contextvars.copy_context()
-        self._thread = threading.Thread(
-            target=context.run, args=(self._follow_background,), name=f"sgpu_magic job {self.job_id}", daemon=True
-        )
-        self._thread.start()
-
-    def _drain(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        if self._thread is not None:
-            self._done.wait(timeout_s)
-            return
-        while self._host is not None and not self._poll_once() and time.monotonic() < deadline:
-            self._feed.wait()
 
     def wait(self, timeout_s: float | None = None) -> JobState:
         """Block until the job ends or ``timeout_s`` seconds pass; return its state.
@@ -601,18 +285,6 @@ class Job:
             self.cancel(_reason="interrupted")
             raise stopped_error(self._rd, "interrupted", self._final_status) from None
         return self.state
-
-    def request_cancel(self, _reason: str = "cancelled") -> None:
-        """Ask for every rank to stop (or a pending job to leave the queue), without waiting.
-
-        Safe from any thread (the panel's Stop button)."""
-        self._cancel_reason = _reason
-        self._cancel.set()
-        if self._final_status is None and self._host is not None:
-            try:
-                self._host.cancel(self._rd, _reason)
-            except LauncherError:
-                pass
 
     def cancel(self, _reason: str = "cancelled") -> None:
         """Stop every rank (SIGTERM, then SIGKILL) and wait until they are gone; state becomes CANCELLED.
