@@ -18,6 +18,7 @@ Layout::
         metrics/rank_<N>.jsonl  the points rank N logged (runtime.log_metric, mlflow.log_metric), appended in batches
         code.json            the notebook's labels and sources of the job's code, to map stack frames (by the kernel)
         stacks/rank_<N>.txt  rank N's stack when the job timed out or was cancelled while it ran (by the host)
+        flight_recorder/rank_<N>  rank N's NCCL flight recorder dump (by torch, in a GPU job whose collective timed out)
         session/rank_<N>.cmd, rank_<N>.reply   a live session's channel to rank N (FIFOs, 0600)
 """
 
@@ -173,32 +174,65 @@ FINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out", "inte
 
 @dataclass(frozen=True)
 class RankUsage:
-    """One rank's CPU and memory as the launch host last sampled them (about once a second; see
-    :mod:`sgpu_magic.launch.host.usage`).
+    """One rank's CPU, memory and GPU as the launch host last sampled them (about once a second; see
+    :mod:`sgpu_magic.launch.host.usage` and :mod:`sgpu_magic.launch.host.gpu`).
 
     Attributes:
         cpu_percent: CPU use since the previous sample, in percent of one core (200.0: two cores busy).
         rss_bytes: the rank process's resident memory, in bytes.
         peak_rss_bytes: the most resident memory it has had so far, in bytes (the kernel's high-water mark).
         time_s: epoch seconds of the sample.
+        gpu_percent: its GPU's utilisation in percent (NVML); ``None`` without a GPU or NVML.
+        gpu_memory_bytes, gpu_memory_total_bytes: memory in use on its GPU (its own process's where NVML lists it,
+            else the device's), and the device's total, in bytes; ``None`` without NVML.
+        gpu_power_w: its GPU's power draw in watts; ``None`` without NVML.
+        peak_gpu_memory_bytes: the most GPU memory sampled so far, in bytes; ``None`` without NVML.
     """
 
     cpu_percent: float
     rss_bytes: int
     peak_rss_bytes: int
     time_s: float
+    gpu_percent: float | None = None
+    gpu_memory_bytes: int | None = None
+    gpu_memory_total_bytes: int | None = None
+    gpu_power_w: float | None = None
+    peak_gpu_memory_bytes: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> RankUsage:
-        return cls(float(d["cpu_percent"]), int(d["rss_bytes"]), int(d["peak_rss_bytes"]), float(d["time_s"]))
+        gpu = {k: d.get(k) for k in _GPU_KEYS}
+        return cls(float(d["cpu_percent"]), int(d["rss_bytes"]), int(d["peak_rss_bytes"]), float(d["time_s"]), **gpu)
 
     def as_dict(self) -> dict[str, float]:
-        return {
+        out = {
             "cpu_percent": self.cpu_percent,
             "rss_bytes": self.rss_bytes,
             "peak_rss_bytes": self.peak_rss_bytes,
             "time_s": self.time_s,
         }
+        return out | {k: getattr(self, k) for k in _GPU_KEYS if getattr(self, k) is not None}
+
+
+_GPU_KEYS = ("gpu_percent", "gpu_memory_bytes", "gpu_memory_total_bytes", "gpu_power_w", "peak_gpu_memory_bytes")
+
+
+@dataclass(frozen=True)
+class StuckReport:
+    """The launch host's hang detector found no progress (:mod:`sgpu_magic.launch.host.progress`): no rank has written
+    a log byte or a metric point since ``quiet_since_s`` (epoch seconds), for at least ``stuck_after_s`` seconds,
+    while every rank still runs. ``stacks``: ``{rank: where}`` as for a timeout (``{}`` until py-spy has answered)."""
+
+    quiet_since_s: float
+    stuck_after_s: float
+    stacks: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> StuckReport | None:
+        if not d:
+            return None
+        stacks = {int(k): str(v) for k, v in (d.get("stacks") or {}).items()}
+        return cls(float(d["quiet_since_s"]), float(d["stuck_after_s"]), stacks)
 
 
 @dataclass(frozen=True)
@@ -224,6 +258,7 @@ class HostStatus:
         usage: ``{rank: RankUsage}``: each rank's CPU %, RSS and peak RSS, sampled about once a second by the launch
             host while the job runs (the last sample once it has ended); ``{}`` before the first sample, on Ray
             and for a session's cell.
+        stuck: the hang detector's report while the job is possibly stuck (:class:`StuckReport`), else ``None``.
     """
 
     state: str = "pending"
@@ -242,6 +277,7 @@ class HostStatus:
     stacks: dict[int, str] = field(default_factory=dict)
     rank_outcomes: dict = field(default_factory=dict)
     usage: dict[int, RankUsage] = field(default_factory=dict)
+    stuck: StuckReport | None = None
 
     @classmethod
     def from_dict(cls, status: dict) -> HostStatus:
@@ -262,6 +298,7 @@ class HostStatus:
             stacks={int(k): str(v) for k, v in (status.get("stacks") or {}).items()},
             rank_outcomes={int(k): v for k, v in (status.get("rank_outcomes") or {}).items()},
             usage={int(k): RankUsage.from_dict(v) for k, v in (status.get("usage") or {}).items()},
+            stuck=StuckReport.from_dict(status.get("stuck")),
         )
 
     @property
@@ -429,6 +466,12 @@ class RunDir:
     stacks_dir = _entry(
         "stacks",
         "``rank_<r>.txt``: each running rank's stack, taken when the job timed out or was cancelled (0700, files 0600).",
+    )
+
+    flight_recorder_dir = _entry(
+        "flight_recorder",
+        "``rank_<r>``: each rank's NCCL flight recorder dump (torch's pickle), written by torch on a collective's "
+        "timeout in a GPU job (0700; see :mod:`sgpu_magic.launch.flight_recorder`).",
     )
 
     def stack_file(self, rank: int) -> Path:

@@ -95,6 +95,7 @@ class Job:
         self._skipped: dict[str, str] = {}  # free GPUs the last lease try passed over: uuid -> why
         self._sinks = list(sinks)
         self._last_state: JobState | None = None
+        self._stuck: dict[str, Any] | None = None
         self._attempt = 1
         self._results: list[Any] | None = None
         self._error: BaseException | None = None
@@ -405,6 +406,7 @@ class Job:
             "sys_path": self._sys_path,
             "env": {},
             "teardown_grace_s": spec.teardown_grace_s,
+            "stuck_after_s": spec.stuck_after_s,
         }
         if plan.gpus:
             launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
@@ -496,6 +498,9 @@ class Job:
         if state is not self._last_state:
             self._last_state = state
             self._emit("state_changed", self, state)
+        if status.get("stuck") != self._stuck:
+            self._stuck = status.get("stuck")
+            self._emit("stuck_changed", self)
         self._emit("tick", self)
         if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
             assert self._host is not None  # _host_alive asked it

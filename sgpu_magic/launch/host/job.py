@@ -17,6 +17,9 @@ from sgpu_magic._util.fs import count_lines
 from sgpu_magic._util.redact import redact
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.launch.env import rank_env
+from sgpu_magic.launch.flight_recorder import flight_recorder_env
+from sgpu_magic.launch.host.forensics import OomWatch
+from sgpu_magic.launch.host.progress import ProgressWatch
 from sgpu_magic.launch.host.usage import UsageSampler
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import save_stacks
@@ -114,6 +117,7 @@ def _make_context(
     from sgpu_magic.rank import worker
 
     world = launch["world_size"]
+    env = {**env, **flight_recorder_env(run_dir, launch["backend"], env)}
     envs = {r: rank_env(launch, r, port, env, restart_count) for r in range(world)}
     logs = DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir))
     if warm:
@@ -175,7 +179,10 @@ class HostJob:
         )
         self.ctx: PContext | None = None
         self.pids: dict[int, int] = {}
-        self.usage = UsageSampler()
+        gpus = self.launch.get("env", {}).get("SGPU_MAGIC_GPUS", "")
+        self.usage = UsageSampler([int(i) for i in gpus.split(",") if i] if self.launch["backend"] == "nccl" else [])
+        self.oom = OomWatch()
+        self.progress = ProgressWatch(run_dir, self.launch["world_size"], self.launch.get("stuck_after_s"))
         self.warm_by = 0.0
         self._start_when_warm()
 
@@ -196,9 +203,11 @@ class HostJob:
             warm = self.pool is not None and self.pool.ready(self.launch["sys_path"])
         self.status["start_method"] = "forkserver" if warm else "subprocess"
         self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.attempt - 1)
+        self.oom.watch(self.launch["world_size"])
         self.ctx.start()
         self.pids = self.ctx.pids()
         self.usage.watch(self.pids)
+        self.progress.restart()
         _make_tree_private(self.run_dir.elastic_dir)  # torch elastic made its per-rank folders with the umask
         self.status.update(
             state="running", attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()}
@@ -243,19 +252,28 @@ class HostJob:
         self.guard.check(self.pids)
         result = self.ctx.wait(0)
         if result is None:
-            if self.usage.sample():
-                self.status["usage"] = self.usage.as_status()
-                self.write()
+            self._sample()
             return
         failures = self.guard.spare(getattr(self.ctx, "first_failures", None) or result.failures)
         now = time.time()
         self.status["failures"] = [
-            {"rank": r, "exitcode": f.exitcode, "time_s": now} for r, f in sorted(failures.items())
+            {"rank": r, "exitcode": f.exitcode, "time_s": now, **self.oom.verdict(r, self.pids.get(r), f.exitcode)}
+            for r, f in sorted(failures.items())
         ]
         if failures and self.attempt <= self.max_restarts:
             self._restart()
             return
         self._finish("failed" if failures else "succeeded")
+
+    def _sample(self) -> None:
+        """About once a second: the ranks' usage, their memory cgroups, and whether the job is possibly stuck."""
+        if not self.usage.sample():
+            return
+        self.status["usage"] = self.usage.as_status()
+        self.oom.sample(self.pids)
+        if self.progress.check(self.pids):
+            self.status["stuck"] = self.progress.report()
+        self.write()
 
     def _restart(self) -> None:
         """torchrun's restart policy: stop every rank, keep this attempt's record, start them all again.
@@ -320,6 +338,8 @@ class HostJob:
 
     def _finish(self, state: str) -> None:
         kill_leftovers(set(self.pids.values()), self.launch["job_id"])
+        self.status.pop("stuck", None)
+        self.usage.gpu.close()
         if self.guard.ended:
             self.status["teardown_ended"] = self.guard.report()
         self.status.update(
