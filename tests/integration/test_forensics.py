@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import re
 import secrets
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import pytest
 
+from sgpu_magic import distributed
 from sgpu_magic.errors import JobCancelledError, RankFailedError
+from sgpu_magic.front.decorator import start
 from sgpu_magic.launch.host.forensics import memory_cgroup_file
+from sgpu_magic.ui.panel import Panel
 
 from helpers import wait_for
 
@@ -40,6 +44,7 @@ def _error(run_cell, cell: str) -> RankFailedError:
     return result.error_in_exec
 
 
+@pytest.mark.slow  # the module's first job starts the launch host
 def test_a_sigkilled_rank_names_its_last_log_line_its_peak_rss_and_how_to_check_for_the_oom_killer(run_cell):
     error = _error(run_cell, KILLED)
     root = error.root_cause
@@ -188,3 +193,41 @@ def test_a_bad_stuck_after_s_is_refused_naming_it(ip, run_cell):
         ip.run_line_magic("config", "DistributedMagics.stuck_after_s = 300")
     assert isinstance(result.error_in_exec, UsageError)
     assert str(result.error_in_exec) == "stuck_after_s must be a number of seconds > 0, or None for no limit; got -1.0"
+
+
+@distributed(gpus=1, mlflow=False, widgets=True)
+def quiet_until_go(folder):
+    import os
+    import threading
+    import time
+
+    print("ready", flush=True)
+    go = threading.Event()
+
+    def watch():
+        while not os.path.exists(os.path.join(folder, "go")):
+            time.sleep(0.1)
+        go.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    go.wait()
+    print("resumed", flush=True)
+    return 1
+
+
+@pytest.mark.slow
+def test_the_panel_header_shows_the_possibly_stuck_badge_until_the_rank_writes_again(tmp_path):
+    panel = Panel()
+    spec = replace(quiet_until_go.spec, stuck_after_s=1.0)
+    job = start(spec, lambda warn: quiet_until_go._payload((str(tmp_path),), {}, warn), panel, background=True)
+    try:
+        header = wait_for(lambda: "go.wait at" in (value := panel.header.value) and value, 90, "the stuck badge")
+        assert ">possibly stuck</span>" in header
+        assert (
+            "possibly stuck: no rank has written a log line or a metric for 1 s; rank 0: go.wait at "
+            f"{__file__} line " in header
+        )
+    finally:
+        (tmp_path / "go").touch()
+    assert job.result(timeout_s=60) == [1]
+    assert "possibly stuck" not in panel.header.value
