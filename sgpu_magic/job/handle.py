@@ -24,8 +24,9 @@ from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.client import LaunchHost
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_json, read_json
+from sgpu_magic.rundir import RunDir, atomic_write_json, read_json
 from sgpu_magic.spec import LaunchSpec
+from sgpu_magic.status import HostStatus
 
 HOST_CHECK_S = 0.5
 """How often a followed job checks that its launch host process still runs."""
@@ -273,7 +274,7 @@ class Job:
 
     @property
     def status(self) -> HostStatus:
-        """The job's status record as its launcher last wrote it (typed; see :class:`~sgpu_magic.rundir.HostStatus`)."""
+        """The job's status record as its launcher last wrote it (typed; see :class:`~sgpu_magic.status.HostStatus`)."""
         return HostStatus.from_dict(self._status())
 
     @property

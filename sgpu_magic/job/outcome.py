@@ -19,8 +19,9 @@ from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.flight_recorder import flight_recorder_note
 from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.launch.stacks import summary
-from sgpu_magic.rundir import HostStatus, RunDir, read_json, read_private
+from sgpu_magic.rundir import RunDir, read_json, read_private
 from sgpu_magic.spec import LaunchSpec
+from sgpu_magic.status import HostStatus
 
 
 def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:

@@ -10,7 +10,8 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
 from sgpu_magic.launch.stacks import summary
-from sgpu_magic.rundir import RankUsage, RunDir, is_attempt_marker, is_traceback_marker
+from sgpu_magic.rundir import RunDir, is_attempt_marker, is_traceback_marker
+from sgpu_magic.status import RankUsage
 from sgpu_magic.ui.terminal import terminal_line
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from sgpu_magic.launch.host.forensics import OomWatch, kernel_log_kill, memory_cgroup_file, oom_kills
 from sgpu_magic.launch.host.progress import ProgressWatch
-from sgpu_magic.rundir import RunDir, StuckReport
+from sgpu_magic.rundir import RunDir
+from sgpu_magic.status import StuckReport
 
 from helpers import wait_for
 
@@ -116,7 +117,7 @@ def test_gpu_figures_are_a_no_op_without_nvml_and_round_trip_through_the_status(
     import os
 
     from sgpu_magic.launch.host.gpu import GpuSampler
-    from sgpu_magic.rundir import RankUsage
+    from sgpu_magic.status import RankUsage
 
     try:
         import pynvml

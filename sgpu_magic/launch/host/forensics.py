@@ -15,6 +15,7 @@ Neither may be readable: the error then says that the OOM killer is the usual ca
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 from pathlib import Path
@@ -28,9 +29,16 @@ def memory_cgroup_file(pid: int | str, root: Path = CGROUP_ROOT) -> Path | None:
     ``<root>/<path>/memory.events``, or cgroup v1 ``<root>/memory/<path>/memory.oom_control``; ``None`` when there is
     none to read (the process has ended, or no memory controller is mounted where expected)."""
     try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        text = Path(f"/proc/{pid}/cgroup").read_text()
     except OSError:
         return None
+    return _counter_file(text, root)
+
+
+@functools.lru_cache(maxsize=64)
+def _counter_file(text: str, root: Path) -> Path | None:
+    """:func:`memory_cgroup_file` for the ``/proc/<pid>/cgroup`` text ``text`` (the same text names the same file)."""
+    lines = text.splitlines()
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):

@@ -1,7 +1,7 @@
 """The hang detector: a job whose ranks all run but none has written a log byte or logged a metric point for
 ``stuck_after_s`` seconds is *possibly stuck*; the launch host then takes the ranks' stacks (py-spy, as for a
 timeout: :mod:`sgpu_magic.launch.stacks`) and reports both in ``status.json``'s ``stuck``
-(:class:`~sgpu_magic.rundir.StuckReport`). The report goes when any rank writes again.
+(:class:`~sgpu_magic.status.StuckReport`). The report goes when any rank writes again.
 
 Progress is read from the sizes of the ranks' log and metrics files (one ``stat`` each per check, about once a
 second). While the job stays quiet the stacks are taken again every ``stuck_after_s`` (at least

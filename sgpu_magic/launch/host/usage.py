@@ -1,5 +1,5 @@
 """Each rank's CPU and memory, sampled by the launch host about once a second into the job's status
-(:class:`~sgpu_magic.rundir.RankUsage`, ``status.json``'s ``usage``).
+(:class:`~sgpu_magic.status.RankUsage`, ``status.json``'s ``usage``).
 
 CPU % is ``psutil.Process.cpu_percent`` over the time since the last sample (100 = one core busy); RSS is the
 rank process's resident set; the peak is the kernel's high-water mark of it (``VmHWM`` in ``/proc/<pid>/status``,
@@ -15,7 +15,7 @@ import time
 import psutil
 
 from sgpu_magic.launch.host.gpu import GpuSampler
-from sgpu_magic.rundir import RankUsage
+from sgpu_magic.status import RankUsage
 
 SAMPLE_INTERVAL_S = 1.0
 """How often the host samples a running job's ranks."""
