@@ -83,10 +83,13 @@ def estimate_nbytes(value: object) -> int | None:
     return None
 
 
-def large_message(name: str, tname: str, nbytes: int, max_bytes: int) -> str:
+def large_message(name: str, tname: str, nbytes: int, max_bytes: int, ranks: int | None = None) -> str:
+    """The warning for a captured global over ``max_bytes``; ``ranks``: how many ranks get a copy (``None``: unknown,
+    "every rank")."""
+    to = "every rank" if ranks is None else f"{ranks} rank{'' if ranks == 1 else 's'}"
     return (
         f"global '{name}' ({tname}, {format_bytes(nbytes)}) is larger than {format_bytes(max_bytes)}; "
-        f"it is pickled and copied to every rank. Load or create it inside the cell or function instead."
+        f"it is pickled and copied to {to}. Load or create it inside the cell or function instead."
     )
 
 
@@ -105,7 +108,7 @@ class Captured:
             self.on_warning(text)
 
 
-def _capture_one(name: str, value: object, max_bytes: int, out: Captured) -> None:
+def _capture_one(name: str, value: object, max_bytes: int, out: Captured, ranks: int | None = None) -> None:
     if isinstance(value, types.ModuleType) and getattr(value, "__spec__", None) is not None:
         out.entries[name] = ("module", value.__name__)
         return
@@ -118,7 +121,7 @@ def _capture_one(name: str, value: object, max_bytes: int, out: Captured) -> Non
         out.entries[name] = ("unpicklable", name, type_name(value), reason)
         return
     if nbytes is None and len(data) > max_bytes:
-        out.warn(large_message(name, type_name(value), len(data), max_bytes))
+        out.warn(large_message(name, type_name(value), len(data), max_bytes, ranks))
     out.entries[name] = ("value", data)
 
 
@@ -128,9 +131,10 @@ def capture_names(
     max_bytes: int = DEFAULT_MAX_BYTES,
     warn: Callable[[str], None] | None = None,
     skip: Collection[str] = (),
+    ranks: int | None = None,
 ) -> Captured:
     """Capture ``names`` that exist in ``namespace`` (builtins, dunders and ``skip`` left out: a live session's
-    ranks already have those).
+    ranks already have those). ``ranks``: how many ranks get a copy of each, for the large-global warning.
 
     ``warn(text)`` is called for each warning as soon as it is known: globals whose size can be
     estimated without pickling (arrays, tensors, byte strings) are warned about before anything
@@ -148,9 +152,9 @@ def capture_names(
     for name, value in chosen:  # first the cheap size estimates, so a large array is warned about at once
         nbytes = None if isinstance(value, types.ModuleType) else estimate_nbytes(value)
         if nbytes is not None and nbytes > max_bytes:
-            out.warn(large_message(name, type_name(value), nbytes, max_bytes))
+            out.warn(large_message(name, type_name(value), nbytes, max_bytes, ranks))
     for name, value in chosen:
-        _capture_one(name, value, max_bytes, out)
+        _capture_one(name, value, max_bytes, out, ranks)
     return out
 
 
@@ -282,8 +286,10 @@ def capture_function(
     max_bytes: int = DEFAULT_MAX_BYTES,
     warn: Callable[[str], None] | None = None,
     skip: Collection[str] = (),
+    ranks: int | None = None,
 ) -> dict:
-    """Payload part for a function: a reference, or its code plus captured globals (except ``skip``).
+    """Payload part for a function: a reference, or its code plus captured globals (except ``skip``); ``ranks``:
+    how many ranks get a copy (said in the large-global warning).
 
     Raises:
         CaptureError: when the function's defaults or closure cannot be pickled.
@@ -292,7 +298,7 @@ def capture_function(
     if ref is not None:
         return {"kind": "ref", "module": ref[0], "qualname": ref[1], "globals": {}, "warnings": [], "sources": {}}
     code = fn.__code__
-    captured = capture_names(code_global_names(code), fn.__globals__, max_bytes, warn, skip)
+    captured = capture_names(code_global_names(code), fn.__globals__, max_bytes, warn, skip, ranks)
     closure = [c.cell_contents for c in (fn.__closure__ or ())]
     shell = {
         "code": code,
@@ -336,13 +342,15 @@ def capture_cell(
     max_bytes: int = DEFAULT_MAX_BYTES,
     warn: Callable[[str], None] | None = None,
     skip: Collection[str] = (),
+    ranks: int | None = None,
 ) -> dict:
-    """Payload part for a cell: its source plus the globals it reads from ``namespace`` (except ``skip``).
+    """Payload part for a cell: its source plus the globals it reads from ``namespace`` (except ``skip``); ``ranks``:
+    how many ranks get a copy (said in the large-global warning).
 
     Raises:
         SyntaxError: when the cell is not valid Python.
     """
-    captured = capture_names(cell_global_names(source), namespace, max_bytes, warn, skip)
+    captured = capture_names(cell_global_names(source), namespace, max_bytes, warn, skip, ranks)
     return {
         "kind": "cell",
         "source": source,

@@ -106,6 +106,12 @@ class RankFailure:
         log_path: the rank's log file.
         time_s: when the failure happened (epoch seconds); the earliest one is the root cause.
         cuda: the exception came from CUDA (raised through ``torch.cuda``, or naming CUDA or NCCL).
+        last_lines: a rank that left no Python exception (killed by a signal, or ``os._exit``): the last lines of
+            its log (at most :data:`LAST_LINES`), else ``()``.
+        oom: a rank killed by SIGKILL: whether the kernel's OOM killer ended it and what shows it, or how to check
+            (see :mod:`sgpu_magic.launch.host.forensics`); ``""`` otherwise.
+        oom_killed: ``True`` when the OOM killer is known to have ended it, ``None`` when unknown.
+        peak_rss_bytes: its peak resident memory as the launch host sampled it, in bytes; ``None`` when not sampled.
     """
 
     rank: int
@@ -116,6 +122,10 @@ class RankFailure:
     log_path: str = ""
     time_s: float = 0.0
     cuda: bool = False
+    last_lines: tuple[str, ...] = ()
+    oom: str = ""
+    oom_killed: bool | None = None
+    peak_rss_bytes: int | None = None
 
     def what(self) -> str:
         """``ValueError: bad batch`` (first line, at most 200 characters), or that it left no exception."""
@@ -134,6 +144,20 @@ class RankFailure:
     def summary(self) -> str:
         """One line: ``rank 1: ValueError: bad batch (exit code 1)``."""
         return f"rank {self.rank}: {self.what()}{_ended(self.exitcode)}"
+
+    def forensics(self) -> list[str]:
+        """What a rank that died without a Python exception left: the OOM finding, its peak RSS, its last log lines."""
+        lines = [self.oom] if self.oom else []
+        if self.peak_rss_bytes is not None and (self.oom or self.last_lines):
+            lines.append(f"peak RSS of rank {self.rank}: {self.peak_rss_bytes / 2**20:.0f} MiB")
+        if self.last_lines:
+            lines.append("the end of its log:")
+            lines += [f"  | {line}" for line in self.last_lines]
+        return lines
+
+
+LAST_LINES = 10
+"""Lines of a rank's log that its error shows when it died without a Python exception."""
 
 
 def _ended(exitcode: int | None) -> str:
@@ -221,6 +245,7 @@ class RankFailedError(SgpuError, RuntimeError):
     def _message(self) -> str:
         rc = self.root_cause
         lines = [f"rank {rc.rank} failed (root cause): {rc.what()}{_ended(rc.exitcode)}"]
+        lines += [f"  {line}" for line in rc.forensics()]
         if self.hint:
             lines.append(f"  hint: {self.hint}")
         lines += [f"  {line}" for line in grouped_failures(rc, self.others, self.stopped_ranks)]

@@ -18,6 +18,7 @@ Layout::
         metrics/rank_<N>.jsonl  the points rank N logged (runtime.log_metric, mlflow.log_metric), appended in batches
         code.json            the notebook's labels and sources of the job's code, to map stack frames (by the kernel)
         stacks/rank_<N>.txt  rank N's stack when the job timed out or was cancelled while it ran (by the host)
+        flight_recorder/rank_<N>  rank N's NCCL flight recorder dump (by torch, in a GPU job whose collective timed out)
         session/rank_<N>.cmd, rank_<N>.reply   a live session's channel to rank N (FIFOs, 0600)
 """
 
@@ -28,14 +29,26 @@ import json
 import os
 import secrets
 import stat
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sgpu_magic._util.fs import atomic_write
+
+if TYPE_CHECKING:
+    from sgpu_magic.status import HostStatus, RankUsage, StuckReport  # noqa: F401 - re-exported (__getattr__)
+
+_STATUS_NAMES = ("HostStatus", "RankUsage", "StuckReport")
+
+
+def __getattr__(name: str) -> Any:
+    """``HostStatus``, ``RankUsage`` and ``StuckReport`` live in :mod:`sgpu_magic.status`; read here lazily, so a rank
+    (which imports this module) does not load them."""
+    if name in _STATUS_NAMES:
+        from sgpu_magic import status
+
+        return getattr(status, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_root() -> Path:
@@ -173,109 +186,6 @@ FINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out", "inte
 """The ``state`` values of a job that has ended; ``interrupted`` is a cancel caused by a kernel interrupt."""
 
 
-@dataclass(frozen=True)
-class RankUsage:
-    """One rank's CPU and memory as the launch host last sampled them (about once a second; see
-    :mod:`sgpu_magic.launch.host.usage`).
-
-    Attributes:
-        cpu_percent: CPU use since the previous sample, in percent of one core (200.0: two cores busy).
-        rss_bytes: the rank process's resident memory, in bytes.
-        peak_rss_bytes: the most resident memory it has had so far, in bytes (the kernel's high-water mark).
-        time_s: epoch seconds of the sample.
-    """
-
-    cpu_percent: float
-    rss_bytes: int
-    peak_rss_bytes: int
-    time_s: float
-
-    @classmethod
-    def from_dict(cls, d: dict) -> RankUsage:
-        return cls(float(d["cpu_percent"]), int(d["rss_bytes"]), int(d["peak_rss_bytes"]), float(d["time_s"]))
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "cpu_percent": self.cpu_percent,
-            "rss_bytes": self.rss_bytes,
-            "peak_rss_bytes": self.peak_rss_bytes,
-            "time_s": self.time_s,
-        }
-
-
-@dataclass(frozen=True)
-class HostStatus:
-    """A job's ``status.json`` as its launcher (the launch host or the Ray supervisor) last wrote it: the typed
-    view the Job handle, the panel and tracking read. Keys the file lacks take the defaults below.
-
-    Attributes:
-        state: ``pending``, ``starting``, ``running``, or one of :data:`FINAL_STATES`.
-        started_s, ended_s: epoch seconds when the ranks started and the job ended (``None`` before).
-        attempt: the attempt that runs (or ran last), from 1; ``attempts``: the failed ones before it.
-        exitcodes: ``{rank: exit code}`` once the ranks ended (negative: killed by that signal).
-        failures: the failures the launcher observed (``{"rank", "exitcode", "time_s"}``), root cause first.
-        log_lines: ``{rank: lines}`` in each log once the job ended (a view that skipped shows the count).
-        teardown_ended: ranks the teardown grace ended (``{"rank", "outcome", "grace_s", "signal"}``).
-        waiting: why a Ray job waits for the cluster's resources; ``host_lost``, ``launch_error``: why it failed.
-        pids: ``{rank: process id}`` of the current attempt's ranks on the launch host's machine (``{}`` on Ray).
-        stacks: ``{rank: where}`` for the ranks still running when the job timed out or was cancelled, taken just
-            before they were stopped, e.g. ``{0: "dist.broadcast at Cell In[4] line 7"}`` (their whole stacks:
-            ``stacks/rank_<r>.txt``); ``{}`` when no rank was running then.
-        rank_outcomes: a live session's cell: ``{rank: "returned" | "raised" | "interrupted" | "did not return"}``
-            (its ranks do not exit, so ``exitcodes`` says nothing of them).
-        usage: ``{rank: RankUsage}``: each rank's CPU %, RSS and peak RSS, sampled about once a second by the launch
-            host while the job runs (the last sample once it has ended); ``{}`` before the first sample, on Ray
-            and for a session's cell.
-    """
-
-    state: str = "pending"
-    started_s: float | None = None
-    ended_s: float | None = None
-    attempt: int = 1
-    attempts: tuple = ()
-    exitcodes: dict = field(default_factory=dict)
-    failures: tuple = ()
-    log_lines: dict = field(default_factory=dict)
-    teardown_ended: tuple = ()
-    waiting: str | None = None
-    host_lost: str | None = None
-    launch_error: str | None = None
-    pids: dict[int, int] = field(default_factory=dict)
-    stacks: dict[int, str] = field(default_factory=dict)
-    rank_outcomes: dict = field(default_factory=dict)
-    usage: dict[int, RankUsage] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, status: dict) -> HostStatus:
-        return cls(
-            state=status.get("state", "pending"),
-            started_s=status.get("started_s"),
-            ended_s=status.get("ended_s"),
-            attempt=int(status.get("attempt", 1)),
-            attempts=tuple(status.get("attempts", ())),
-            exitcodes={int(k): v for k, v in (status.get("exitcodes") or {}).items()},
-            failures=tuple(status.get("failures", ())),
-            log_lines=dict(status.get("log_lines") or {}),
-            teardown_ended=tuple(status.get("teardown_ended", ())),
-            waiting=status.get("waiting"),
-            host_lost=status.get("host_lost"),
-            launch_error=status.get("launch_error"),
-            pids={int(k): int(v) for k, v in (status.get("pids") or {}).items()},
-            stacks={int(k): str(v) for k, v in (status.get("stacks") or {}).items()},
-            rank_outcomes={int(k): v for k, v in (status.get("rank_outcomes") or {}).items()},
-            usage={int(k): RankUsage.from_dict(v) for k, v in (status.get("usage") or {}).items()},
-        )
-
-    @property
-    def final(self) -> bool:
-        return self.state in FINAL_STATES
-
-    @property
-    def interrupted(self) -> bool:
-        """Cancelled because the kernel was interrupted (the job's state is ``CANCELLED``)."""
-        return self.state == "interrupted"
-
-
 def write_status(run_dir: RunDir, status: dict) -> None:
     """The launch host's report: ``status.json`` written atomically, then its follower woken.
 
@@ -297,81 +207,6 @@ def write_status(run_dir: RunDir, status: dict) -> None:
         finally:
             os.close(fd)
     signal_status(run_dir)
-
-
-class StatusWriter:
-    """The one writer of a job's ``status.json``, used by every launcher (the launch host's jobs, the Ray
-    supervisor, a live session's cells, the kernel for a job that never reached its launcher).
-
-    It holds the status as a dict (:attr:`status`, which the launcher may change in place before the next
-    :meth:`write`) and makes "the final status is the last write" structural: once :meth:`finish` has written
-    a final state, every later :meth:`write`, :meth:`update` and :meth:`finish` is refused (returns ``False``),
-    so a reader that saw a final state never sees it change.
-
-    A write that fails (a full disk that even :func:`write_status`'s fallback did not cover) is remembered
-    (:attr:`unwritten`) and reported once through ``on_error``; the launcher calls :meth:`write` again later.
-
-    Args:
-        run_dir: the job's run directory.
-        on_error: called with the ``OSError`` of the first failed write in a row; default: raise it.
-        **initial: the status's first keys (not written until :meth:`write` or :meth:`update`).
-    """
-
-    def __init__(self, run_dir: RunDir, on_error: Callable[[OSError], None] | None = None, **initial: Any) -> None:
-        self.run_dir = run_dir
-        self.status: dict[str, Any] = dict(initial)
-        self.finished = False
-        self.unwritten = False
-        self._on_error = on_error
-        self._lock = threading.Lock()
-
-    def write(self) -> bool:
-        """Write :attr:`status` as it is now; ``False`` when the job has finished (nothing is written) or the
-        write failed (see ``on_error``)."""
-        with self._lock:
-            return self._write_locked()
-
-    def update(self, **change: Any) -> bool:
-        """Merge ``change`` into the status and write it; ``False`` (nothing changed) once finished."""
-        with self._lock:
-            if self.finished:
-                return False
-            self.status.update(change)
-            return self._write_locked()
-
-    def finish(self, state: str, **change: Any) -> bool:
-        """Write the final status: ``state`` (one of :data:`FINAL_STATES`), ``ended_s`` (now, unless given) and
-        ``change``; later writes are refused. ``False`` when the job had finished already.
-
-        Raises:
-            ValueError: ``state`` is not a final state.
-        """
-        if state not in FINAL_STATES:
-            raise ValueError(f"{state!r} is not a final job state; one of {sorted(FINAL_STATES)}")
-        with self._lock:
-            if self.finished:
-                return False
-            self.status.update(change)
-            self.status["state"] = state
-            self.status.setdefault("ended_s", time.time())
-            self.finished = True  # a failed write is retried by write(), which must then still go through
-            self._write_locked(final=True)
-            return True
-
-    def _write_locked(self, final: bool = False) -> bool:
-        if self.finished and not final and not self.unwritten:
-            return False
-        try:
-            write_status(self.run_dir, self.status)
-        except OSError as exc:
-            if self._on_error is None:
-                raise
-            if not self.unwritten:
-                self._on_error(exc)
-            self.unwritten = True
-            return False
-        self.unwritten = False
-        return True
 
 
 def signal_status(run_dir: RunDir) -> None:
@@ -483,7 +318,9 @@ class RunDir:
 
     launch_file = _entry("launch.json", "What the job runs: world size, backend, env, timeout (written by the kernel).")
     payload_file = _entry("payload.pkl", "The pickled cell or function and its captured globals.")
-    status_file = _entry("status.json", "The launcher's report (:class:`HostStatus`), written until the final state.")
+    status_file = _entry(
+        "status.json", "The launcher's report (:class:`~sgpu_magic.status.HostStatus`), written until the final state."
+    )
     status_signal = _entry(
         "status.fifo",
         "A FIFO the kernel makes and reads; the launch host writes a byte to it "
@@ -506,6 +343,12 @@ class RunDir:
     stacks_dir = _entry(
         "stacks",
         "``rank_<r>.txt``: each running rank's stack, taken when the job timed out or was cancelled (0700, files 0600).",
+    )
+
+    flight_recorder_dir = _entry(
+        "flight_recorder",
+        "``rank_<r>``: each rank's NCCL flight recorder dump (torch's pickle), written by torch on a collective's "
+        "timeout in a GPU job (0700; see :mod:`sgpu_magic.launch.flight_recorder`).",
     )
 
     def stack_file(self, rank: int) -> Path:

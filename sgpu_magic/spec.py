@@ -24,6 +24,9 @@ DEFAULT_TIMEOUT_S: float = 3 * 3600.0
 DEFAULT_TEARDOWN_GRACE_S: float = 10.0
 """How long a rank may take to exit after its outcome is written before the launch host ends it."""
 
+DEFAULT_STUCK_AFTER_S: float = 300.0
+"""A running job with no new log byte and no metric point from any rank for this long is reported possibly stuck."""
+
 MAX_RANKS = 1024
 MAX_RESTARTS = 1000
 
@@ -51,6 +54,9 @@ class LaunchSpec:
         teardown_grace_s: seconds a rank may take to exit (destructors, ``atexit`` handlers) after its value
             or error is written; a rank still running then is ended (SIGTERM, then SIGKILL) and the job keeps
             its outcome (see :mod:`sgpu_magic.launch.teardown`). Default 10.
+        stuck_after_s: seconds without a log byte or metric point from any rank, while all run, after which the job
+            is reported possibly stuck, with each rank's stack (:mod:`sgpu_magic.launch.host.progress`); ``None``:
+            never. Default 300.
     """
 
     gpus: int
@@ -65,6 +71,7 @@ class LaunchSpec:
     max_restarts: int = 0
     cluster: str | None = None
     teardown_grace_s: float = DEFAULT_TEARDOWN_GRACE_S
+    stuck_after_s: float | None = DEFAULT_STUCK_AFTER_S
 
 
 def shown(value: object) -> str:
@@ -242,6 +249,7 @@ def make_spec(
     max_restarts: object = 0,
     cluster: object = None,
     teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S,
+    stuck_after_s: object = DEFAULT_STUCK_AFTER_S,
 ) -> LaunchSpec:
     """Validate user input into a :class:`LaunchSpec`.
 
@@ -265,6 +273,7 @@ def make_spec(
         max_restarts=_check_max_restarts(max_restarts),
         cluster=_check_cluster(cluster, gpu_ids, max_restarts),
         teardown_grace_s=check_teardown_grace(teardown_grace_s),
+        stuck_after_s=check_timeout(stuck_after_s, "stuck_after_s"),
     )
 
 

@@ -30,6 +30,7 @@ from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.launch.resources import list_gpus
 from sgpu_magic.spec import (
+    DEFAULT_STUCK_AFTER_S,
     DEFAULT_TEARDOWN_GRACE_S,
     DEFAULT_TIMEOUT_S,
     LaunchSpec,
@@ -131,7 +132,7 @@ class DistributedFunction:
     ) -> dict[str, Any]:
         call = f"{self.__sgpu_function__.__name__}.distributed"
         args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
-        payload = capture.capture_function(self.__sgpu_function__, self.max_capture_bytes, warn)
+        payload = capture.capture_function(self.__sgpu_function__, self.max_capture_bytes, warn, ranks=self.spec.gpus)
         payload.update(args=args_bytes, kwargs=kwargs_bytes)
         return payload
 
@@ -294,12 +295,14 @@ def job_spec(
     max_restarts: object = 0,
     cluster: object = None,
     teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S,
+    stuck_after_s: object = config_default("stuck_after_s", DEFAULT_STUCK_AFTER_S),
     remote: object = False,
     num_accelerators: object = None,
     accelerator_type: object = None,
 ) -> LaunchSpec:
     """The :class:`LaunchSpec` for the decorator's and :func:`~sgpu_magic.run_script`'s options (both
     generations of the serverless GPU API's names, ``remote=``), validated before anything starts.
+    ``stuck_after_s`` follows ``%config DistributedMagics.stuck_after_s`` unless given.
 
     Raises:
         SpecError: naming the bad option (see :func:`distributed`).
@@ -323,6 +326,7 @@ def job_spec(
         max_restarts=max_restarts,
         cluster=cluster,
         teardown_grace_s=teardown_grace_s,
+        stuck_after_s=resolve_config(stuck_after_s),
     )
 
 

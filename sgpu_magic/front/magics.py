@@ -29,7 +29,7 @@ from sgpu_magic.front.job_table import JobTable, find_job, latest_running
 from sgpu_magic.front.magic_help import magic_help
 from sgpu_magic.front.session_magics import RANKS_OPTION, SESSION_OPTION, is_session_cell, run_session_cell
 from sgpu_magic.job.handle import jobs
-from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
+from sgpu_magic.spec import DEFAULT_STUCK_AFTER_S, DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
 
 _JOB_OPTIONS = (
     argument(
@@ -153,6 +153,13 @@ class DistributedMagics(Magics):
         "ended and the job keeps its outcome, noting which rank needed it.",
     ).tag(config=True)
 
+    stuck_after_s = Float(
+        DEFAULT_STUCK_AFTER_S,
+        allow_none=True,
+        help="Seconds without a log line or metric point from any rank, while every rank runs, after which a job "
+        "shows 'possibly stuck' with each rank's stack; None = never.",
+    ).tag(config=True)
+
     session_idle_timeout_s = Float(
         None,
         allow_none=True,
@@ -182,6 +189,7 @@ class DistributedMagics(Magics):
                 max_restarts=args.max_restarts,
                 cluster=args.cluster,
                 teardown_grace_s=self.teardown_grace_s,
+                stuck_after_s=self.stuck_after_s,
                 remote=args.remote,
             )
         except SpecError as exc:
@@ -237,7 +245,7 @@ class DistributedMagics(Magics):
         source = checked_source(cell, shell.transform_cell(cell))  # stops bad cells before anything starts
 
         def payload(warn) -> dict:
-            part = capture.capture_cell(source, shell.user_ns, self.max_capture_bytes, warn)
+            part = capture.capture_cell(source, shell.user_ns, self.max_capture_bytes, warn, ranks=spec.gpus)
             part.update(filename=CELL_FILENAME, quiet=ends_quiet(source))
             part.update(cell_label=f"Cell In[{shell.displayhook.prompt_count}]")  # as Out[N]; for stacks
             return part

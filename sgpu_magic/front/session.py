@@ -121,6 +121,7 @@ class Session:
             widgets=resolve_config(widgets),
             mlflow=resolve_config(mlflow),
             gpu_ids=gpu_ids,
+            stuck_after_s=None,  # a session's ranks wait quietly for cells
         )
         idle_timeout_s = check_timeout(resolve_config(idle_timeout), "idle_timeout")
         self.name = self._unique_name(name)
@@ -235,7 +236,9 @@ class Session:
         filename = filename or f"<{label}>"
 
         def build(skip: set[str], warn: Callable[[str], None]) -> dict:
-            payload = capture.capture_cell(source, namespace, self._max_capture_bytes, warn, skip=skip)
+            payload = capture.capture_cell(
+                source, namespace, self._max_capture_bytes, warn, skip=skip, ranks=len(chosen)
+            )
             payload.update(filename=filename, quiet=quiet, display_names={filename: display_name or label})
             return payload
 
@@ -276,13 +279,14 @@ class Session:
         call = f"{self.name}.run({getattr(fn, '__name__', 'fn')})"
         args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
         label = f"session {self.name} cell {len(self._core.jobs) + 1} ({getattr(fn, '__qualname__', 'function')})"
+        chosen = self._core.check_ranks(None)
 
         def build(skip: set[str], warn: Callable[[str], None]) -> dict:
-            payload = capture.capture_function(fn, self._max_capture_bytes, warn, skip=skip)
+            payload = capture.capture_function(fn, self._max_capture_bytes, warn, skip=skip, ranks=len(chosen))
             payload.update(args=args_bytes, kwargs=kwargs_bytes)
             return payload
 
-        return self.follow(self._core.run_job(build, self._core.check_ranks(None), None, label))
+        return self.follow(self._core.run_job(build, chosen, None, label))
 
     def has_failed_cell(self) -> bool:
         """Whether the session's last cell failed (``%distributed_debug`` then debugs it)."""

@@ -24,8 +24,9 @@ from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.client import LaunchHost
 from sgpu_magic.launch.leases import LeaseRegistry
 from sgpu_magic.launch.resources import DevicePlan
-from sgpu_magic.rundir import HostStatus, RunDir, read_json
+from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.spec import LaunchSpec
+from sgpu_magic.status import HostStatus
 
 __all__ = ["CANCEL_WAIT_S", "Job", "jobs"]
 
@@ -222,7 +223,7 @@ class Job(JobLifecycle):
 
     @property
     def status(self) -> HostStatus:
-        """The job's status record as its launcher last wrote it (typed; see :class:`~sgpu_magic.rundir.HostStatus`)."""
+        """The job's status record as its launcher last wrote it (typed; see :class:`~sgpu_magic.status.HostStatus`)."""
         return HostStatus.from_dict(self._status())
 
     @property

@@ -24,8 +24,9 @@ from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import RunDir, StatusWriter, atomic_write_json
+from sgpu_magic.rundir import RunDir, atomic_write_json
 from sgpu_magic.spec import LaunchSpec
+from sgpu_magic.status import StatusWriter
 
 HOST_CHECK_S = 0.5
 """How often a followed job checks that its launch host process still runs."""
@@ -57,6 +58,7 @@ class JobLifecycle:
         self._skipped: dict[str, str] = {}  # free GPUs the last lease try passed over: uuid -> why
         self._sinks = list(sinks)
         self._last_state: JobState | None = None
+        self._stuck: dict[str, Any] | None = None
         self._attempt = 1
         self._error: BaseException | None = None
         self._final_status: dict[str, Any] | None = None
@@ -190,6 +192,7 @@ class JobLifecycle:
             "sys_path": self._sys_path,
             "env": {},
             "teardown_grace_s": spec.teardown_grace_s,
+            "stuck_after_s": spec.stuck_after_s,
         }
         if plan.gpus:
             launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
@@ -280,6 +283,9 @@ class JobLifecycle:
         if state is not self._last_state:
             self._last_state = state
             self._emit("state_changed", self, state)
+        if status.get("stuck") != self._stuck:
+            self._stuck = status.get("stuck")
+            self._emit("stuck_changed", self)
         self._emit("tick", self)
         if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
             assert self._host is not None  # _host_alive asked it

@@ -6,6 +6,7 @@ import pickle
 from typing import Any
 
 from sgpu_magic.errors import (
+    LAST_LINES,
     NO_GPU_HINT,
     JobCancelledError,
     JobTimeoutError,
@@ -15,10 +16,12 @@ from sgpu_magic.errors import (
     SgpuError,
 )
 from sgpu_magic.job.state import JobState, state_from_status
+from sgpu_magic.launch.flight_recorder import flight_recorder_note
 from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.launch.stacks import summary
-from sgpu_magic.rundir import HostStatus, RunDir, read_json, read_private
+from sgpu_magic.rundir import RunDir, read_json, read_private
 from sgpu_magic.spec import LaunchSpec
+from sgpu_magic.status import HostStatus
 
 
 def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:
@@ -48,6 +51,7 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
     """
     exitcodes = {int(k): v for k, v in (status.get("exitcodes") or {}).items()}
     observed = {f["rank"]: f for f in status.get("failures", [])}
+    usage = HostStatus.from_dict(status).usage
     failures = []
     for rank in range(world_size):
         err = read_json(rd.error_file(rank))
@@ -56,6 +60,10 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
         seen = observed.get(rank, {})
         failures.append(
             RankFailure(
+                last_lines=log_tail(rd.log_file(rank)) if err is None else (),
+                oom=seen.get("oom", ""),
+                oom_killed=seen.get("oom_killed"),
+                peak_rss_bytes=usage[rank].peak_rss_bytes if rank in usage else None,
                 rank=rank,
                 exitcode=seen.get("exitcode", exitcodes.get(rank)),
                 exc_type=err["exc_type"] if err else None,
@@ -73,6 +81,29 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
     ran = [int(r) for r in status.get("rank_outcomes") or {}] or range(world_size)  # a session cell: its ranks
     stopped = [r for r in ran if r not in failed and not rd.result_file(r).exists()]
     return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))
+
+
+def log_tail(path, lines: int = LAST_LINES, max_bytes: int = 64 * 1024) -> tuple[str, ...]:
+    """The last ``lines`` non-empty lines of a rank's log (read from its last ``max_bytes``); ``()`` if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - max_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ()
+    kept = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n") if line.strip()]
+    fatal = [i for i, line in enumerate(kept) if line.startswith(FATAL)]
+    if fatal:  # faulthandler's dump (a segfault): the lines before it, its first line, the frames of the user's code
+        frames = [line for line in kept[fatal[-1] + 1 :] if line.startswith('  File "')]
+        mine = frames[: min(4, next((i for i, f in enumerate(frames) if _RANK_ENTRY in f), 4))]
+        kept = kept[: fatal[-1] + 1][-(lines - len(mine)) :] + mine
+    return tuple(line if len(line) <= 300 else line[:297] + "..." for line in kept[-lines:])
+
+
+FATAL = "Fatal Python error: "
+"""How faulthandler's dump of a crashed rank (a segfault) begins in its log."""
+
+_RANK_ENTRY = "/sgpu_magic/rank/"
 
 
 def stopped_error(rd: RunDir, how: str, status: dict | None = None) -> JobCancelledError:
@@ -120,7 +151,7 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
     if state is JobState.TIMED_OUT:
         return JobTimeoutError(
             f"job {job_id} ran longer than its timeout of {spec.timeout_s:g} s; every rank was stopped."
-            f"{_still_running(rd, status)} Logs: {rd.logs_dir}"
+            f"{_still_running(rd, status)}{flight_recorder_note(rd)} Logs: {rd.logs_dir}"
         )
     if state is JobState.CANCELLED:
         how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
@@ -134,6 +165,8 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
     error = failure_from_status(rd, status, plan.world_size)
     if error.root_cause.cuda and plan.backend == "gloo" and plan.cluster is None:
         error.hint = NO_GPU_HINT
+    elif plan.backend == "nccl":
+        error.hint = flight_recorder_note(rd).strip()
     if status.get("attempts"):
         error.attempt_note = (
             f"attempt {status.get('attempt', 1)} of {spec.max_restarts + 1} failed, after "

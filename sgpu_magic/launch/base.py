@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from sgpu_magic._util.fs import count_lines
-from sgpu_magic.rundir import RunDir, StatusWriter
+from sgpu_magic.rundir import RunDir
+from sgpu_magic.status import StatusWriter
 
 
 @runtime_checkable

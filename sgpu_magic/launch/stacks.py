@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from sgpu_magic.errors import SgpuError
-from sgpu_magic.rundir import HostStatus, RunDir, atomic_write_bytes, atomic_write_json, read_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
+from sgpu_magic.status import HostStatus
 
 DUMP_TIMEOUT_S = 5.0
 """Seconds one rank's ``py-spy dump`` may take (all ranks are dumped at once) before it is killed."""

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgpu_magic._util.frames import read_frame, write_frame
-from sgpu_magic.rundir import RunDir, StatusWriter, make_private_dir, make_private_fifo, open_private_fifo
+from sgpu_magic.rundir import RunDir, make_private_dir, make_private_fifo, open_private_fifo
+from sgpu_magic.status import StatusWriter
 
 
 @dataclass

@@ -25,12 +25,13 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
-from sgpu_magic.rundir import RunDir, StatusWriter, signal_status
+from sgpu_magic.rundir import RunDir, signal_status
 from sgpu_magic.session.channel import Request, SessionChannel
 from sgpu_magic.session.launcher import CellLauncher
 from sgpu_magic.session.outcome import cell_status, death_message, mlflow_run
 from sgpu_magic.session.relay import DebugRelay, ReadLine, Write, read_line, write_output
 from sgpu_magic.spec import LaunchSpec
+from sgpu_magic.status import StatusWriter
 
 INTERRUPT_GRACE_S = 5.0
 """How long ranks interrupted in a cell may take to return before the session is declared broken."""

@@ -14,7 +14,8 @@ KILLED on its way down. ``mlflow.start_run()`` in a rank opens that rank's child
 (``errors/rank_N.json``) and the stacks taken when a job timed out or was cancelled (``stacks/rank_N.txt``) are
 attached as artifacts; CPU, memory, disk and network metrics (GPU
 too, through NVML) are recorded with MLflow's system metrics monitor while the job runs, and each rank's peak RSS
-(sampled by the launch host) as ``system/rank_<r>_peak_rss_megabytes`` when it ends.
+(sampled by the launch host) as ``system/rank_<r>_peak_rss_megabytes`` when it ends (and each rank's peak GPU
+memory, where NVML sampled it, as ``system/rank_<r>_peak_gpu_memory_megabytes``).
 
 Where runs go:
 
@@ -356,7 +357,8 @@ class MlflowTracking(JobSink):
             _warn(f"could not set MLflow run {self.run_id} to {status}: {type(exc).__name__}: {exc}")
 
     def _log_peaks(self, job: Job) -> None:
-        """Each rank's peak RSS as sampled by the launch host: ``system/rank_<r>_peak_rss_megabytes``."""
+        """Each rank's peak RSS as sampled by the launch host: ``system/rank_<r>_peak_rss_megabytes``, and its peak GPU
+        memory where NVML sampled it: ``system/rank_<r>_peak_gpu_memory_megabytes``."""
         from mlflow.entities import Metric
 
         assert self._client is not None and self.run_id is not None  # called by finished, for a tracked job
@@ -366,6 +368,11 @@ class MlflowTracking(JobSink):
             metrics = [
                 Metric(f"system/rank_{r}_peak_rss_megabytes", round(u.peak_rss_bytes / 1e6, 1), now_ms, 0)
                 for r, u in sorted(usage.items())
+            ]
+            metrics += [
+                Metric(f"system/rank_{r}_peak_gpu_memory_megabytes", round(u.peak_gpu_memory_bytes / 1e6, 1), now_ms, 0)
+                for r, u in sorted(usage.items())
+                if u.peak_gpu_memory_bytes is not None
             ]
             self._client.log_batch(self.run_id, metrics=metrics, synchronous=True)
 

@@ -21,7 +21,7 @@ from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
 from sgpu_magic.rundir import RankUsage
 from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES, TerminalBuffer
-from sgpu_magic.ui.text import MAX_METRIC_LINES, TextView, restart_reason, summary_lines
+from sgpu_magic.ui.text import MAX_METRIC_LINES, TextView, restart_reason, stuck_line, summary_lines
 
 MAX_FLUSHES_PER_S = 5.0
 
@@ -328,6 +328,12 @@ class Panel(TextView):
             problem += "".join(f"<br><small>{html.escape(note)}</small>" for note in job.notes)
         elif job.activity:
             problem += f"<br><b>{html.escape(job.activity)}</b>"
+        stuck = stuck_line(job) if not state.final else ""
+        if stuck:  # the hang detector's badge (launch host): cleared when a rank writes again
+            badge += (
+                ' <span style="background:#e67e22;color:white;border-radius:4px;padding:1px 6px">possibly stuck</span>'
+            )
+            problem += f"<br><small>{html.escape(stuck)}</small>"
         attempt = job.attempt if job.spec.max_restarts else 1
         if attempt > 1:
             badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"

@@ -9,7 +9,9 @@ from sgpu_magic.errors import describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
-from sgpu_magic.rundir import RankUsage, RunDir, is_attempt_marker, is_traceback_marker
+from sgpu_magic.launch.stacks import summary
+from sgpu_magic.rundir import RunDir, is_attempt_marker, is_traceback_marker
+from sgpu_magic.status import RankUsage
 from sgpu_magic.ui.terminal import terminal_line
 
 
@@ -43,10 +45,27 @@ def metrics_table(last: dict[str, dict[int, float]]) -> list[str]:
 
 
 def peak_rss_line(usage: dict[int, RankUsage]) -> list[str]:
-    """``["peak RSS per rank: rank 0 412 MiB, rank 1 410 MiB"]`` from the launch host's samples; ``[]`` without."""
+    """``["peak RSS per rank: rank 0 412 MiB, rank 1 410 MiB"]`` from the launch host's samples, and the same line
+    for GPU memory where NVML sampled it; ``[]`` without samples."""
     if not usage:
         return []
-    return ["peak RSS per rank: " + ", ".join(f"rank {r} {u.peak_rss_bytes / 2**20:.0f} MiB" for r, u in usage.items())]
+    lines = [
+        "peak RSS per rank: " + ", ".join(f"rank {r} {u.peak_rss_bytes / 2**20:.0f} MiB" for r, u in usage.items())
+    ]
+    gpu = {r: u.peak_gpu_memory_bytes for r, u in usage.items() if u.peak_gpu_memory_bytes is not None}
+    if gpu:
+        lines.append("peak GPU memory per rank: " + ", ".join(f"rank {r} {b / 2**20:.0f} MiB" for r, b in gpu.items()))
+    return lines
+
+
+def stuck_line(job: Job) -> str:
+    """``possibly stuck: no rank has written a log line or a metric for 300 s; rank 0: dist.broadcast at Cell In[4]
+    line 7; rank 1: ...`` while the launch host's hang detector reports the running job, else ``""``."""
+    report = job.status.stuck
+    if report is None or job.state.final:
+        return ""
+    where = f"; {summary(report.stacks)}" if report.stacks else " (taking the ranks' stacks)"
+    return f"possibly stuck: no rank has written a log line or a metric for {report.stuck_after_s:g} s{where}"
 
 
 def summary_lines(job: Job) -> list[str]:
@@ -84,6 +103,7 @@ class TextView(JobSink):
         self._partial: dict[int, str] = {}
         self._failed_ranks: set[int] = set()
         self._traceback_shown = _TRACEBACK_SHOWN[False]
+        self._stuck_said = False
 
     def started(self, job: Job) -> None:
         self._traceback_shown = _TRACEBACK_SHOWN[job.background]
@@ -120,6 +140,16 @@ class TextView(JobSink):
 
     def pending(self, job: Job, why: str) -> None:
         self.note(f"sgpu_magic: job {job.job_id} is pending, {why}")
+
+    def stuck_changed(self, job: Job) -> None:
+        """One line when the job looks stuck (once its stacks are in), and one when its ranks write again."""
+        line = stuck_line(job)
+        if line and job.status.stuck is not None and job.status.stuck.stacks:
+            self._stuck_said = True
+            self.note(f"sgpu_magic: job {job.job_id} is {line}")
+        elif not line and self._stuck_said:
+            self._stuck_said = False
+            self.note(f"sgpu_magic: job {job.job_id} is making progress again")
 
     def restarted(self, job: Job, attempt: int) -> None:
         self._failed_ranks.clear()  # the new attempt's lines are shown again

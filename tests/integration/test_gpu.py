@@ -38,3 +38,81 @@ def test_gpu_type_is_detected_and_checked():
     assert plan.backend == "nccl"
     with pytest.raises(ResourceError, match="matches none of the attached GPUs"):
         plan_devices(make_spec(1, gpu_type="NoSuchGPU"))
+
+
+def test_each_ranks_gpu_is_sampled_and_its_peak_memory_reported(tmp_path):
+    """NVML figures of the rank's GPU while it holds 1 GiB (the launch host samples about once a second), then the
+    peak in the summary and as an MLflow metric; the kernel makes no CUDA context."""
+    from mlflow import MlflowClient
+
+    from sgpu_magic import distributed
+    from sgpu_magic.ui.text import peak_rss_line
+
+    from helpers import wait_for
+
+    go = str(tmp_path / "go")
+
+    @distributed(gpus=1)
+    def hold():
+        import os
+        import time
+
+        import torch
+
+        from sgpu_magic import runtime
+
+        block = torch.empty(1 << 30, dtype=torch.uint8, device=runtime.device())
+        while not os.path.exists(go):
+            time.sleep(0.05)
+        return block.numel()
+
+    job = hold.submit()
+    try:
+        used = wait_for(
+            lambda: (u := job.status.usage.get(0)) and (u.gpu_memory_bytes or 0) >= 1 << 30 and u, 120, "a GPU sample"
+        )
+    finally:
+        open(go, "w").close()
+    assert job.result(timeout_s=120) == [1 << 30]
+    assert used.gpu_memory_total_bytes > used.gpu_memory_bytes and 0 <= used.gpu_percent <= 100 and used.gpu_power_w > 0
+    peak = job.status.usage[0].peak_gpu_memory_bytes
+    assert peak >= 1 << 30
+    assert peak_rss_line(job.status.usage)[1] == f"peak GPU memory per rank: rank 0 {peak / 2**20:.0f} MiB"
+    metrics = MlflowClient().get_run(job.mlflow_run_id).data.metrics
+    assert metrics["system/rank_0_peak_gpu_memory_megabytes"] == round(peak / 1e6, 1)
+    assert not torch.cuda.is_initialized()
+
+
+def test_an_nccl_job_runs_with_the_flight_recorder_on_and_its_dumps_are_summed_up():
+    """The ranks see the flight recorder's switches pointing into the run directory; a dump the rank takes of its own
+    recorder (torch's format, as on a timeout) is read back into the summary."""
+    from sgpu_magic import distributed
+    from sgpu_magic.launch.flight_recorder import flight_recorder_note
+
+    @distributed(gpus=1, mlflow=False)
+    def record():
+        import os
+
+        import torch
+        import torch.distributed as dist
+        from torch._C._distributed_c10d import _dump_nccl_trace
+
+        from sgpu_magic import runtime
+
+        dist.init_process_group(runtime.backend())
+        t = torch.ones(4, device=runtime.device())
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        path = os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] + "0"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, _dump_nccl_trace())
+        os.close(fd)
+        dist.destroy_process_group()
+        return {k: os.environ[k] for k in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")}
+
+    job = record.submit()
+    assert job.result(timeout_s=180) == [{"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}]
+    from sgpu_magic.rundir import RunDir
+
+    note = flight_recorder_note(RunDir(job.run_dir))
+    assert note.startswith(f" NCCL flight recorder ({job.run_dir / 'flight_recorder'}): rank 0: nccl:all_reduce #1 (")

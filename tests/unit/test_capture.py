@@ -65,7 +65,7 @@ def test_large_tensor_warns_before_pickling_and_fast():
     t0 = time.perf_counter()
     out = capture.capture_names({"big"}, {"big": big}, max_bytes=2**27)
     assert out.warnings and "global 'big' (torch.Tensor, 256.0 MiB) is larger than 128.0 MiB" in out.warnings[0]
-    assert "Load or create it inside the cell" in out.warnings[0]
+    assert "it is pickled and copied to every rank. Load or create it inside the cell" in out.warnings[0]
     assert time.perf_counter() - t0 < 30  # sanity only; speed targets live in benchmarks/
 
 
@@ -149,3 +149,21 @@ def test_a_lazy_linecache_entry_is_passed_over(tmp_path):
         assert capture._source_cache({str(path)}) == {}
     finally:
         linecache.cache.pop(str(path), None)
+
+
+def test_the_large_global_warning_says_how_many_ranks_get_a_copy():
+    """The warning counts the copies: the decorator's payload for gpus=2 says 2 ranks, one rank says 1 rank."""
+    import numpy as np
+
+    from sgpu_magic import distributed
+
+    namespace = {"big": np.ones(2**17)}  # 1 MiB, over a 1 KiB limit: a global of the function below
+    exec("def uses_big():\n    return big.sum()\n", namespace)
+    warned: list[str] = []
+    distributed(gpus=2, max_capture_bytes=1024)(namespace["uses_big"])._payload((), {}, warned.append)
+    assert warned == [
+        "global 'big' (numpy.ndarray, 1.0 MiB) is larger than 1.0 KiB; it is pickled and copied to 2 ranks. "
+        "Load or create it inside the cell or function instead."
+    ]
+    out = capture.capture_names({"big"}, {"big": b"x" * 2048}, max_bytes=1024, ranks=1)
+    assert "it is pickled and copied to 1 rank." in out.warnings[0]

@@ -23,7 +23,8 @@ from sgpu_magic.launch.stacks import (
     take_stacks,
     where,
 )
-from sgpu_magic.rundir import HostStatus, RunDir
+from sgpu_magic.rundir import RunDir
+from sgpu_magic.status import HostStatus
 
 from helpers import wait_for
 

@@ -49,7 +49,7 @@ def test_directory_of_another_user_is_refused(tmp_path):
 
 def test_status_writer_makes_the_final_status_the_last_write(tmp_path):
     from sgpu_magic.launch.base import finish_job
-    from sgpu_magic.rundir import StatusWriter
+    from sgpu_magic.status import StatusWriter
 
     rd = RunDir.create(tmp_path)
     rd.payload_file.write_bytes(b"code")
@@ -71,7 +71,7 @@ def test_status_writer_makes_the_final_status_the_last_write(tmp_path):
 
 
 def test_status_writer_refuses_a_state_that_is_not_final(tmp_path):
-    from sgpu_magic.rundir import StatusWriter
+    from sgpu_magic.status import StatusWriter
 
     writer = StatusWriter(RunDir.create(tmp_path))
     with pytest.raises(ValueError, match=r"^'running' is not a final job state; one of \['cancelled', 'failed', "):
@@ -80,7 +80,7 @@ def test_status_writer_refuses_a_state_that_is_not_final(tmp_path):
 
 
 def test_status_writer_retries_a_failed_write_and_reports_it_once(tmp_path):
-    from sgpu_magic.rundir import StatusWriter
+    from sgpu_magic.status import StatusWriter
 
     rd = RunDir.create(tmp_path)
     rd.status_file.mkdir()  # a write cannot replace a directory: each write fails with an OSError

@@ -54,3 +54,15 @@ def test_a_run_that_leaves_files_in_the_repository_fails_naming_them(tmp_path, l
     else:
         assert run.returncode == 0, run.stdout + run.stderr
         assert "left files" not in run.stdout
+
+
+def test_every_test_module_has_a_name_of_its_own():
+    """The test folders are not packages (rootdir-relative imports): two ``test_x.py`` in two folders make pytest
+    refuse the second one ("import file mismatch") when both are collected, as in CI's whole-suite run."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, f"test modules share a name (rename one): {clashes}"

@@ -6,23 +6,24 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-import psutil
-
-from sgpu_magic._util.redact import redact
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.launch.base import finish_job
 from sgpu_magic.launch.env import rank_env
+from sgpu_magic.launch.flight_recorder import flight_recorder_env
+from sgpu_magic.launch.host.cleanup import host_log, import_mlflow_in_background, kill_leftovers, release_lease
+from sgpu_magic.launch.host.forensics import OomWatch
+from sgpu_magic.launch.host.progress import ProgressWatch
 from sgpu_magic.launch.host.usage import UsageSampler
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import save_stacks
 from sgpu_magic.launch.teardown import TeardownGuard
-from sgpu_magic.rundir import RunDir, StatusWriter, attempt_marker, read_json
+from sgpu_magic.rundir import RunDir, attempt_marker, read_json
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
+from sgpu_magic.status import StatusWriter
 
 if TYPE_CHECKING:
     from typing import TypeVar
@@ -114,6 +115,7 @@ def _make_context(
     from sgpu_magic.rank import worker
 
     world = launch["world_size"]
+    env = {**env, **flight_recorder_env(run_dir, launch["backend"], env)}
     envs = {r: rank_env(launch, r, port, env, restart_count) for r in range(world)}
     logs = DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir))
     if warm:
@@ -174,7 +176,7 @@ class HostJob:
         os.environ.clear()
         os.environ.update(env)
         if self.launch.get("mlflow"):
-            _import_mlflow_in_background()  # so that ending its run on the way down takes no import time
+            import_mlflow_in_background()  # so that ending its run on the way down takes no import time
         self.env, self.pool = env, pool
         self.attempt, self.max_restarts = 1, int(self.launch.get("max_restarts") or 0)
         self.done = False
@@ -184,7 +186,10 @@ class HostJob:
         )
         self.ctx: PContext | None = None
         self.pids: dict[int, int] = {}
-        self.usage = UsageSampler()
+        gpus = self.launch.get("env", {}).get("SGPU_MAGIC_GPUS", "")
+        self.usage = UsageSampler([int(i) for i in gpus.split(",") if i] if self.launch["backend"] == "nccl" else [])
+        self.oom = OomWatch()
+        self.progress = ProgressWatch(run_dir, self.launch["world_size"], self.launch.get("stuck_after_s"))
         self.warm_by = 0.0
         self._start_when_warm()
 
@@ -205,9 +210,11 @@ class HostJob:
             warm = self.pool is not None and self.pool.ready(self.launch["sys_path"])
         self.status["start_method"] = "forkserver" if warm else "subprocess"
         self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.attempt - 1)
+        self.oom.watch(self.launch["world_size"])
         self.ctx.start()
         self.pids = self.ctx.pids()
         self.usage.watch(self.pids)
+        self.progress.restart()
         _make_tree_private(self.run_dir.elastic_dir)  # torch elastic made its per-rank folders with the umask
         self.status.update(
             state="running", attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()}
@@ -251,19 +258,28 @@ class HostJob:
         self.guard.check(self.pids)
         result = self.ctx.wait(0)
         if result is None:
-            if self.usage.sample():
-                self.status["usage"] = self.usage.as_status()
-                self.write()
+            self._sample()
             return
         failures = self.guard.spare(getattr(self.ctx, "first_failures", None) or result.failures)
         now = time.time()
         self.status["failures"] = [
-            {"rank": r, "exitcode": f.exitcode, "time_s": now} for r, f in sorted(failures.items())
+            {"rank": r, "exitcode": f.exitcode, "time_s": now, **self.oom.verdict(r, self.pids.get(r), f.exitcode)}
+            for r, f in sorted(failures.items())
         ]
         if failures and self.attempt <= self.max_restarts:
             self._restart()
             return
         self._finish("failed" if failures else "succeeded")
+
+    def _sample(self) -> None:
+        """About once a second: the ranks' usage, their memory cgroups, and whether the job is possibly stuck."""
+        if not self.usage.sample():
+            return
+        self.status["usage"] = self.usage.as_status()
+        self.oom.sample(self.pids)
+        if self.progress.check(self.pids):
+            self.status["stuck"] = self.progress.report()
+        self.write()
 
     def _restart(self) -> None:
         """torchrun's restart policy: stop every rank, keep this attempt's record, start them all again.
@@ -328,111 +344,14 @@ class HostJob:
 
     def _finish(self, state: str) -> None:
         kill_leftovers(set(self.pids.values()), self.launch["job_id"])
+        self.status.pop("stuck", None)
+        self.usage.gpu.close()
         if self.guard.ended:
             self.status["teardown_ended"] = self.guard.report()
         exitcodes = {str(r): code for r, code in _exitcodes(self.ctx).items()} if self.ctx else {}
         self.store = None  # closes the rendezvous listener before the kernel hears the job ended
         # the final status is the last thing written: once the kernel reads it, the run dir and the
         # leases are in their final form (no payload, GPUs free)
-        _release_lease(self.launch)
+        release_lease(self.launch)
         finish_job(self.writer, state, self.launch["world_size"], exitcodes=exitcodes)
         self.done = True
-
-
-def _release_lease(launch: dict) -> None:
-    """Give back the job's GPUs as soon as its ranks are gone, also when the kernel is gone (a kernel
-    that is shut down or killed never gets to); the kernel's own release is then a no-op."""
-    if not launch.get("lease_dir"):
-        return
-    try:
-        from sgpu_magic.launch.leases import LeaseRegistry
-
-        LeaseRegistry(launch["lease_dir"]).release(launch["job_id"])
-    except Exception as exc:  # noqa: BLE001 - the next job reclaims it once this host is gone
-        print(
-            f"sgpu_magic host: could not release the GPUs of job {launch['job_id']}: {exc}", file=sys.stderr, flush=True
-        )
-
-
-def host_log(message: str) -> None:
-    """A line in the host's own log; nothing (rather than a crash) when that disk is full too."""
-    try:
-        print(redact(message), file=sys.stderr, flush=True)
-    except OSError:
-        pass
-
-
-def _belongs_to(process: psutil.Process, job_id: str | None) -> bool:
-    """Whether ``process`` was started for job ``job_id``: it carries the job's ``SGPU_MAGIC_JOB_ID``."""
-    if not job_id:
-        return False
-    try:
-        return process.environ().get("SGPU_MAGIC_JOB_ID") == job_id
-    except (psutil.Error, OSError):
-        return False
-
-
-def kill_leftovers(rank_pids: set[int], job_id: str | None = None) -> None:
-    """SIGKILL what the ranks left behind and reap it: every descendant of this host (a subreaper, so it
-    adopts orphans) in a rank's session, or carrying the job's ``SGPU_MAGIC_JOB_ID`` in its environment
-    (children that started their own session, double-forked daemons)."""
-    victims = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.pid in rank_pids or os.getsid(child.pid) in rank_pids or _belongs_to(child, job_id):
-                if child.status() != psutil.STATUS_ZOMBIE and child.pid not in rank_pids:
-                    child.kill()
-                    victims.append(child)
-        except (psutil.Error, ProcessLookupError):
-            continue
-    # A SIGKILLed process takes a moment to die: reaping at once with WNOHANG left it a zombie.
-    # psutil's wait reaps the victims that are already this process's children.
-    psutil.wait_procs(victims, timeout=1.0)
-    reap_adopted(rank_pids)
-
-
-_RUN_STATUS = {"succeeded": "FINISHED", "failed": "FAILED"}  # cancelled, interrupted, timed_out: KILLED
-
-
-_mlflow_import: threading.Thread | None = None
-
-
-def _import_mlflow_in_background() -> None:
-    global _mlflow_import
-    if _mlflow_import is None:
-        _mlflow_import = threading.Thread(target=lambda: __import__("mlflow"), name="import-mlflow", daemon=True)
-        _mlflow_import.start()
-
-
-def end_mlflow_run(launch: dict, state: str) -> None:
-    """End the job's MLflow run if it is still RUNNING: the host is exiting, so the kernel is gone (or let
-    go of the host) and may have died before it ended the run; a job stopped now ends KILLED.
-
-    mlflow is imported only here; a failure is logged, never raised.
-    """
-    info = launch.get("mlflow") or {}
-    if not info.get("run_id"):
-        return
-    status = _RUN_STATUS.get(state, "KILLED")
-    try:
-        from mlflow import MlflowClient
-
-        client = MlflowClient(info["tracking_uri"])
-        if client.get_run(info["run_id"]).info.status == "RUNNING":
-            client.set_terminated(info["run_id"], status)
-    except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
-        host_log(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}")
-
-
-def reap_adopted(keep: set[int]) -> None:
-    """Reap exited children of this subreaper, except ``keep`` (live ranks, which their Popen reaps).
-
-    Processes that ranks leave behind are adopted by the host whenever their parent dies (for
-    example DataLoader workers that exit after their rank), so this also runs periodically.
-    """
-    for child in psutil.Process().children():
-        if child.pid not in keep:
-            try:
-                os.waitpid(child.pid, os.WNOHANG)
-            except ChildProcessError:
-                pass

@@ -37,10 +37,12 @@ from pathlib import Path
 import psutil
 
 from sgpu_magic._util.proc import adopt_orphans
-from sgpu_magic.launch.host.job import HostJob, end_mlflow_run, host_log, reap_adopted
+from sgpu_magic.launch.host.cleanup import end_mlflow_run, host_log, reap_adopted
+from sgpu_magic.launch.host.job import HostJob
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import answer as answer_stacks
-from sgpu_magic.rundir import HOST_WARM_STATS, RunDir, StatusWriter, host_warm_marker
+from sgpu_magic.rundir import HOST_WARM_STATS, RunDir, host_warm_marker
+from sgpu_magic.status import StatusWriter
 
 POLL_S = 0.02
 

@@ -1,10 +1,11 @@
 """Each rank's CPU and memory, sampled by the launch host about once a second into the job's status
-(:class:`~sgpu_magic.rundir.RankUsage`, ``status.json``'s ``usage``).
+(:class:`~sgpu_magic.status.RankUsage`, ``status.json``'s ``usage``).
 
 CPU % is ``psutil.Process.cpu_percent`` over the time since the last sample (100 = one core busy); RSS is the
 rank process's resident set; the peak is the kernel's high-water mark of it (``VmHWM`` in ``/proc/<pid>/status``,
 so a peak between two samples counts too), else the largest RSS sampled. The rank process only: processes it
-started (DataLoader workers) are not added. A rank that has ended keeps its last figures.
+started (DataLoader workers) are not added. A rank that has ended keeps its last figures. With NVML, each rank's
+GPU figures come with them (:class:`~sgpu_magic.launch.host.gpu.GpuSampler`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import time
 
 import psutil
 
-from sgpu_magic.rundir import RankUsage
+from sgpu_magic.launch.host.gpu import GpuSampler
+from sgpu_magic.status import RankUsage
 
 SAMPLE_INTERVAL_S = 1.0
 """How often the host samples a running job's ranks."""
@@ -34,7 +36,8 @@ def _high_water_bytes(pid: int) -> int:
 class UsageSampler:
     """Samples the ranks ``{rank: pid}`` of one attempt; :meth:`sample` when due, :attr:`usage` the figures."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu_indices: list[int] | None = None) -> None:
+        self.gpu = GpuSampler(gpu_indices or [])
         self._procs: dict[int, psutil.Process] = {}
         self.usage: dict[int, RankUsage] = {}
         self._next_s = 0.0
@@ -56,6 +59,7 @@ class UsageSampler:
         if not force and now < self._next_s:
             return False
         self._next_s = now + SAMPLE_INTERVAL_S
+        gpu = self.gpu.sample({rank: process.pid for rank, process in self._procs.items()})
         for rank, process in self._procs.items():
             try:
                 with process.oneshot():
@@ -65,7 +69,11 @@ class UsageSampler:
             before = self.usage.get(rank)
             peak = max(rss, _high_water_bytes(process.pid), before.peak_rss_bytes if before else 0)
             self.usage[rank] = RankUsage(
-                cpu_percent=round(cpu, 1), rss_bytes=rss, peak_rss_bytes=peak, time_s=time.time()
+                cpu_percent=round(cpu, 1),
+                rss_bytes=rss,
+                peak_rss_bytes=peak,
+                time_s=time.time(),
+                **gpu.get(rank, {}),  # type: ignore[arg-type] # GpuSampler's keys and types
             )
         return True
 

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic.launch.base import finish_job
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
-from sgpu_magic.rundir import RunDir, StatusWriter, atomic_write_bytes, atomic_write_json, read_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
+from sgpu_magic.status import StatusWriter
 
 if TYPE_CHECKING:
     import subprocess

@@ -1,0 +1,111 @@
+"""What the launch host does on the way out of a job: give back its GPUs, kill and reap what its ranks left behind,
+end its MLflow run when the kernel could not; and the host's own log lines."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import psutil
+
+from sgpu_magic._util.redact import redact
+
+
+def release_lease(launch: dict) -> None:
+    """Give back the job's GPUs as soon as its ranks are gone, also when the kernel is gone (a kernel
+    that is shut down or killed never gets to); the kernel's own release is then a no-op."""
+    if not launch.get("lease_dir"):
+        return
+    try:
+        from sgpu_magic.launch.leases import LeaseRegistry
+
+        LeaseRegistry(launch["lease_dir"]).release(launch["job_id"])
+    except Exception as exc:  # noqa: BLE001 - the next job reclaims it once this host is gone
+        print(
+            f"sgpu_magic host: could not release the GPUs of job {launch['job_id']}: {exc}", file=sys.stderr, flush=True
+        )
+
+
+def host_log(message: str) -> None:
+    """A line in the host's own log; nothing (rather than a crash) when that disk is full too."""
+    try:
+        print(redact(message), file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _belongs_to(process: psutil.Process, job_id: str | None) -> bool:
+    """Whether ``process`` was started for job ``job_id``: it carries the job's ``SGPU_MAGIC_JOB_ID``."""
+    if not job_id:
+        return False
+    try:
+        return process.environ().get("SGPU_MAGIC_JOB_ID") == job_id
+    except (psutil.Error, OSError):
+        return False
+
+
+def kill_leftovers(rank_pids: set[int], job_id: str | None = None) -> None:
+    """SIGKILL what the ranks left behind and reap it: every descendant of this host (a subreaper, so it
+    adopts orphans) in a rank's session, or carrying the job's ``SGPU_MAGIC_JOB_ID`` in its environment
+    (children that started their own session, double-forked daemons)."""
+    victims = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.pid in rank_pids or os.getsid(child.pid) in rank_pids or _belongs_to(child, job_id):
+                if child.status() != psutil.STATUS_ZOMBIE and child.pid not in rank_pids:
+                    child.kill()
+                    victims.append(child)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    # A SIGKILLed process takes a moment to die: reaping at once with WNOHANG left it a zombie.
+    # psutil's wait reaps the victims that are already this process's children.
+    psutil.wait_procs(victims, timeout=1.0)
+    reap_adopted(rank_pids)
+
+
+_RUN_STATUS = {"succeeded": "FINISHED", "failed": "FAILED"}  # cancelled, interrupted, timed_out: KILLED
+
+
+_mlflow_import: threading.Thread | None = None
+
+
+def import_mlflow_in_background() -> None:
+    global _mlflow_import
+    if _mlflow_import is None:
+        _mlflow_import = threading.Thread(target=lambda: __import__("mlflow"), name="import-mlflow", daemon=True)
+        _mlflow_import.start()
+
+
+def end_mlflow_run(launch: dict, state: str) -> None:
+    """End the job's MLflow run if it is still RUNNING: the host is exiting, so the kernel is gone (or let
+    go of the host) and may have died before it ended the run; a job stopped now ends KILLED.
+
+    mlflow is imported only here; a failure is logged, never raised.
+    """
+    info = launch.get("mlflow") or {}
+    if not info.get("run_id"):
+        return
+    status = _RUN_STATUS.get(state, "KILLED")
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(info["tracking_uri"])
+        if client.get_run(info["run_id"]).info.status == "RUNNING":
+            client.set_terminated(info["run_id"], status)
+    except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
+        host_log(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}")
+
+
+def reap_adopted(keep: set[int]) -> None:
+    """Reap exited children of this subreaper, except ``keep`` (live ranks, which their Popen reaps).
+
+    Processes that ranks leave behind are adopted by the host whenever their parent dies (for
+    example DataLoader workers that exit after their rank), so this also runs periodically.
+    """
+    for child in psutil.Process().children():
+        if child.pid not in keep:
+            try:
+                os.waitpid(child.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass

@@ -1,0 +1,228 @@
+"""A job's ``status.json``: its one writer (:class:`StatusWriter`), the typed view readers take of it
+(:class:`HostStatus`) and its parts: each rank's sampled usage (:class:`RankUsage`) and the hang detector's report
+(:class:`StuckReport`). The file's name, its atomic write and its final states are :mod:`sgpu_magic.rundir`'s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgpu_magic.rundir import FINAL_STATES, RunDir, write_status
+
+
+@dataclass(frozen=True)
+class RankUsage:
+    """One rank's CPU, memory and GPU as the launch host last sampled them (about once a second; see
+    :mod:`sgpu_magic.launch.host.usage` and :mod:`sgpu_magic.launch.host.gpu`).
+
+    Attributes:
+        cpu_percent: CPU use since the previous sample, in percent of one core (200.0: two cores busy).
+        rss_bytes: the rank process's resident memory, in bytes.
+        peak_rss_bytes: the most resident memory it has had so far, in bytes (the kernel's high-water mark).
+        time_s: epoch seconds of the sample.
+        gpu_percent: its GPU's utilisation in percent (NVML); ``None`` without a GPU or NVML.
+        gpu_memory_bytes, gpu_memory_total_bytes: memory in use on its GPU (its own process's where NVML lists it,
+            else the device's), and the device's total, in bytes; ``None`` without NVML.
+        gpu_power_w: its GPU's power draw in watts; ``None`` without NVML.
+        peak_gpu_memory_bytes: the most GPU memory sampled so far, in bytes; ``None`` without NVML.
+    """
+
+    cpu_percent: float
+    rss_bytes: int
+    peak_rss_bytes: int
+    time_s: float
+    gpu_percent: float | None = None
+    gpu_memory_bytes: int | None = None
+    gpu_memory_total_bytes: int | None = None
+    gpu_power_w: float | None = None
+    peak_gpu_memory_bytes: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RankUsage:
+        gpu = {k: d.get(k) for k in _GPU_KEYS}
+        return cls(float(d["cpu_percent"]), int(d["rss_bytes"]), int(d["peak_rss_bytes"]), float(d["time_s"]), **gpu)
+
+    def as_dict(self) -> dict[str, float]:
+        out = {
+            "cpu_percent": self.cpu_percent,
+            "rss_bytes": self.rss_bytes,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "time_s": self.time_s,
+        }
+        return out | {k: getattr(self, k) for k in _GPU_KEYS if getattr(self, k) is not None}
+
+
+_GPU_KEYS = ("gpu_percent", "gpu_memory_bytes", "gpu_memory_total_bytes", "gpu_power_w", "peak_gpu_memory_bytes")
+
+
+@dataclass(frozen=True)
+class StuckReport:
+    """The launch host's hang detector found no progress (:mod:`sgpu_magic.launch.host.progress`): no rank has written
+    a log byte or a metric point since ``quiet_since_s`` (epoch seconds), for at least ``stuck_after_s`` seconds,
+    while every rank still runs. ``stacks``: ``{rank: where}`` as for a timeout (``{}`` until py-spy has answered)."""
+
+    quiet_since_s: float
+    stuck_after_s: float
+    stacks: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> StuckReport | None:
+        if not d:
+            return None
+        stacks = {int(k): str(v) for k, v in (d.get("stacks") or {}).items()}
+        return cls(float(d["quiet_since_s"]), float(d["stuck_after_s"]), stacks)
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    """A job's ``status.json`` as its launcher (the launch host or the Ray supervisor) last wrote it: the typed
+    view the Job handle, the panel and tracking read. Keys the file lacks take the defaults below.
+
+    Attributes:
+        state: ``pending``, ``starting``, ``running``, or one of :data:`FINAL_STATES`.
+        started_s, ended_s: epoch seconds when the ranks started and the job ended (``None`` before).
+        attempt: the attempt that runs (or ran last), from 1; ``attempts``: the failed ones before it.
+        exitcodes: ``{rank: exit code}`` once the ranks ended (negative: killed by that signal).
+        failures: the failures the launcher observed (``{"rank", "exitcode", "time_s"}``), root cause first.
+        log_lines: ``{rank: lines}`` in each log once the job ended (a view that skipped shows the count).
+        teardown_ended: ranks the teardown grace ended (``{"rank", "outcome", "grace_s", "signal"}``).
+        waiting: why a Ray job waits for the cluster's resources; ``host_lost``, ``launch_error``: why it failed.
+        pids: ``{rank: process id}`` of the current attempt's ranks on the launch host's machine (``{}`` on Ray).
+        stacks: ``{rank: where}`` for the ranks still running when the job timed out or was cancelled, taken just
+            before they were stopped, e.g. ``{0: "dist.broadcast at Cell In[4] line 7"}`` (their whole stacks:
+            ``stacks/rank_<r>.txt``); ``{}`` when no rank was running then.
+        rank_outcomes: a live session's cell: ``{rank: "returned" | "raised" | "interrupted" | "did not return"}``
+            (its ranks do not exit, so ``exitcodes`` says nothing of them).
+        usage: ``{rank: RankUsage}``: each rank's CPU %, RSS and peak RSS, sampled about once a second by the launch
+            host while the job runs (the last sample once it has ended); ``{}`` before the first sample, on Ray
+            and for a session's cell.
+        stuck: the hang detector's report while the job is possibly stuck (:class:`StuckReport`), else ``None``.
+    """
+
+    state: str = "pending"
+    started_s: float | None = None
+    ended_s: float | None = None
+    attempt: int = 1
+    attempts: tuple = ()
+    exitcodes: dict = field(default_factory=dict)
+    failures: tuple = ()
+    log_lines: dict = field(default_factory=dict)
+    teardown_ended: tuple = ()
+    waiting: str | None = None
+    host_lost: str | None = None
+    launch_error: str | None = None
+    pids: dict[int, int] = field(default_factory=dict)
+    stacks: dict[int, str] = field(default_factory=dict)
+    rank_outcomes: dict = field(default_factory=dict)
+    usage: dict[int, RankUsage] = field(default_factory=dict)
+    stuck: StuckReport | None = None
+
+    @classmethod
+    def from_dict(cls, status: dict) -> HostStatus:
+        return cls(
+            state=status.get("state", "pending"),
+            started_s=status.get("started_s"),
+            ended_s=status.get("ended_s"),
+            attempt=int(status.get("attempt", 1)),
+            attempts=tuple(status.get("attempts", ())),
+            exitcodes={int(k): v for k, v in (status.get("exitcodes") or {}).items()},
+            failures=tuple(status.get("failures", ())),
+            log_lines=dict(status.get("log_lines") or {}),
+            teardown_ended=tuple(status.get("teardown_ended", ())),
+            waiting=status.get("waiting"),
+            host_lost=status.get("host_lost"),
+            launch_error=status.get("launch_error"),
+            pids={int(k): int(v) for k, v in (status.get("pids") or {}).items()},
+            stacks={int(k): str(v) for k, v in (status.get("stacks") or {}).items()},
+            rank_outcomes={int(k): v for k, v in (status.get("rank_outcomes") or {}).items()},
+            usage={int(k): RankUsage.from_dict(v) for k, v in (status.get("usage") or {}).items()},
+            stuck=StuckReport.from_dict(status.get("stuck")),
+        )
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+    @property
+    def interrupted(self) -> bool:
+        """Cancelled because the kernel was interrupted (the job's state is ``CANCELLED``)."""
+        return self.state == "interrupted"
+
+
+class StatusWriter:
+    """The one writer of a job's ``status.json``, used by every launcher (the launch host's jobs, the Ray
+    supervisor, a live session's cells, the kernel for a job that never reached its launcher).
+
+    It holds the status as a dict (:attr:`status`, which the launcher may change in place before the next
+    :meth:`write`) and makes "the final status is the last write" structural: once :meth:`finish` has written
+    a final state, every later :meth:`write`, :meth:`update` and :meth:`finish` is refused (returns ``False``),
+    so a reader that saw a final state never sees it change.
+
+    A write that fails (a full disk that even :func:`write_status`'s fallback did not cover) is remembered
+    (:attr:`unwritten`) and reported once through ``on_error``; the launcher calls :meth:`write` again later.
+
+    Args:
+        run_dir: the job's run directory.
+        on_error: called with the ``OSError`` of the first failed write in a row; default: raise it.
+        **initial: the status's first keys (not written until :meth:`write` or :meth:`update`).
+    """
+
+    def __init__(self, run_dir: RunDir, on_error: Callable[[OSError], None] | None = None, **initial: Any) -> None:
+        self.run_dir = run_dir
+        self.status: dict[str, Any] = dict(initial)
+        self.finished = False
+        self.unwritten = False
+        self._on_error = on_error
+        self._lock = threading.Lock()
+
+    def write(self) -> bool:
+        """Write :attr:`status` as it is now; ``False`` when the job has finished (nothing is written) or the
+        write failed (see ``on_error``)."""
+        with self._lock:
+            return self._write_locked()
+
+    def update(self, **change: Any) -> bool:
+        """Merge ``change`` into the status and write it; ``False`` (nothing changed) once finished."""
+        with self._lock:
+            if self.finished:
+                return False
+            self.status.update(change)
+            return self._write_locked()
+
+    def finish(self, state: str, **change: Any) -> bool:
+        """Write the final status: ``state`` (one of :data:`FINAL_STATES`), ``ended_s`` (now, unless given) and
+        ``change``; later writes are refused. ``False`` when the job had finished already.
+
+        Raises:
+            ValueError: ``state`` is not a final state.
+        """
+        if state not in FINAL_STATES:
+            raise ValueError(f"{state!r} is not a final job state; one of {sorted(FINAL_STATES)}")
+        with self._lock:
+            if self.finished:
+                return False
+            self.status.update(change)
+            self.status["state"] = state
+            self.status.setdefault("ended_s", time.time())
+            self.finished = True  # a failed write is retried by write(), which must then still go through
+            self._write_locked(final=True)
+            return True
+
+    def _write_locked(self, final: bool = False) -> bool:
+        if self.finished and not final and not self.unwritten:
+            return False
+        try:
+            write_status(self.run_dir, self.status)
+        except OSError as exc:
+            if self._on_error is None:
+                raise
+            if not self.unwritten:
+                self._on_error(exc)
+            self.unwritten = True
+            return False
+        self.unwritten = False
+        return True
