@@ -160,7 +160,6 @@ def test_bad_input_is_refused_and_leaves_the_session_usable(sess, call, error, m
         ("%distributed_push not_defined_anywhere", r"no name 'not_defined_anywhere' in the kernel's namespace"),
         ("%distributed_session start shared --gpus 2", r"session 'shared' is already running in this kernel"),
         ("%distributed_session start --gpus 0", r"gpus must be"),
-        ("%distributed_session start --gpus 1 --cluster auto", r"not supported for sessions yet"),
         ("%distributed_session start --gpus 1 --idle-timeout soon", r"--idle-timeout takes seconds > 0"),
         ("%distributed_session frobnicate", r"invalid choice: 'frobnicate'"),
     ],
