@@ -8,6 +8,7 @@ the last ones break it, restart it and stop it. Skipped without Ray (``pip insta
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 import psutil
@@ -20,6 +21,7 @@ from sgpu_magic import Session  # noqa: E402
 from sgpu_magic.errors import CellInterruptedError, RankFailedError, ResourceError, SessionError  # noqa: E402
 
 from helpers import wait_for, wait_gone  # noqa: E402
+from kernel_utils import execute, start_kernel, stop_kernel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +48,7 @@ def test_a_cluster_address_where_nothing_answers_is_refused_naming_it(ip):
 def cluster():
     from ray.cluster_utils import Cluster
 
-    for attempt in (1, 2):  # a raylet gets 30 s (hard-coded in Ray) to register: a busy 2-core machine may miss it
+    for attempt in (1, 2, 3):  # a raylet gets 30 s (hard-coded in Ray) to register: a busy 2-core machine may miss it
         c = Cluster(initialize_head=False, connect=False)
         try:
             c.add_node(num_cpus=1, include_dashboard=False)
@@ -55,7 +57,7 @@ def cluster():
             break
         except Exception:
             c.shutdown()
-            if attempt == 2:
+            if attempt == 3:
                 raise
     yield c
     if ray.is_initialized():
@@ -109,6 +111,19 @@ def test_a_cell_error_fails_the_cell_and_keeps_the_ranks(sess):
     assert sess.pids == pids and all(psutil.pid_exists(p) for p in pids.values())
 
 
+def test_the_debugger_reaches_a_rank_on_its_node(sess, monkeypatch, capsys):
+    """pdb's prompts travel through the rank's actor: post-mortem after a failed cell, and runtime.breakpoint()."""
+    answers = ["p secret", "q", "p x", "c"]
+    monkeypatch.setattr("builtins.input", lambda prompt="": answers.pop(0))
+    with pytest.raises(RankFailedError, match=r"RuntimeError: failed on purpose"):
+        sess.run_cell("secret = 41 + rank\nraise RuntimeError('failed on purpose')")
+    sess.debug(1)
+    assert "42" in capsys.readouterr().out
+    assert sess.run_cell("from sgpu_magic import runtime\nx = rank + 1\nruntime.breakpoint(rank=1)\nx * 10") == [10, 20]
+    out = capsys.readouterr().out
+    assert "rank 1 stopped in pdb" in out and "\n2\n" in out and answers == []
+
+
 def test_interrupt_keeps_the_state(sess, tmp_path):
     marker = tmp_path / "started"
     errors: list[BaseException] = []
@@ -146,3 +161,24 @@ def test_stop_leaves_no_rank_and_no_actor(sess):
     sess.stop()
     assert not wait_gone(pids, 30)
     wait_for(lambda: not _agents(), 60, "Ray to remove the session's rank actors")
+
+
+def test_a_sigkilled_kernel_leaves_no_session_rank_or_actor(cluster, tmp_path):
+    """The kernel is the Ray driver and owns the session's actors: when it is SIGKILLed, Ray removes them, and
+    the ranks die with them."""
+    km, kc = start_kernel(cwd=tmp_path, env={"SGPU_MAGIC_WIDGETS": "0"})
+    try:
+        out = execute(
+            kc,
+            f"%distributed_session start --gpus 2 --cluster {cluster.address} --no-mlflow -o s\n"
+            "print('pids', *s.pids.values())",
+            timeout_s=300,
+        )
+        assert out.error is None, out.error
+        pids = [int(p) for p in out.stdout.split("pids ", 1)[1].split()]
+        assert all(psutil.pid_exists(p) for p in pids) and _agents()
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        assert not wait_gone(pids, 60), "the session's ranks outlived the kernel"
+        wait_for(lambda: not _agents(), 60, "Ray to remove the dead kernel's rank actors")
+    finally:
+        stop_kernel(km, kc)

@@ -112,6 +112,21 @@ def test_interrupt_keeps_the_state(sess, tmp_path):
     assert sess.run_cell("w.sum().item()") == [3.0, 6.0]
 
 
+def test_an_interrupt_after_a_breakpoint_raises_in_the_cell(sess, monkeypatch, capsys):
+    """pdb's ``c`` leaves no SIGINT handler of its own behind: the next interrupt still raises in the cell."""
+    answers = ["c"]
+    monkeypatch.setattr("builtins.input", lambda prompt="": answers.pop(0))
+    assert sess.run_cell("from sgpu_magic import runtime\nruntime.breakpoint(rank=1)\nrank") == [0, 1]
+    assert answers == [] and "rank 1 stopped in pdb" in capsys.readouterr().out
+    from sgpu_magic.errors import JobTimeoutError
+
+    with pytest.raises(
+        JobTimeoutError, match=r"ran longer than its timeout of 0.5 s and was interrupted; the ranks kept"
+    ):
+        sess.run_cell("import time\nwhile True:\n    time.sleep(0.01)", timeout=0.5)
+    assert sess.run_cell("rank") == [0, 1]
+
+
 def test_a_cell_timeout_interrupts_the_cell_and_keeps_the_state(sess):
     from sgpu_magic.errors import JobTimeoutError
 
