@@ -94,8 +94,10 @@ class Session:
         mlflow: track the session as one MLflow run and each cell as a child run. Default True.
         name: the session's name (``%%distributed --session NAME``). Default ``s1``, ``s2``, ...
 
-    The ranks start at once (from the launch host's warm forkserver), hold their GPU leases until the session
-    stops, and end with the kernel. Raises :class:`~sgpu_magic.errors.SpecError` for bad options and
+    The ranks start at once (from the launch host's warm forkserver, or in Ray actors with ``cluster``), hold their
+    GPU leases (or the cluster's bundles) until the session stops, and end with the kernel. Raises
+    :class:`~sgpu_magic.errors.SpecError` for bad options, :class:`~sgpu_magic.errors.ResourceError` when the
+    cluster cannot be reached (``cannot connect to the Ray cluster ...``) or is too small, and
     :class:`~sgpu_magic.errors.SessionError` when the ranks could not start.
     """
 
