@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 
 ray = pytest.importorskip("ray")
 
-from sgpu_magic import Session  # noqa: E402
+from sgpu_magic import Session, distributed  # noqa: E402
 from sgpu_magic.errors import CellInterruptedError, RankFailedError, ResourceError, SessionError  # noqa: E402
 
 from helpers import wait_for, wait_gone  # noqa: E402
@@ -101,6 +101,16 @@ def test_push_pull_subsets_and_functions(sess):
         return float(w.sum()) * k  # noqa: F821 - w lives in the ranks' namespace
 
     assert sess.run(weighted, 2) == [6.0, 12.0]
+    on_cluster = distributed(gpus=2, cluster=sess.job.spec.cluster, widgets=False, mlflow=False)(weighted)
+    assert sess.run(on_cluster, 3) == [9.0, 18.0]  # a decorated function runs in the session too
+
+
+def test_a_cells_metrics_come_back_from_the_nodes(sess):
+    job = sess.submit_cell(
+        "from sgpu_magic import runtime\nfor s in range(3):\n    runtime.log_metric('m', s + rank, step=s)", {}
+    )
+    job.result()
+    assert job.metrics() == {"m": {0: [(0, 0.0), (1, 1.0), (2, 2.0)], 1: [(0, 1.0), (1, 2.0), (2, 3.0)]}}
 
 
 def test_a_cell_error_fails_the_cell_and_keeps_the_ranks(sess):
