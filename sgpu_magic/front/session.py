@@ -85,15 +85,19 @@ class Session:
         gpus: number of ranks (one GPU each; CPU ranks with gloo without GPUs). Default: every GPU, at least 1.
         gpu_type: GPU model to require (as ``@distributed``). Default ``None``: any.
         gpu_ids: physical GPU indices, one per rank. Default ``None``: any free GPUs.
-        cluster: a Ray cluster; not supported for sessions yet (:class:`~sgpu_magic.errors.SpecError`).
+        cluster: run the ranks on a Ray cluster (``"auto"``, ``"ray://head:10001"`` or a GCS ``host:port``), as
+            ``@distributed(cluster=...)``: one actor per rank in a placement group, kept for the session's life
+            (see the Ray guide page for its limits). Default ``None``: this machine's ranks.
         idle_timeout: stop the session after this many seconds without a cell (its GPUs are released);
             ``None``: never. Default: ``%config DistributedMagics.session_idle_timeout_s`` (``None``).
         widgets: the panel (True), plain text (False) or decide (None), as for ``@distributed``.
         mlflow: track the session as one MLflow run and each cell as a child run. Default True.
         name: the session's name (``%%distributed --session NAME``). Default ``s1``, ``s2``, ...
 
-    The ranks start at once (from the launch host's warm forkserver), hold their GPU leases until the session
-    stops, and end with the kernel. Raises :class:`~sgpu_magic.errors.SpecError` for bad options and
+    The ranks start at once (from the launch host's warm forkserver, or in Ray actors with ``cluster``), hold their
+    GPU leases (or the cluster's bundles) until the session stops, and end with the kernel. Raises
+    :class:`~sgpu_magic.errors.SpecError` for bad options, :class:`~sgpu_magic.errors.ResourceError` when the
+    cluster cannot be reached (``cannot connect to the Ray cluster ...``) or is too small, and
     :class:`~sgpu_magic.errors.SessionError` when the ranks could not start.
     """
 
@@ -108,11 +112,6 @@ class Session:
         mlflow: bool = FromConfig("mlflow", True),  # type: ignore[assignment]
         name: str | None = None,
     ) -> None:
-        if cluster is not None:
-            raise SpecError(
-                f"sessions run on this machine's ranks; cluster={shown(cluster)} is not supported for sessions yet. "
-                f"Leave cluster out, or run jobs on the cluster with @distributed(cluster=...)"
-            )
         spec = job_spec(
             "session",
             gpus,
@@ -122,6 +121,7 @@ class Session:
             mlflow=resolve_config(mlflow),
             gpu_ids=gpu_ids,
             stuck_after_s=None,  # a session's ranks wait quietly for cells
+            cluster=cluster,
         )
         idle_timeout_s = check_timeout(resolve_config(idle_timeout), "idle_timeout")
         self.name = self._unique_name(name)

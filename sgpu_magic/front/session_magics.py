@@ -107,7 +107,10 @@ class SessionMagics(Magics):
     @argument("--gpu-type", default=None, help="start: GPU model to require, e.g. H100.")
     @argument("--gpu-ids", default=None, metavar="I,J", help="start: physical GPU indices, one per rank.")
     @argument(
-        "--cluster", default=None, metavar="ADDRESS", help="start: a Ray cluster (not supported for sessions yet)."
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="start: run the ranks on a Ray cluster ('auto', 'ray://host:10001' or host:port).",
     )
     @argument(
         "--idle-timeout",

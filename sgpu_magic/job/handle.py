@@ -77,6 +77,7 @@ class Job(JobLifecycle):
 
     job_id = property(lambda self: self._rd.job_id)
     run_dir = property(lambda self: self._rd.path)
+    launcher = property(lambda self: self._host, doc="The launcher that runs the job (``None`` before its launch).")
 
     @property
     def run_url(self) -> str | None:

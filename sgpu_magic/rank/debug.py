@@ -140,7 +140,9 @@ def breakpoint_here(frame: types.FrameType) -> None:
             flush=True,
         )
         return
-    debugger = _Detaching(stdin=_channel(cell), stdout=_channel(cell))  # type: ignore[arg-type] # a text stream
+    # nosigint: pdb's `c` would leave its own SIGINT handler, and the next interrupt of a cell would stop the rank
+    # in pdb instead of raising KeyboardInterrupt (the session's interrupt then breaks the session)
+    debugger = _Detaching(stdin=_channel(cell), stdout=_channel(cell), nosigint=True)  # type: ignore[arg-type]
     debugger.use_rawinput = False
     debugger.set_trace(frame)
 
@@ -161,7 +163,7 @@ def post_mortem(exc: BaseException, replies: int, commands: int, head: dict) -> 
         write_frame(replies, pickle.dumps({**head, **body, "has_value": False}, protocol=pickle.HIGHEST_PROTOCOL))
 
     channel = _ChannelIO(send, commands)
-    debugger = pdb.Pdb(stdin=channel, stdout=channel)  # type: ignore[arg-type] # a text stream: what pdb uses of IO
+    debugger = pdb.Pdb(stdin=channel, stdout=channel, nosigint=True)  # type: ignore[arg-type] # a text stream
     debugger.use_rawinput = False
     tb = exc.__traceback__
     frames = user_frames(tb)

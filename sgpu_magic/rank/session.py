@@ -171,6 +171,8 @@ def serve(run_dir: RunDir, ns: dict) -> None:
     replies = open_private_fifo(run_dir.session_reply(rank), os.O_WRONLY)
     running = _Running()
     signal.signal(signal.SIGINT, running.on_sigint)
+    # a rank started by a Ray actor's thread inherits that thread's blocked SIGINT: the interrupt would never land
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _reply(replies, 0, rank, {"ok": True, "op": "ready", "pid": os.getpid()}, None, ns)
     while True:
         try:

@@ -13,14 +13,18 @@ import os
 import pickle
 import queue
 import select
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sgpu_magic._util.frames import read_frame, write_frame
 from sgpu_magic.rundir import RunDir, make_private_dir, make_private_fifo, open_private_fifo
 from sgpu_magic.status import StatusWriter
+
+if TYPE_CHECKING:
+    from sgpu_magic.job.handle import Job
 
 
 @dataclass
@@ -59,6 +63,18 @@ class Request:
         return [r for r in self.ranks if r not in self.replies]
 
 
+class Channel(Protocol):
+    """What a session needs of its channel to the ranks: :class:`SessionChannel` on this machine,
+    :class:`~sgpu_magic.session.ray_channel.RaySessionChannel` on a Ray cluster."""
+
+    def make(self) -> None: ...
+    def attach(self, job: Job) -> None: ...
+    def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None: ...
+    def read_ready(self, timeout_s: float) -> list[tuple[int, dict[str, Any], bytes | None]]: ...
+    def interrupt(self, rank: int, pid: int) -> None: ...
+    def close(self) -> None: ...
+
+
 class SessionChannel:
     """The FIFOs of one session's ranks, opened by the kernel.
 
@@ -82,6 +98,16 @@ class SessionChannel:
             ):
                 make_private_fifo(path)
                 fds[rank] = open_private_fifo(path, os.O_RDWR)
+
+    def attach(self, job: Job) -> None:
+        """The session's job is submitted (nothing to do: the FIFOs were made before)."""
+
+    def interrupt(self, rank: int, pid: int) -> None:
+        """SIGINT to ``rank`` (process ``pid``): ``KeyboardInterrupt`` in the cell it runs."""
+        try:
+            os.kill(pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
 
     def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None:
         """Send ``message`` to each of ``ranks`` (a pickle, one frame each).
@@ -123,3 +149,13 @@ class SessionChannel:
                     pass
             self._commands.clear()
             self._replies.clear()
+
+
+def new_channel(run_dir: RunDir, world_size: int, cluster: str | None) -> Channel:
+    """The channel of a session whose run directory is ``run_dir``: FIFOs here, or through the rank actors of
+    the Ray cluster ``cluster`` (the FIFOs are then on the ranks' nodes)."""
+    if cluster is not None:
+        from sgpu_magic.session.ray_channel import RaySessionChannel
+
+        return RaySessionChannel(run_dir, world_size)
+    return SessionChannel(run_dir, world_size)

@@ -12,8 +12,6 @@ so the layers above follow a cell exactly as they follow a job.
 from __future__ import annotations
 
 import enum
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +24,7 @@ from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
 from sgpu_magic.rundir import RunDir, signal_status
-from sgpu_magic.session.channel import Request, SessionChannel
+from sgpu_magic.session.channel import Channel, Request, new_channel
 from sgpu_magic.session.launcher import CellLauncher
 from sgpu_magic.session.outcome import cell_status, death_message, mlflow_run
 from sgpu_magic.session.relay import DebugRelay, ReadLine, Write, read_line, write_output
@@ -87,7 +85,7 @@ class SessionCore:
         self.debug_io: tuple[Write, ReadLine] = (write_output, read_line)
         """How a rank's pdb talks to the user: ``(write(text), read_line(prompt))``; the kernel's output and input()."""
         self._names: dict[int, set[str]] = {}
-        self._channel: SessionChannel | None = None
+        self._channel: Channel | None = None
         self._request: Request | None = None
         self._seq = 0
         self._lock = threading.Lock()
@@ -111,7 +109,7 @@ class SessionCore:
         self.state = SessionState.STARTING
 
         def make_channel(rd: RunDir) -> None:
-            self._channel = SessionChannel(rd, self.world_size)
+            self._channel = new_channel(rd, self.world_size, self.spec.cluster)
             self._channel.make()
 
         sinks = self.make_sinks(self.spec, None)
@@ -124,6 +122,8 @@ class SessionCore:
             before_launch=make_channel,
         )
         self.job.title = self.spec.name  # "session s1", in its summary line, panel header and %distributed_jobs
+        assert self._channel is not None  # made before the launch
+        self._channel.attach(self.job)
         request = self._new_request(tuple(range(self.world_size)))
         self._reader = threading.Thread(
             target=self._read_loop, args=(self._channel,), name=f"sgpu_magic session {self.name}", daemon=True
@@ -295,21 +295,18 @@ class SessionCore:
         """``KeyboardInterrupt`` in every rank running the current cell; whether a cell was running."""
         with self._lock:
             request = self._request
-        if request is None or request.run_dir is None:
+        if request is None or request.run_dir is None or self._channel is None:
             return False
         request.reason = request.reason or reason
         if request.grace_end is None:
             request.grace_end = time.monotonic() + INTERRUPT_GRACE_S
         for rank in request.missing:
-            try:
-                os.kill(self.pids[rank], signal.SIGINT)
-            except ProcessLookupError:
-                pass
+            self._channel.interrupt(rank, self.pids[rank])
         return True
 
     # -- the reader thread
 
-    def _read_loop(self, channel: SessionChannel) -> None:
+    def _read_loop(self, channel: Channel) -> None:
         """The reader thread of one start of the session: it ends when that start's channel is replaced or closed."""
         try:
             while self.state is not SessionState.STOPPED and self._channel is channel:

@@ -19,7 +19,7 @@ from sgpu_magic.job.follow import JobSink
 
 if TYPE_CHECKING:
     from sgpu_magic.job.handle import Job
-    from sgpu_magic.session.channel import Request, SessionChannel
+    from sgpu_magic.session.channel import Channel, Request
 
 Write = Callable[[str], None]
 ReadLine = Callable[[str], str]
@@ -36,7 +36,7 @@ class DebugRelay(JobSink):
 
     needs_every_line = False
 
-    def __init__(self, channel: SessionChannel, write: Write, read_line: ReadLine) -> None:
+    def __init__(self, channel: Channel, write: Write, read_line: ReadLine) -> None:
         self.channel, self.write, self.read_line = channel, write, read_line
         self.request: Request | None = None
         self.active: int | None = None

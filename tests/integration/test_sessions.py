@@ -112,6 +112,21 @@ def test_interrupt_keeps_the_state(sess, tmp_path):
     assert sess.run_cell("w.sum().item()") == [3.0, 6.0]
 
 
+def test_an_interrupt_after_a_breakpoint_raises_in_the_cell(sess, monkeypatch, capsys):
+    """pdb's ``c`` leaves no SIGINT handler of its own behind: the next interrupt still raises in the cell."""
+    answers = ["c"]
+    monkeypatch.setattr("builtins.input", lambda prompt="": answers.pop(0))
+    assert sess.run_cell("from sgpu_magic import runtime\nruntime.breakpoint(rank=1)\nrank") == [0, 1]
+    assert answers == [] and "rank 1 stopped in pdb" in capsys.readouterr().out
+    from sgpu_magic.errors import JobTimeoutError
+
+    with pytest.raises(
+        JobTimeoutError, match=r"ran longer than its timeout of 0.5 s and was interrupted; the ranks kept"
+    ):
+        sess.run_cell("import time\nwhile True:\n    time.sleep(0.01)", timeout=0.5)
+    assert sess.run_cell("rank") == [0, 1]
+
+
 def test_a_cell_timeout_interrupts_the_cell_and_keeps_the_state(sess):
     from sgpu_magic.errors import JobTimeoutError
 
@@ -160,7 +175,6 @@ def test_bad_input_is_refused_and_leaves_the_session_usable(sess, call, error, m
         ("%distributed_push not_defined_anywhere", r"no name 'not_defined_anywhere' in the kernel's namespace"),
         ("%distributed_session start shared --gpus 2", r"session 'shared' is already running in this kernel"),
         ("%distributed_session start --gpus 0", r"gpus must be"),
-        ("%distributed_session start --gpus 1 --cluster auto", r"not supported for sessions yet"),
         ("%distributed_session start --gpus 1 --idle-timeout soon", r"--idle-timeout takes seconds > 0"),
         ("%distributed_session frobnicate", r"invalid choice: 'frobnicate'"),
     ],

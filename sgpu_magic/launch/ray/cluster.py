@@ -6,7 +6,7 @@ Ray places and keeps the processes; torch's own rendezvous makes the process gro
    when the cluster has no GPU), packed onto nodes as Ray packs them (``PACK``); while the cluster
    cannot supply them the job stays ``starting`` and says what is missing (or, with ``wait=False``,
    fails at once with :class:`~sgpu_magic.errors.ResourceError`);
-2. one :class:`_RankAgent` actor per rank, in its bundle. It starts the rank as a fresh
+2. one :class:`~sgpu_magic.launch.ray.agent.RankAgent` actor per rank, in its bundle. It starts the rank as a fresh
    ``python -m sgpu_magic.rank.worker`` process on its node, in a private run directory there, with
    torchrun's environment contract: ``MASTER_ADDR`` = the node of rank 0, ``MASTER_PORT`` a port
    free there, ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` per node (ranks numbered in

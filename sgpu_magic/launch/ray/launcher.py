@@ -6,17 +6,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic.launch.base import finish_job
+from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
 from sgpu_magic.status import StatusWriter
 
 if TYPE_CHECKING:
-    import subprocess
-
     from ray.util.placement_group import PlacementGroup
 
 LOG_PULL_S = 0.2
@@ -31,84 +29,6 @@ def _bundle(backend: str, gpu_type: str | None) -> dict[str, float]:
     if gpu_type:
         bundle[f"accelerator_type:{gpu_type}"] = 0.001
     return bundle
-
-
-def _agent_class():
-    ray = ray_module()
-
-    @ray.remote(max_concurrency=4)
-    class _RankAgent:
-        """One rank's agent on its node: runs the rank as a child process and serves its files."""
-
-        def __init__(self) -> None:
-            import tempfile
-
-            self.dir = Path(tempfile.mkdtemp(prefix="sgpu-ray-rank-"))  # 0700
-            self.proc: subprocess.Popen[bytes] | None = None
-
-        def node(self) -> tuple[str, str, list[str]]:
-            """(node id, node IP, the GPU ids Ray gave this actor)."""
-            ctx = ray.get_runtime_context()
-            return ctx.get_node_id(), ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
-
-        def free_port(self) -> int:
-            from sgpu_magic.launch.resources import free_port
-
-            return free_port()
-
-        def run(self, rank: int, payload: bytes, launch: dict, env: dict) -> dict:
-            import subprocess
-            import sys
-
-            rd = RunDir(self.dir)
-            for folder in (rd.logs_dir, rd.results_dir, rd.errors_dir):
-                folder.mkdir(mode=0o700, exist_ok=True)
-            atomic_write_bytes(rd.payload_file, payload)
-            atomic_write_json(rd.launch_file, launch)
-            rd.log_file(rank).touch(mode=0o600)
-            env = {**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())}
-            self.proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "sgpu_magic.rank.worker", str(rd.path)],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            from sgpu_magic.launch.teardown import wait_with_grace
-            from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
-
-            grace_s = launch.get("teardown_grace_s")
-            code, ended = wait_with_grace(
-                self.proc, rd, rank, DEFAULT_TEARDOWN_GRACE_S if grace_s is None else grace_s, 3.0
-            )
-            result = rd.result_file(rank).read_bytes() if rd.result_file(rank).exists() else None
-            error = read_json(rd.error_file(rank))
-            return {"exitcode": code, "result": result, "error": error, "teardown": ended}
-
-        def cleanup(self) -> None:
-            """Stop the rank (its whole session) if it still runs, and remove this node's copy of its files."""
-            import shutil
-            import signal
-
-            if self.proc is not None and self.proc.poll() is None:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                self.proc.wait()
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-        def pid(self) -> int | None:
-            return None if self.proc is None else self.proc.pid
-
-        def read_log(self, rank: int, offset: int) -> bytes:
-            try:
-                with open(RunDir(self.dir).log_file(rank), "rb") as f:
-                    f.seek(offset)
-                    return f.read(8 << 20)
-            except FileNotFoundError:
-                return b""
-
-    return _RankAgent
 
 
 class RayLauncher:
@@ -136,6 +56,11 @@ class RayLauncher:
     def alive(self) -> bool:
         return all(s.is_alive() or s.finished for s in self._jobs.values())
 
+    def agents(self, run_dir: RunDir) -> list | None:
+        """The rank actors of the job in ``run_dir`` once its ranks run (rank order), else ``None``."""
+        sup = self._jobs.get(run_dir.job_id)
+        return sup.actors if sup is not None and sup.running.is_set() and not sup.finished else None
+
 
 class _Supervisor(threading.Thread):
     def __init__(self, rd: RunDir, cluster: str, gpu_type: str | None) -> None:
@@ -152,6 +77,8 @@ class _Supervisor(threading.Thread):
         self.finished = False
         self.offsets = [0] * self.world
         self.actors: list = []
+        self.running = threading.Event()
+        """Set once every rank has started (its actor's ``run`` called)."""
         self.pg: PlacementGroup | None = None
 
     def stop(self, reason: str) -> None:
@@ -203,7 +130,7 @@ class _Supervisor(threading.Thread):
                     f"{total:g} {unit}s free now"
                 )
         self.status.pop("waiting", None)
-        agent = _agent_class()
+        agent = agent_class()
         self.actors = [
             agent.options(
                 num_cpus=int(gloo),
@@ -228,6 +155,7 @@ class _Supervisor(threading.Thread):
             nodes={str(r): ip for r, (_, ip, _) in enumerate(nodes)},
             pids={str(r): p for r, p in enumerate(pids) if p is not None},
         )
+        self.running.set()
         pending = dict(zip(refs, range(self.world)))
         exitcodes: dict[str, int | None] = {}
         last_pull = 0.0
@@ -270,7 +198,8 @@ class _Supervisor(threading.Thread):
 
     def _rank_launch(self) -> dict:
         keep = ("job_id", "name", "world_size", "backend", "cwd", "sys_path", "teardown_grace_s")
-        return {k: self.launch.get(k) for k in keep}
+        # a live session's run directory has its session folder (made by its channel): the agents make the FIFOs
+        return {**{k: self.launch.get(k) for k in keep}, "session": self.rd.session_dir.is_dir()}
 
     def _rank_env(self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int) -> dict[str, str]:
         """torchrun's contract for ``rank``; ``nodes[r]`` = (node id, IP, Ray's GPU ids) of rank ``r``'s actor."""

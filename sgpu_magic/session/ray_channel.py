@@ -1,0 +1,168 @@
+"""The kernel's end of a session whose ranks run on a Ray cluster: the same requests as
+:class:`~sgpu_magic.session.channel.SessionChannel`, relayed through each rank's actor.
+
+Each rank's FIFOs live on its node, held by its actor (:class:`~sgpu_magic.launch.ray.agent.SessionPipe`). The
+kernel sends a command with one actor call (a cell's payload travels with it into a node-side run directory of the
+cell), and keeps one pending ``session_recv`` call per rank, which returns the rank's next frame; the session's
+reader thread waits on them (:meth:`RaySessionChannel.read_ready`). While a cell runs its ranks' logs are copied
+from their nodes as a Ray job's are; when a rank's reply ends the cell, its result, error and metrics files are
+written into the cell's run directory here before the reply is handed on, so the cell's Job finds them as for a
+local session.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sgpu_magic.launch.ray.cluster import ray_module
+from sgpu_magic.launch.ray.launcher import LOG_PULL_S
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, make_private_dir, read_private
+
+if TYPE_CHECKING:
+    from sgpu_magic.job.handle import Job
+
+RECV_WAIT_S = 2.0
+"""How long one ``session_recv`` call waits on a rank's node for a frame before it is asked again."""
+
+CALL_TIMEOUT_S = 30.0
+"""How long a send, a log read or an interrupt may take on the cluster before the channel counts it as failed."""
+
+
+class RaySessionChannel:
+    """A Ray session's channel (see the module docstring). ``job``: the session's job, set once it is submitted
+    (its launcher knows the rank actors)."""
+
+    def __init__(self, run_dir: RunDir, world_size: int) -> None:
+        self.run_dir, self.world_size = run_dir, world_size
+        self.job: Job | None = None
+        self._agents: list | None = None
+        self._recv: dict[Any, int] = {}
+        self._cells: dict[int, list] = {}  # rank -> [the cell's RunDir here, log offset]
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pulled = 0.0
+
+    def make(self) -> None:
+        """Mark the run directory as a session's: the rank actors make the FIFOs on their nodes."""
+        make_private_dir(self.run_dir.session_dir)
+
+    def attach(self, job: Job) -> None:
+        """The session's job is submitted: its launcher will know the rank actors once they run."""
+        self.job = job
+
+    def _actors(self) -> list | None:
+        if self._agents is None and self.job is not None and not self._closed:
+            agents = getattr(self.job.launcher, "agents", None)
+            found = agents(self.run_dir) if agents is not None else None
+            if found is not None:
+                self._agents = list(found)
+                for rank in range(self.world_size):
+                    self._ask(rank)
+        return self._agents
+
+    def _ask(self, rank: int) -> None:
+        assert self._agents is not None
+        self._recv[self._agents[rank].session_recv.remote(RECV_WAIT_S)] = rank
+
+    def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None:
+        """Send ``message`` to each of ``ranks`` (a cell's payload with it) and wait until each actor has it.
+
+        Raises:
+            OSError: the ranks are not running (yet, or any more), or an actor failed.
+        """
+        agents = self._actors()
+        if agents is None:
+            raise OSError(f"the session's ranks on the Ray cluster are not running ({self.run_dir})")
+        payload = None
+        if message["op"] == "cell":
+            cell = RunDir(message["run_dir"])
+            payload = read_private(cell.payload_file, cell.path)
+            message = {**message, "run_dir": cell.job_id}
+            with self._lock:
+                self._cells.update({r: [cell, 0] for r in ranks})
+        ray = ray_module()
+        try:
+            ray.get([agents[r].session_send.remote(message, payload) for r in ranks], timeout=CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - Ray's errors: an actor died, a timeout
+            raise OSError(f"sending to the session's ranks failed ({type(exc).__name__}: {exc})") from None
+
+    def interrupt(self, rank: int, pid: int) -> None:
+        """SIGINT to ``rank``'s process on its node (through its actor)."""
+        if self._agents is not None:
+            self._agents[rank].session_interrupt.remote()
+
+    def read_ready(self, timeout_s: float) -> list[tuple[int, dict[str, Any], bytes | None]]:
+        """Wait up to ``timeout_s`` for frames from the ranks; each as ``(rank, reply, pickled value or None)``."""
+        if self._actors() is None or not self._recv:
+            time.sleep(timeout_s)
+            return []
+        ray = ray_module()
+        ready, _ = ray.wait(list(self._recv), num_returns=1, timeout=timeout_s)
+        if ready:
+            rest = [ref for ref in self._recv if ref not in ready]
+            ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0] if rest else []
+        if time.monotonic() - self._pulled > LOG_PULL_S:
+            self._pull_logs()
+        out = []
+        for ref in ready:
+            rank = self._recv.pop(ref)
+            try:
+                got = ray.get(ref)
+            except Exception:  # noqa: BLE001 - the actor is gone: the session's job ends, which breaks the session
+                continue
+            if got == "gone" or self._closed:
+                continue  # the rank exited: no more frames (its job's end says why)
+            self._ask(rank)
+            if got is not None:
+                reply, value, files = got
+                if files:
+                    self._end_cell(rank, files)
+                out.append((rank, reply, value))
+        return out
+
+    def _end_cell(self, rank: int, files: dict[str, bytes]) -> None:
+        """Bring the rest of ``rank``'s cell log, then its result, error and metrics files, into the cell's run
+        directory here (before its reply is handed on and the cell's final status is written)."""
+        with self._lock:
+            entry = self._cells.pop(rank, None)
+        if entry is None:
+            return
+        self._pull_log(rank, entry)
+        cell: RunDir = entry[0]
+        for name, data in files.items():
+            path = cell.path / name
+            if ".." in Path(name).parts or path.is_symlink():
+                continue
+            make_private_dir(path.parent)
+            atomic_write_bytes(path, data)
+
+    def _pull_logs(self) -> None:
+        self._pulled = time.monotonic()
+        with self._lock:
+            entries = list(self._cells.items())
+        for rank, entry in entries:
+            self._pull_log(rank, entry)
+
+    def _pull_log(self, rank: int, entry: list) -> None:
+        if self._agents is None:
+            return
+        cell: RunDir = entry[0]
+        try:
+            chunk = ray_module().get(
+                self._agents[rank].read_log.remote(rank, entry[1], cell.job_id), timeout=CALL_TIMEOUT_S
+            )
+        except Exception:  # noqa: BLE001 - a dead actor has no more log to give
+            return
+        if chunk:
+            with open(cell.log_file(rank), "ab") as f:
+                f.write(chunk)
+            entry[1] += len(chunk)
+
+    def close(self) -> None:
+        """Forget the actors (their job's end removes them); later reads return nothing."""
+        self._closed = True
+        self._agents = None
+        self._recv.clear()
