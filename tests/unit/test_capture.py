@@ -1,7 +1,6 @@
 """Capture: which globals are sent, warnings for large or unpicklable ones, refused arguments."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -60,13 +59,11 @@ def test_unpicklable_global_warns_and_becomes_a_placeholder():
     assert "stats_lock" in repr(placeholder)
 
 
-def test_large_tensor_warns_before_pickling_and_fast():
+def test_large_tensor_warns_before_pickling():
     big = torch.empty(2**28, dtype=torch.uint8)  # 256 MiB, estimated from its shape
-    t0 = time.perf_counter()
     out = capture.capture_names({"big"}, {"big": big}, max_bytes=2**27)
     assert out.warnings and "global 'big' (torch.Tensor, 256.0 MiB) is larger than 128.0 MiB" in out.warnings[0]
     assert "Load or create it inside the cell" in out.warnings[0]
-    assert time.perf_counter() - t0 < 30  # sanity only; speed targets live in benchmarks/
 
 
 def test_large_plain_object_warns_from_its_pickle_size():
@@ -146,6 +143,6 @@ def test_a_lazy_linecache_entry_is_passed_over(tmp_path):
     spec.loader.exec_module(module)
     try:
         assert linecache.lazycache(str(path), module.__dict__)
-        assert capture._source_cache({str(path)}) == {}
+        assert capture.source_cache({str(path)}) == {}
     finally:
         linecache.cache.pop(str(path), None)
