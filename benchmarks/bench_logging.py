@@ -65,7 +65,7 @@ _h0, _c0, _t0 = _host_cpu(), time.process_time(), time.perf_counter()
 _loops = _fn.distributed({lines}, {redirect!r})
 _wall, _cpu, _h1 = time.perf_counter() - _t0, time.process_time() - _c0, _host_cpu()
 _job = _fn.last_job
-_view = (getattr(_job, "_sinks", None) or [None])[-1]
+_view = getattr(_job, "view", None)
 _paths = _job.log_paths if {redirect!r} is None else [f"{{{redirect!r}}}.{{r}}" for r in range({ranks})]
 _counts = [_count_lines(p, r, {lines}) for r, p in enumerate(_paths)] if {redirect!r} != os.devnull else []
 if {redirect!r} and {redirect!r} != os.devnull:

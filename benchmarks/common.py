@@ -53,7 +53,7 @@ def _host_cpu():
 # tracking off where the option exists (it is not measured here)
 _KW = {"mlflow": False} if "mlflow" in inspect.signature(distributed).parameters else {}
 _parser = getattr(_DM.distributed, "parser", None)
-_MAGIC_FLAGS = "--no-mlflow" if _parser and any("--no-mlflow" in a.option_strings for a in _parser._actions) else ""
+_MAGIC_FLAGS = "--no-mlflow" if _parser and "--no-mlflow" in _parser.format_usage() else ""
 _emit(mlflow_kw=bool(_KW), magic_no_mlflow=bool(_MAGIC_FLAGS), magic_flags=_MAGIC_FLAGS,
       tracking_sink_does_something=any(m in vars(_MT) for m in vars(_JS) if not m.startswith("__")))
 '''
@@ -116,6 +116,7 @@ class Config:
     teardown_launches: int = 500
     session_ranks: tuple[int, ...] = (2, 8)
     session_reps: int = 30
+    responsive_reps: int = 3
 
     @classmethod
     def make(cls, quick: bool, gpu: bool, only: set[str], soak: int, reps: int | None) -> Config:
@@ -142,6 +143,7 @@ class Config:
                 teardown_launches=100,
                 session_ranks=(2,),
                 session_reps=10,
+                responsive_reps=1,
             )
         else:
             cfg = cls(
@@ -166,6 +168,7 @@ class Config:
             )
         if reps:
             cfg.launch_reps = cfg.train_reps = cfg.log_reps = cfg.capture_reps = cfg.gather_reps = cfg.gpu_reps = reps
+            cfg.responsive_reps = reps
         return cfg
 
 

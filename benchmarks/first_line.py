@@ -12,8 +12,8 @@ import statistics
 import time
 
 from sgpu_magic import distributed
-from sgpu_magic.front.decorator import start
 from sgpu_magic.launch.client import get_host
+from sgpu_magic.testing import start_job
 from sgpu_magic.ui.text import TextView
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     for _ in range(args.repeats):
         view = _Stamp()
         t0 = time.perf_counter()
-        job = start(fn.spec, lambda warn: fn._payload((), {}, warn), view)
+        job = start_job(fn, (), view=view)
         assert job.result() == [float(args.ranks)] * args.ranks
         total.append(time.perf_counter() - t0)
         first.append(view.first_line_s - t0)

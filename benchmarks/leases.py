@@ -36,7 +36,7 @@ def main() -> None:
     from sgpu_magic.launch.client import get_host
     from sgpu_magic.launch.leases import LeaseRegistry
     from sgpu_magic.launch.resources import fake_gpus
-    from sgpu_magic.rundir import read_json
+    from sgpu_magic.rundir import RunDir, read_json
 
     @distributed(gpus=2, widgets=False, mlflow=False)
     def trivial():
@@ -62,7 +62,7 @@ def main() -> None:
         released = time.time()
         holder.release()
         job.result(timeout_s=60)
-        queue.append(read_json(job._rd.status_file)["started_s"] - released)
+        queue.append(read_json(RunDir(job.run_dir).status_file)["started_s"] - released)
     print("launch-to-result, trivial 2-rank warm job, with a lease (fake GPUs):", _stats(with_lease))
     print("launch-to-result, trivial 2-rank warm job, without (CPU):           ", _stats(without))
     print(

@@ -13,8 +13,8 @@ import io
 import time
 
 from sgpu_magic import distributed
-from sgpu_magic.front.decorator import start
 from sgpu_magic.launch.client import get_host
+from sgpu_magic.testing import start_job
 from sgpu_magic.ui.panel import Panel
 from sgpu_magic.ui.text import TextView
 
@@ -39,7 +39,7 @@ def main() -> None:
     get_host()
     view = Panel() if args.view == "panel" else TextView(out=io.StringIO())
     cpu0, t0 = time.process_time(), time.perf_counter()
-    job = start(flood.spec, lambda warn: flood._payload((args.lines,), {}, warn), view)
+    job = start_job(flood, (args.lines,), view=view)
     job.result()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     counts = [job.logs(r).count("\n") for r in range(2)]

@@ -10,6 +10,7 @@ Usage (from the repository root)::
     .venv/bin/python -m benchmarks.run --only tracking        # per-step mlflow.log_metric vs none (batch 1)
     .venv/bin/python -m benchmarks.run --only teardown          # 500 warm launches of the DDP tutorial's main()
     .venv/bin/python -m benchmarks.run --only session           # live sessions vs ipyparallel (pip install ipyparallel)
+    .venv/bin/python -m benchmarks.run --only responsive        # seconds to a refusal, a failure, a timeout, an interrupt
 
 Every measurement runs in real Jupyter kernels driven through jupyter_client, as a notebook
 user would; all rows of a table come from the same run; values are medians of the
@@ -36,7 +37,7 @@ import shutil
 import tempfile
 import time
 
-SECTIONS = ["launch", "soak", "teardown", "train", "tracking", "logging", "capture", "session", "gpu"]
+SECTIONS = ["launch", "soak", "teardown", "train", "tracking", "logging", "capture", "session", "responsive", "gpu"]
 OPT_IN = {"gpu", "soak", "teardown"}
 """Sections run only when asked for (--gpu, --soak N, --only teardown)."""
 
@@ -88,7 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown section(s): {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
 
-    from . import bench_capture, bench_launch, bench_logging, bench_session, bench_teardown, bench_tracking, bench_train
+    from . import (
+        bench_capture,
+        bench_launch,
+        bench_logging,
+        bench_responsive,
+        bench_session,
+        bench_teardown,
+        bench_tracking,
+        bench_train,
+    )
     from .common import Config, Context, Table, machine_description
 
     cfg = Config.make(args.quick, args.gpu, only, args.soak, args.reps)
@@ -112,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "logging": bench_logging.run,
         "capture": bench_capture.run,
         "session": bench_session.run,
+        "responsive": bench_responsive.run,
         "gpu": bench_train.run_gpu,
     }
     sections, raw = [], {}

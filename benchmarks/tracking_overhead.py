@@ -32,12 +32,10 @@ def main() -> None:
         return 1
 
     def timed(fn) -> float:
-        import sgpu_magic.front.decorator as deco
+        from sgpu_magic.testing import start_job
 
         t0 = time.perf_counter()
-        job = deco.start(
-            fn.spec, lambda warn: fn._payload((), {}, warn), view=TextView(out=io.StringIO(), err=io.StringIO())
-        )
+        job = start_job(fn, (), view=TextView(out=io.StringIO(), err=io.StringIO()))
         job.result()
         return time.perf_counter() - t0
 

@@ -259,7 +259,7 @@ def function_problem(fn: object) -> str | None:
     )
 
 
-def _source_cache(filenames: set[str]) -> dict[str, str]:
+def source_cache(filenames: set[str]) -> dict[str, str]:
     """Source text of notebook cells named in ``filenames``, so rank tracebacks show lines."""
     out, total = {}, 0
     for filename in filenames:
@@ -321,7 +321,7 @@ def capture_function(
         "shell": shell_bytes,
         "globals": captured.entries,
         "warnings": captured.warnings,
-        "sources": _source_cache(filenames),
+        "sources": source_cache(filenames),
     }
 
 
@@ -356,7 +356,7 @@ def capture_cell(
         "source": source,
         "globals": captured.entries,
         "warnings": captured.warnings,
-        "sources": _source_cache(_notebook_filenames(namespace, captured)),
+        "sources": source_cache(_notebook_filenames(namespace, captured)),
     }
 
 

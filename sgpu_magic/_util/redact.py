@@ -10,6 +10,7 @@ session variables: see :data:`NOT_SECRET_NAME`).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -58,3 +59,14 @@ def redact(text: str, env: Mapping[str, str] | None = None) -> str:
     for value in secret_values(env):
         text = text.replace(value, "***")
     return text
+
+
+class RedactingFormatter(logging.Formatter):
+    """A :class:`logging.Formatter` whose lines go through :func:`redact` (exceptions included).
+
+    Example:
+        ``handler.setFormatter(RedactingFormatter("%(message)s"))``
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))

@@ -108,6 +108,22 @@ def _cell_labels(filenames: Iterable[str]) -> dict[str, str]:
     return labels
 
 
+def function_payload(
+    fn: DistributedFunction, args: tuple[Any, ...], kwargs: dict[str, Any], warn: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """The payload of ``fn(*args, **kwargs)`` for its ranks: the function and the notebook values it reads
+    (:func:`sgpu_magic.capture.capture_function`), and the pickled arguments; ``warn`` shows capture warnings.
+
+    Raises:
+        CaptureError: an argument cannot be pickled.
+    """
+    call = f"{fn.__sgpu_function__.__name__}.distributed"
+    args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
+    payload = capture.capture_function(fn.__sgpu_function__, fn.max_capture_bytes, warn, ranks=fn.spec.gpus)
+    payload.update(args=args_bytes, kwargs=kwargs_bytes)
+    return payload
+
+
 class DistributedFunction:
     """A function that runs once per rank through :meth:`distributed`; calling it runs it locally.
 
@@ -127,15 +143,6 @@ class DistributedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.__sgpu_function__(*args, **kwargs)
 
-    def _payload(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], warn: Callable[[str], None] | None = None
-    ) -> dict[str, Any]:
-        call = f"{self.__sgpu_function__.__name__}.distributed"
-        args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
-        payload = capture.capture_function(self.__sgpu_function__, self.max_capture_bytes, warn, ranks=self.spec.gpus)
-        payload.update(args=args_bytes, kwargs=kwargs_bytes)
-        return payload
-
     def distributed(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; block until all end.
 
@@ -150,7 +157,7 @@ class DistributedFunction:
             JobTimeoutError: the job ran past ``timeout``.
             JobCancelledError: (a KeyboardInterrupt) the kernel was interrupted; every rank was stopped.
         """
-        self.last_job = start(self.spec, lambda warn: self._payload(args, kwargs, warn))
+        self.last_job = start(self.spec, lambda warn: function_payload(self, args, kwargs, warn))
         self.last_job.follow()
         return self.last_job.result()
 
@@ -165,7 +172,7 @@ class DistributedFunction:
         Raises (before anything starts):
             CaptureError, ResourceError (also: the GPUs are leased and ``wait=False``), SpecError.
         """
-        self.last_job = start(self.spec, lambda warn: self._payload(args, kwargs, warn), background=True)
+        self.last_job = start(self.spec, lambda warn: function_payload(self, args, kwargs, warn), background=True)
         return self.last_job
 
     def __repr__(self) -> str:

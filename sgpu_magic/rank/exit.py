@@ -17,21 +17,19 @@ was written is ended, and the job keeps its outcome (see :mod:`sgpu_magic.launch
 - :func:`exit_like_python`: non-daemon threads, ``atexit`` handlers and stream flushes, in
   CPython's order (``Py_FinalizeEx``); the process then ends with ``os._exit``.
 
-Imports nothing but the standard library (and its hook, :mod:`sgpu_magic._util.imports`); torch is patched only
-once the rank imports it.
+Imports nothing but the standard library (and its hook, :mod:`sgpu_magic._util.imports`, and the seam to
+CPython's and torch's privates, :mod:`sgpu_magic._compat`); torch is patched only once the rank imports it.
 """
 
 from __future__ import annotations
 
-import atexit
-import gc
 import os
 import re
 import sys
-import threading
 import traceback
-import weakref
 
+from sgpu_magic._compat import stdlib
+from sgpu_magic._compat import torch as torch_compat
 from sgpu_magic._util.imports import AfterImport
 
 _C10D = "torch.distributed.distributed_c10d"
@@ -40,22 +38,8 @@ _kept_groups: list = []
 
 
 def _keep_groups_of(c10d) -> None:
-    """Wrap ``c10d._update_default_pg`` (called with the new default group by ``init_process_group``, with
-    ``None`` by ``destroy_process_group()`` while every group is still in ``_world.pg_map``) to keep the groups."""
-    original = getattr(c10d, "_update_default_pg", None)
-    if original is None or getattr(original, "__sgpu_keeps_groups__", False):
-        return
-
-    def update_default_pg(pg):
-        try:
-            _kept_groups.extend([pg] if pg is not None else list(c10d._world.pg_map))
-        except Exception:  # noqa: BLE001 - a torch without these internals: the teardown grace still bounds the exit
-            pass
-        return original(pg)
-
-    update_default_pg.__sgpu_keeps_groups__ = True  # type: ignore[attr-defined] # markers on the function object
-    update_default_pg.__wrapped__ = original  # type: ignore[attr-defined] # (the same)
-    c10d._update_default_pg = update_default_pg
+    """Keep the groups of ``c10d`` (``torch.distributed.distributed_c10d``) in :data:`_kept_groups`."""
+    torch_compat.keep_groups_of(c10d, _kept_groups)
 
 
 def keep_process_groups() -> None:
@@ -96,45 +80,20 @@ def exit_like_python() -> None:
     own exit callbacks first, e.g. ``concurrent.futures`` pools), run the ``atexit`` handlers (an MLflow run the
     rank's ``mlflow.log_metric`` started ends FINISHED; ``logging`` flushes its handlers), flush stdout and
     stderr. A handler that raises is reported on stderr, as Python does, and the rest still run."""
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None and threading.current_thread() is threading.main_thread():
-        try:
-            shutdown()
-        except Exception:  # noqa: BLE001 - as at interpreter exit: reported, not fatal
-            traceback.print_exc()
     try:
-        _skip_torch_library_finalizers()
+        stdlib.shut_down_threading()
+    except Exception:  # noqa: BLE001 - as at interpreter exit: reported, not fatal
+        traceback.print_exc()
+    try:
+        torch_compat.skip_library_finalizers()
     except Exception:  # noqa: BLE001 - a speed-up only: the finalizers then run, as in a plain process
         traceback.print_exc()
-    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
-    if run_exitfuncs is not None:
-        run_exitfuncs()  # prints a handler's exception itself ("Exception ignored in atexit callback")
+    stdlib.run_atexit_handlers()  # prints a handler's exception itself ("Exception ignored in atexit callback")
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
-
-
-def _skip_torch_library_finalizers() -> None:
-    """Leave torch's operator-library finalizers out of the exit (``weakref.finalize.atexit = False``): each of
-    them (~170 once torch._dynamo is loaded) undoes a registration inside this process with a call into torch,
-    30-100 ms per rank together, and the process ends with ``os._exit`` right after. Other finalizers
-    (``tempfile.TemporaryDirectory``'s, the user's) still run."""
-    del_library = getattr(sys.modules.get("torch.library"), "_del_library", None)
-    registry = getattr(weakref.finalize, "_registry", None)
-    if del_library is None or not isinstance(registry, dict):
-        return
-    collecting = gc.isenabled()
-    gc.disable()  # a collection while the registry is copied runs finalizers, which delete their own entries
-    try:
-        entries = list(registry.items())
-    finally:
-        if collecting:
-            gc.enable()
-    for finalizer, info in entries:
-        if getattr(info, "func", None) is del_library:
-            finalizer.atexit = False
 
 
 _SKIPPED_MODULES = ("_sitebuiltins",)  # exit() and quit() raise SystemExit from there

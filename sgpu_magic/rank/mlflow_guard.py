@@ -30,6 +30,7 @@ import os
 import sys
 import time
 
+from sgpu_magic._compat.mlflow import tracking_store_built
 from sgpu_magic._util.imports import AfterImport
 from sgpu_magic._util.metrics import WRITER, Point
 
@@ -192,21 +193,6 @@ def _complain(text: str) -> None:
         pass
 
 
-def _tracking_store_exists() -> bool:
-    """Whether this process has built an MLflow tracking store (only then can async logging hold points).
-
-    MLflow caches its stores on ``TrackingStoreRegistry._get_store_with_resolved_uri`` (an lru_cache);
-    where that private detail differs (another mlflow version), assume a store exists.
-    """
-    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
-    registry = getattr(utils, "_tracking_store_registry", None)
-    cached = getattr(type(registry), "_get_store_with_resolved_uri", None)
-    try:
-        return cached.cache_info().currsize > 0  # type: ignore[union-attr] # None: AttributeError, caught below
-    except Exception:  # noqa: BLE001 - unknown layout: flushing is harmless
-        return True
-
-
 def flush_async_logging() -> None:
     """Wait until MLflow's async logging queue of this rank is written (``mlflow.flush_async_logging()``).
 
@@ -217,7 +203,7 @@ def flush_async_logging() -> None:
     failure is written to the rank's log, never raised: the user code's outcome stands.
     """
     mlflow = sys.modules.get("mlflow")
-    if mlflow is None or not hasattr(mlflow, "flush_async_logging") or not _tracking_store_exists():
+    if mlflow is None or not hasattr(mlflow, "flush_async_logging") or not tracking_store_built():
         return
     try:
         mlflow.flush_async_logging()

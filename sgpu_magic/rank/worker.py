@@ -261,7 +261,7 @@ def _write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[st
         pass
 
 
-def _teardown(ns: dict) -> None:
+def teardown(ns: dict) -> None:
     """Drop user objects, then destroy the process group (avoids DDP's teardown deadlock, pytorch#56297);
     when the user code destroyed the group itself, do nothing.
 
@@ -334,7 +334,7 @@ def _execute(run_dir: RunDir, rank: int) -> int:
         return _run_and_record(run_dir, rank, payload, ns, held)
     finally:
         held.clear()  # the function's locals go now: its outcome is written
-        _teardown(ns)
+        teardown(ns)
 
 
 def _run_rank(run_dir: RunDir, expected_parent: int | None) -> int:
@@ -357,32 +357,6 @@ def _run_rank(run_dir: RunDir, expected_parent: int | None) -> int:
 def main(argv: list[str]) -> None:
     """Cold start: a fresh interpreter started by the host; ends with ``os._exit``."""
     os._exit(_run_rank(RunDir(argv[1]), int(os.environ["SGPU_MAGIC_HOST_PID"])))
-
-
-class _AlreadySet:
-    """Stands in for elastic's "parent has read every return value" event: see :func:`elastic_wrap_no_wait`."""
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
-
-    def is_set(self) -> bool:
-        return True
-
-
-def elastic_wrap_no_wait(local_rank: int, *args: object) -> None:
-    """torch elastic's per-process wrapper, except that a rank exits as soon as it has handed back its
-    return value, instead of waiting until every rank has (elastic's event).
-
-    Return values go through a ``SimpleQueue``, whose ``put`` writes to the pipe before it returns,
-    so nothing is lost; exits are then spread over the job instead of all at its end, where eight
-    address spaces torn down at once cost ~50 ms on 2 cores.
-    """
-    from multiprocessing.synchronize import Event
-
-    from torch.distributed.elastic.multiprocessing import api
-
-    # elastic's private _wrap: its arguments as elastic gave them, the finished-reading event swapped
-    api._wrap(local_rank, *(_AlreadySet() if isinstance(arg, Event) else arg for arg in args))  # type: ignore[arg-type]
 
 
 def rank_entry(run_dir: str, env: dict[str, str]) -> None:

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sgpu_magic._compat.mlflow import active_experiment_id, stop_system_metrics
 from sgpu_magic._util.kernel_log import divert_info
 from sgpu_magic._util.redact import redact
 from sgpu_magic.errors import SgpuError
@@ -115,11 +116,10 @@ def _fluent_context() -> tuple[tuple[str, str] | None, str | None]:
     if "mlflow" not in sys.modules:
         return None, None
     import mlflow
-    from mlflow.tracking import fluent
 
     run = mlflow.active_run()
     parent = (run.info.run_id, str(run.info.experiment_id)) if run is not None else None
-    return parent, getattr(fluent, "_active_experiment_id", None)
+    return parent, active_experiment_id()
 
 
 ASYNC_LOGGING_ENV = {"MLFLOW_ENABLE_ASYNC_LOGGING": "true", "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS": "1"}
@@ -163,7 +163,7 @@ class MlflowTracking(JobSink):
         self._monitor: SystemMetricsMonitor | None = None
         # read here, in the thread that starts the job: MLflow's active run is thread-local, and a
         # background job prepares its run on another thread
-        self._parent_run, self._active_experiment_id = _fluent_context()
+        self._parent_run, self._chosen_experiment_id = _fluent_context()
         if parent_run is not None:  # a session cell: a child of the session's run
             self._parent_run = parent_run
 
@@ -251,7 +251,7 @@ class MlflowTracking(JobSink):
 
     def _experiment(self, client, uri: str, parent) -> tuple[str, str]:
         """(id, name) of the experiment for the run: see the module docstring for the order."""
-        chosen = parent[1] if parent is not None else self._active_experiment_id
+        chosen = parent[1] if parent is not None else self._chosen_experiment_id
         if chosen:
             return str(chosen), client.get_experiment(str(chosen)).name
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
@@ -397,10 +397,7 @@ class MlflowTracking(JobSink):
         if monitor is None:
             return
         try:
-            monitor.finish()
-            monitor.collect_metrics()
-            monitor.publish_metrics(monitor.aggregate_metrics())
-            monitor.mlflow_logger.flush()
+            stop_system_metrics(monitor)
         except Exception:  # noqa: BLE001 - system metrics are optional
             pass
 

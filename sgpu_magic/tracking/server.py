@@ -194,6 +194,12 @@ def stop_ui() -> bool:
     return True
 
 
+def running_ui() -> MlflowUI | None:
+    """The ``%mlflow_ui`` server this kernel started, if it still runs, else ``None``."""
+    ui = _ui
+    return ui if ui is not None and ui.alive() else None
+
+
 def ui_base_url(tracking_uri: str) -> str | None:
     """The ``%mlflow_ui`` server's URL if one runs for ``tracking_uri``, else ``None``."""
     ui = _ui

@@ -15,6 +15,7 @@ import re
 import threading
 import time
 
+from sgpu_magic._compat.ipykernel import forget_reply_route
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
@@ -401,12 +402,7 @@ def _forget_reply_route(widget) -> None:
     click on Stop would wait until the cell ends. The Stop button and the tab bar send no replies, so
     their route is dropped after they are shown. Nothing happens on kernels without that attribute.
     """
-    comm = getattr(widget, "comm", None)
-    lock = getattr(comm, "_reply_subshell_lock", None)
-    if lock is None:
-        return
-    with lock:
-        vars(comm).pop("_reply_subshell_id", None)
+    forget_reply_route(getattr(widget, "comm", None))
 
 
 def _in_kernel_with_widgets() -> bool:

@@ -256,11 +256,7 @@ class Runner:
         if fault in ("cancel_api", "cancel_stop"):
             out = execute(self.kc, f"job = {call}")
             self._wait_marks(marks, everyone=True)
-            action = (
-                "job.cancel()"
-                if fault == "cancel_api"
-                else "[s for s in job._sinks if hasattr(s, 'stop_button')][0].stop_button.click()"
-            )
+            action = "job.cancel()" if fault == "cancel_api" else "job.view.stop_button.click()"
             out = execute(self.kc, f"{action}\njob.exception(timeout_s=60)\nreport(job)")
             report = self._report(out.stdout)
         elif fault in ("kernel_interrupt", "kernel_sigkill", "launcher_killed"):

@@ -24,6 +24,7 @@ API_PAGES = {
     "data": ["sgpu_magic.data", "sgpu_magic.data.VolumeDataset", "sgpu_magic.data.DataLoader"],
     "checkpoint": ["sgpu_magic.checkpoint", "sgpu_magic.checkpoint.VolumeWriter", "sgpu_magic.checkpoint.VolumeReader"],
     "errors": ["sgpu_magic.errors", "sgpu_magic.errors.SgpuError", "sgpu_magic.errors.RankFailedError"],
+    "testing": ["sgpu_magic.testing", "sgpu_magic.testing.start_job", "sgpu_magic.testing.mlflow_ui_pid"],
 }
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -176,10 +175,8 @@ def raises_then_wedges():
 
 
 def test_a_rank_that_wedges_after_raising_fails_the_job_after_the_grace_not_the_timeout():
-    started = time.monotonic()
     with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): ValueError: bad batch on rank 1"):
-        raises_then_wedges.distributed()
-    assert time.monotonic() - started < 60  # the job's timeout is 120 s
+        raises_then_wedges.distributed()  # not JobTimeoutError: the job's timeout is 120 s
     assert status(raises_then_wedges.last_job)["teardown_ended"][0]["rank"] == 1
 
 

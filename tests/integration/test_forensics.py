@@ -17,7 +17,7 @@ import pytest
 
 from sgpu_magic import distributed
 from sgpu_magic.errors import JobCancelledError, RankFailedError
-from sgpu_magic.front.decorator import start
+from sgpu_magic.front.decorator import function_payload, start
 from sgpu_magic.launch.host.forensics import memory_cgroup_file
 from sgpu_magic.ui.panel import Panel
 
@@ -219,7 +219,7 @@ def quiet_until_go(folder):
 def test_the_panel_header_shows_the_possibly_stuck_badge_until_the_rank_writes_again(tmp_path):
     panel = Panel()
     spec = replace(quiet_until_go.spec, stuck_after_s=1.0)
-    job = start(spec, lambda warn: quiet_until_go._payload((str(tmp_path),), {}, warn), panel, background=True)
+    job = start(spec, lambda warn: function_payload(quiet_until_go, (str(tmp_path),), {}, warn), panel, background=True)
     try:
         header = wait_for(lambda: "go.wait at" in (value := panel.header.value) and value, 90, "the stuck badge")
         assert ">possibly stuck</span>" in header

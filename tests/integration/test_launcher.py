@@ -58,9 +58,9 @@ def sleeper(piddir):
 
 def _start_sleepers(piddir):
     """Start the 2-rank ``sleeper`` job in the background; return it and its rank pids once both run."""
-    from sgpu_magic.front.decorator import start
+    from sgpu_magic.testing import start_job
 
-    job = start(sleeper.spec, lambda warn: sleeper._payload((str(piddir),), {}, warn))
+    job = start_job(sleeper, (str(piddir),))
     wait_for(lambda: len(os.listdir(piddir)) >= 2, 60, "both sleeper ranks to record their pids")
     return job, [int(p) for p in os.listdir(piddir)]
 
@@ -125,7 +125,7 @@ def test_a_cell_whose_ddp_model_outlives_its_process_group_does_not_hang(ip):
 
 
 def test_teardown_leaves_user_objects_alone_once_the_group_is_gone():
-    from sgpu_magic.rank.worker import _teardown
+    from sgpu_magic.rank.worker import teardown
 
     dropped = []
 
@@ -134,7 +134,7 @@ def test_teardown_leaves_user_objects_alone_once_the_group_is_gone():
             dropped.append(True)
 
     ns = {"model": Recorder()}
-    _teardown(ns)  # no process group in this process
+    teardown(ns)  # no process group in this process
     assert "model" in ns and dropped == []
 
 

@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 
 from sgpu_magic import JobState, distributed
 from sgpu_magic.errors import RankFailedError, SpecError
-from sgpu_magic.front.decorator import start
+from sgpu_magic.testing import start_job
 from sgpu_magic.ui.panel import Panel
 
 
@@ -76,7 +76,7 @@ def test_each_failed_attempts_errors_are_kept_and_the_last_one_fails_the_job():
 
 def test_the_panel_header_names_the_attempt():
     panel = Panel()
-    job = start(flaky.spec, lambda warn: flaky._payload(("raise", 1), {}, warn), panel)
+    job = start_job(flaky, ("raise", 1), view=panel)
     assert job.wait() is JobState.SUCCEEDED
     assert "attempt 2 of 3" in panel.header.value
     assert "rank 1 failed (exit code 1); all ranks restarted" in panel.header.value

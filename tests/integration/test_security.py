@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sgpu_magic import distributed
+from sgpu_magic import JobState, distributed
 from sgpu_magic._util.redact import redact, secret_values
 from sgpu_magic.rundir import RunDir, default_root, read_json, read_private
 
@@ -204,10 +204,9 @@ def test_a_planted_pickle_is_refused(private_file, tmp_path, plant):
 
 def test_a_job_whose_result_was_made_readable_to_others_is_refused():
     """Through a real job: the kernel will not unpickle a result file that is open to other users."""
-    assert returns_one.distributed() == [1]
-    job = returns_one.last_job
+    job = returns_one.submit()
+    assert job.wait(60) is JobState.SUCCEEDED  # its result not read yet
     os.chmod(RunDir(job.run_dir).result_file(0), 0o644)
-    job._results = None
     with pytest.raises(
         PermissionError,
         match=r"rank_0\.pkl: the file has mode 0o644, open to other users .*"

@@ -26,8 +26,8 @@ import pytest
 
 from sgpu_magic import JobState, distributed
 from sgpu_magic.errors import JobTimeoutError, LauncherError, RankFailedError
-from sgpu_magic.front.decorator import start
 from sgpu_magic.launch.client import get_host
+from sgpu_magic.testing import start_job
 from sgpu_magic.tracking.server import MlflowUIError, run_link, start_ui, stop_ui
 from sgpu_magic.tracking.uri import absolute_tracking_uri
 
@@ -62,7 +62,7 @@ def artifact_paths(client, run_id: str, folder: str) -> list[str]:
 
 def start_sleepers(fn, piddir):
     """Start ``fn(piddir)`` (2 ranks that record their pid and sleep) in the background; return the job once both run."""
-    job = start(fn.spec, lambda warn: fn._payload((str(piddir),), {}, warn))
+    job = start_job(fn, (str(piddir),))
     wait_for(lambda: len(os.listdir(piddir)) >= 2, START_DEADLINE_S, "both ranks to record their pid")
     return job
 
@@ -560,14 +560,12 @@ def test_mlflow_ui_refuses_a_server_uri_and_gives_up_on_a_server_that_does_not_a
         r"server; open it directly",
     ):
         start_ui("http://127.0.0.1:5000")
-    t0 = time.monotonic()
     with pytest.raises(
         MlflowUIError,
         match=r"the MLflow UI server did not answer on http://127\.0\.0\.1:\d+ within "
         r"0\.3 s; see .*server-\d+-\d+\.log",
     ):
         start_ui(f"sqlite:///{tmp_path}/mlflow.db", timeout_s=0.3)
-    assert time.monotonic() - t0 < 15
     assert stop_ui() is False  # the failed server was stopped and forgotten
 
 
@@ -702,7 +700,7 @@ def test_kernel_sigkill_kills_the_running_jobs_run_and_the_mlflow_ui_server(tmp_
         assert url and url.group(1) == os.environ["MLFLOW_TRACKING_URI"], out.stdout
         base = url.group(2)
         watchdog = ast.literal_eval(
-            execute(kc, "print(__import__('sgpu_magic.tracking.server').tracking.server._ui.pid)").stdout
+            execute(kc, "from sgpu_magic.testing import mlflow_ui_pid\nprint(mlflow_ui_pid())").stdout
         )
 
         out = execute(kc, UI_JOB)

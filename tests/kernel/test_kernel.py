@@ -231,31 +231,29 @@ def leftovers(kc, timeout_s: float = 10.0) -> tuple[int, list[int], list[int]]:
     return ast.literal_eval(out.stdout.strip())
 
 
-def _start_c11_and_interrupt(km, kc, piddir: Path, known: set[int]) -> tuple[set[int], set[int], float]:
+def _start_c11_and_interrupt(km, kc, piddir: Path, known: set[int]) -> tuple[set[int], set[int]]:
     """Run the C11 cell, wait until 2 new ranks and 4 new workers recorded themselves, interrupt once.
 
-    Returns the new rank pids, the new worker pids and the seconds from interrupt to the cell's end.
+    Returns the new rank pids and the new worker pids. (How soon the cell ends after the interrupt is a figure
+    of ``python -m benchmarks.run --only responsive``: interrupt_to_idle_s.)
     """
     msg_id = kc.execute(C11_CELL)
     ranks = wait_for(new_pids(piddir, 2, known), START_DEADLINE_S, "both ranks to record their pid")
     workers = wait_for(
         new_pids(piddir, 4, known, "worker-"), START_DEADLINE_S, "the 4 DataLoader workers (2 per rank) to start"
     )
-    t0 = time.monotonic()
     km.interrupt_kernel()
     out = collect(kc, msg_id, timeout_s=60)
-    elapsed = time.monotonic() - t0
     assert out.error is not None, f"the cell did not fail after the interrupt:\n{out.stdout}\n{out.stderr}"
     assert_interrupted(kc, out.error)
-    return ranks, workers, elapsed
+    return ranks, workers
 
 
 def test_c11_interrupt_stops_ranks_and_their_dataloader_workers(kernel):
     km, kc = kernel
     piddir = make_piddir(kc)
 
-    ranks, workers, elapsed = _start_c11_and_interrupt(km, kc, piddir, set())
-    assert elapsed < 5.0, f"the interrupted cell took {elapsed:.1f} s to end"
+    ranks, workers = _start_c11_and_interrupt(km, kc, piddir, set())
     n, left, kids = leftovers(kc)
     assert (n, left, kids) == (6, [], []), (
         f"left over: pids {left}, kernel children {kids} (ranks {ranks}, workers {workers})"
@@ -263,9 +261,8 @@ def test_c11_interrupt_stops_ranks_and_their_dataloader_workers(kernel):
     assert existing(ranks | workers) == []
 
     # The same cell again, straight away: it starts (both ranks join a new process group).
-    ranks2, workers2, elapsed2 = _start_c11_and_interrupt(km, kc, piddir, ranks | workers)
+    ranks2, workers2 = _start_c11_and_interrupt(km, kc, piddir, ranks | workers)
     assert not (ranks2 & ranks)
-    assert elapsed2 < 5.0, f"the second interrupted cell took {elapsed2:.1f} s to end"
     n, left, kids = leftovers(kc)
     assert (n, left, kids) == (12, [], [])
     assert kernel_eval(kc, "1 + 1") == 2  # the kernel is alive and not blocked

@@ -69,6 +69,10 @@ def test_a_rank_imports_no_front_door_nor_kernel_side_library():
     loaded = ast.literal_eval(done.stdout)
     assert loaded == [
         "sgpu_magic",
+        "sgpu_magic._compat",
+        "sgpu_magic._compat.mlflow",
+        "sgpu_magic._compat.stdlib",
+        "sgpu_magic._compat.torch",
         "sgpu_magic._util",
         "sgpu_magic._util.fs",
         "sgpu_magic._util.imports",
@@ -101,3 +105,127 @@ def test_every_public_import_path_stays_and_import_sgpu_magic_is_lazy():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert ast.literal_eval(done.stdout) == ["sgpu_magic"]
+
+
+# ----------------------------------------------------------------------------- other libraries' privates
+
+_PUBLIC_BY_DOCS = {
+    ("os", "_exit"),  # documented in the Python reference
+    ("sys", "_getframe"),  # documented in the Python reference (a CPython detail, used as documented)
+}
+"""``module._name`` accesses that the owner documents as public API."""
+
+_PROTOCOL_HOOKS = re.compile(r"_(repr_\w+|render_traceback|ipython_\w+)_$")
+"""IPython's display and traceback hooks (``_repr_html_``, ``_render_traceback_``): public by IPython's docs."""
+
+_OWN_PRIVATES = {
+    ("launch/leases.py", "self.registry._update"),  # sgpu_magic's own LeaseRegistry
+}
+"""Accesses to sgpu_magic's own privates across objects (not another library's)."""
+
+_MODULE_NAMES = {"torch._dynamo"}
+"""Private modules named only to preload them (the forkserver skips a preload that fails to import)."""
+
+_KNOWN = {
+    "_wrap", "_pc", "_ret_vals", "_failures", "_worker_finished_event",  # torch elastic's, on self in its subclass
+    "_reply_subshell_id", "_reply_subshell_lock", "_active_experiment_id", "_forkserver_pid",
+    "collect_metrics", "aggregate_metrics", "publish_metrics", "mlflow_logger",  # MLflow's monitor, undocumented
+}  # fmt: skip
+"""Other libraries' internals the seam uses, found wherever they appear (also on ``self``, and without ``_``)."""
+
+_PRIVATE = re.compile(r"^_[a-z]\w*$")
+_PRIVATE_PATH = re.compile(r"^[A-Za-z]\w*(\.\w+)*\._[a-z]\w*(\.\w+)*$")
+
+
+def _docstring_nodes(tree: ast.Module) -> set[int]:
+    nodes = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                nodes.add(id(body[0].value))
+    return nodes
+
+
+def _private_use(node: ast.AST, docstrings: set[int]) -> str | None:
+    """The text of ``node`` if it reaches another library's private name, else ``None``."""
+    if isinstance(node, ast.Attribute) and node.attr in _KNOWN:
+        return f"{ast.unparse(node.value)}.{node.attr}"
+    if isinstance(node, ast.Constant) and node.value in _KNOWN:
+        return repr(node.value)
+    if isinstance(node, ast.Attribute) and _PRIVATE.match(node.attr) and not _PROTOCOL_HOOKS.match(node.attr):
+        owner = ast.unparse(node.value)
+        if owner not in ("self", "cls") and (owner, node.attr) not in _PUBLIC_BY_DOCS:
+            return f"{owner}.{node.attr}"
+    if isinstance(node, ast.Call) and node.args:
+        func = ast.unparse(node.func)
+        if func in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1:
+            owner, name = ast.unparse(node.args[0]), node.args[1]
+        elif re.fullmatch(r"(vars\(.*\)|.*\.__dict__)\.(pop|get|setdefault)", func):
+            owner, name = func, node.args[0]
+        else:
+            return None
+        if isinstance(name, ast.Constant) and _PRIVATE.match(str(name.value)) and owner not in ("self", "cls"):
+            return ast.unparse(node)  # getattr(obj, "_x"), vars(obj).pop("_x")
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+        path = node.value
+        if _PRIVATE_PATH.match(path) and path not in _MODULE_NAMES and not path.startswith("sgpu_magic."):
+            return repr(path)  # sys.modules.get("mlflow.tracking._tracking_service.utils")
+    return None
+
+
+def _private_uses(path: Path, rel: str) -> list[str]:
+    """``file:line: expression`` for every use of another library's private name in one module."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = _docstring_nodes(tree)
+    found: dict[int, str] = {}  # one per line: the outermost use (ast.walk goes from the outside in)
+    for node in ast.walk(tree):
+        text = _private_use(node, docstrings)
+        line = getattr(node, "lineno", 0)
+        if text is not None and (rel, text) not in _OWN_PRIVATES and line not in found:
+            found[line] = f"sgpu_magic/{rel}:{line}: {text}"
+    return [found[line] for line in sorted(found)]
+
+
+def test_only_the_compat_seam_touches_other_libraries_privates():
+    """Every private internal of another library (``api._wrap``, ``getattr(comm, "_reply_subshell_lock")``,
+    ``sys.modules.get("mlflow.tracking._tracking_service.utils")``) is used through ``sgpu_magic/_compat``."""
+    found = [
+        use
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "_compat" not in path.relative_to(PACKAGE).parts
+        for use in _private_uses(path, path.relative_to(PACKAGE).as_posix())
+    ]
+    assert found == [], "another library's private outside sgpu_magic/_compat (add a function there):\n" + "\n".join(
+        found
+    )
+
+
+def test_the_private_check_finds_each_kind_of_use(tmp_path):
+    """The check above is not vacuous: each way of reaching a private is found, and the allowed ones are not."""
+    module = tmp_path / "probe.py"
+    module.write_text(
+        '"""Docstring naming api._wrap and mlflow.tracking._x is fine."""\n'
+        "import os, sys\n"
+        "api._wrap = None\n"
+        "getattr(fluent, '_active_experiment_id', None)\n"
+        "vars(comm).pop('_reply_subshell_id', None)\n"
+        "sys.modules.get('mlflow.tracking._tracking_service.utils')\n"
+        "super()._start()\n"
+        "self._mine = os._exit\n"
+        "err._render_traceback_()\n"
+        "getattr(self, '_own', None)\n"
+        "hasattr(self, '_worker_finished_event')\n"
+        "monitor.collect_metrics()\n"
+        "__import__('torch._dynamo')\n"
+    )
+    found = [use.split(": ", 1)[1] for use in _private_uses(module, "probe.py")]
+    assert sorted(found) == [
+        "'_worker_finished_event'",
+        "'mlflow.tracking._tracking_service.utils'",
+        "api._wrap",
+        "getattr(fluent, '_active_experiment_id', None)",
+        "monitor.collect_metrics",
+        "super()._start",
+        "vars(comm).pop('_reply_subshell_id', None)",
+    ], found

@@ -1,7 +1,6 @@
 """Capture: which globals are sent, warnings for large or unpicklable ones, refused arguments."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -60,13 +59,11 @@ def test_unpicklable_global_warns_and_becomes_a_placeholder():
     assert "stats_lock" in repr(placeholder)
 
 
-def test_large_tensor_warns_before_pickling_and_fast():
+def test_large_tensor_warns_before_pickling():
     big = torch.empty(2**28, dtype=torch.uint8)  # 256 MiB, estimated from its shape
-    t0 = time.perf_counter()
     out = capture.capture_names({"big"}, {"big": big}, max_bytes=2**27)
     assert out.warnings and "global 'big' (torch.Tensor, 256.0 MiB) is larger than 128.0 MiB" in out.warnings[0]
     assert "it is pickled and copied to every rank. Load or create it inside the cell" in out.warnings[0]
-    assert time.perf_counter() - t0 < 30  # sanity only; speed targets live in benchmarks/
 
 
 def test_large_plain_object_warns_from_its_pickle_size():
@@ -146,7 +143,7 @@ def test_a_lazy_linecache_entry_is_passed_over(tmp_path):
     spec.loader.exec_module(module)
     try:
         assert linecache.lazycache(str(path), module.__dict__)
-        assert capture._source_cache({str(path)}) == {}
+        assert capture.source_cache({str(path)}) == {}
     finally:
         linecache.cache.pop(str(path), None)
 
@@ -156,11 +153,12 @@ def test_the_large_global_warning_says_how_many_ranks_get_a_copy():
     import numpy as np
 
     from sgpu_magic import distributed
+    from sgpu_magic.front.decorator import function_payload
 
     namespace = {"big": np.ones(2**17)}  # 1 MiB, over a 1 KiB limit: a global of the function below
     exec("def uses_big():\n    return big.sum()\n", namespace)
     warned: list[str] = []
-    distributed(gpus=2, max_capture_bytes=1024)(namespace["uses_big"])._payload((), {}, warned.append)
+    function_payload(distributed(gpus=2, max_capture_bytes=1024)(namespace["uses_big"]), (), {}, warned.append)
     assert warned == [
         "global 'big' (numpy.ndarray, 1.0 MiB) is larger than 1.0 KiB; it is pickled and copied to 2 ranks. "
         "Load or create it inside the cell or function instead."

@@ -1,4 +1,4 @@
-"""The rank's exit path (sgpu_magic.rank.exit) in this process: what it does to the interpreter's own registries."""
+"""The rank's exit path (sgpu_magic.rank.exit and the seam it uses, sgpu_magic._compat.torch) in this process: what it does to the interpreter's own registries."""
 
 import gc
 import subprocess
@@ -7,7 +7,7 @@ import weakref
 
 import torch.library  # noqa: F401 - the exit path looks for torch.library's finalizers
 
-from sgpu_magic.rank import exit as rank_exit
+from sgpu_magic._compat import torch as torch_compat
 
 
 class _Cycle:
@@ -35,7 +35,7 @@ def test_skipping_torch_library_finalizers_survives_a_collection_that_runs_final
         del holder  # now they are garbage only a collection frees
         gc.set_threshold(1)
         gc.enable()
-        rank_exit._skip_torch_library_finalizers()
+        torch_compat.skip_library_finalizers()
     finally:
         gc.set_threshold(*threshold)
         gc.enable()
@@ -45,12 +45,13 @@ def test_skipping_torch_library_finalizers_survives_a_collection_that_runs_final
 
 _EXIT_WITH_A_BROKEN_SPEED_UP = """
 import atexit
+from sgpu_magic._compat import torch as torch_compat
 from sgpu_magic.rank import exit as rank_exit
 
 def broken():
     raise RuntimeError("dictionary changed size during iteration")
 
-rank_exit._skip_torch_library_finalizers = broken
+torch_compat.skip_library_finalizers = broken
 atexit.register(print, "atexit handler ran")
 rank_exit.exit_like_python()
 import os

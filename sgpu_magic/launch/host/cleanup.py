@@ -1,15 +1,15 @@
 """What the launch host does on the way out of a job: give back its GPUs, kill and reap what its ranks left behind,
-end its MLflow run when the kernel could not; and the host's own log lines."""
+end its MLflow run when the kernel could not."""
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 
 import psutil
 
-from sgpu_magic._util.redact import redact
+log = logging.getLogger(__name__)
 
 
 def release_lease(launch: dict) -> None:
@@ -22,17 +22,7 @@ def release_lease(launch: dict) -> None:
 
         LeaseRegistry(launch["lease_dir"]).release(launch["job_id"])
     except Exception as exc:  # noqa: BLE001 - the next job reclaims it once this host is gone
-        print(
-            f"sgpu_magic host: could not release the GPUs of job {launch['job_id']}: {exc}", file=sys.stderr, flush=True
-        )
-
-
-def host_log(message: str) -> None:
-    """A line in the host's own log; nothing (rather than a crash) when that disk is full too."""
-    try:
-        print(redact(message), file=sys.stderr, flush=True)
-    except OSError:
-        pass
+        log.warning(f"sgpu_magic host: could not release the GPUs of job {launch['job_id']}: {exc}")
 
 
 def _belongs_to(process: psutil.Process, job_id: str | None) -> bool:
@@ -94,7 +84,7 @@ def end_mlflow_run(launch: dict, state: str) -> None:
         if client.get_run(info["run_id"]).info.status == "RUNNING":
             client.set_terminated(info["run_id"], status)
     except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
-        host_log(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}")
+        log.warning(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}")
 
 
 def reap_adopted(keep: set[int]) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -10,11 +11,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from sgpu_magic._compat import elastic
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.launch.base import finish_job
 from sgpu_magic.launch.env import rank_env
 from sgpu_magic.launch.flight_recorder import flight_recorder_env
-from sgpu_magic.launch.host.cleanup import host_log, import_mlflow_in_background, kill_leftovers, release_lease
+from sgpu_magic.launch.host.cleanup import import_mlflow_in_background, kill_leftovers, release_lease
 from sgpu_magic.launch.host.forensics import OomWatch
 from sgpu_magic.launch.host.progress import ProgressWatch
 from sgpu_magic.launch.host.usage import UsageSampler
@@ -26,11 +28,11 @@ from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
 from sgpu_magic.status import StatusWriter
 
 if TYPE_CHECKING:
-    from typing import TypeVar
-
     from torch.distributed.elastic.multiprocessing.api import PContext
 
-    _Context = TypeVar("_Context", bound=PContext)
+log = logging.getLogger(__name__)
+"""The host's diagnostics: one line each in its log file (:func:`sgpu_magic.launch.host.process.main` sets the
+handler up), redacted."""
 
 GRACE_S = 3.0
 
@@ -80,33 +82,6 @@ def _rendezvous_store(port: int):
     return store, port
 
 
-def _context_class(base: type[_Context]) -> type[_Context]:
-    class Context(base):  # type: ignore[misc,valid-type] # a subclass of the elastic context given
-        """An elastic PContext that remembers which ranks failed before it stopped the rest, and whose
-        warm ranks exit as soon as they are done (:func:`sgpu_magic.rank.worker.elastic_wrap_no_wait`)."""
-
-        def _start(self) -> None:
-            from torch.distributed.elastic.multiprocessing import api
-
-            from sgpu_magic.rank import worker
-
-            original = getattr(api, "_wrap", None)
-            if original is None or not hasattr(self, "_worker_finished_event"):
-                return super()._start()
-            api._wrap = worker.elastic_wrap_no_wait  # type: ignore[assignment] # read by MultiprocessContext._start, pickled by name
-            try:
-                super()._start()
-            finally:
-                api._wrap = original
-
-        def close(self, death_sig=None, timeout: float = GRACE_S) -> None:
-            if not getattr(self, "first_failures", None):
-                self.first_failures = dict(getattr(self, "_failures", {}))
-            super().close(death_sig, timeout)
-
-    return Context
-
-
 def _make_context(
     run_dir: RunDir, launch: dict[str, Any], port: int, env: dict[str, str], warm: bool, restart_count: int = 0
 ) -> PContext:
@@ -120,7 +95,7 @@ def _make_context(
     logs = DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir))
     if warm:
         args: dict[int, tuple[Any, ...]] = {r: (str(run_dir.path), envs[r]) for r in range(world)}
-        return _context_class(MultiprocessContext)(
+        return elastic.context_class(MultiprocessContext, GRACE_S)(
             name=launch["job_id"],
             entrypoint=worker.rank_entry,
             args=args,
@@ -129,7 +104,7 @@ def _make_context(
             logs_specs=logs,
         )
     args = {r: ("-u", "-m", "sgpu_magic.rank.worker", str(run_dir.path)) for r in range(world)}
-    return _context_class(SubprocessContext)(
+    return elastic.context_class(SubprocessContext, GRACE_S)(
         name=launch["job_id"], entrypoint=sys.executable, args=args, envs=envs, logs_specs=logs
     )
 
@@ -141,12 +116,6 @@ def _make_tree_private(top: Path) -> None:
             os.chmod(dirpath, 0o700)
         except OSError:
             pass
-
-
-def _exitcodes(ctx) -> dict[int, int | None]:
-    if hasattr(ctx, "subprocess_handlers"):
-        return {r: h.proc.returncode for r, h in ctx.subprocess_handlers.items()}
-    return {r: p.exitcode for r, p in enumerate(ctx._pc.processes)} if ctx._pc else {}
 
 
 class HostJob:
@@ -162,7 +131,7 @@ class HostJob:
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.writer = StatusWriter(
             run_dir,
-            on_error=lambda exc: host_log(
+            on_error=lambda exc: log.warning(
                 f"sgpu_magic host: cannot write the status of job {run_dir.job_id} ({exc}); retrying"
             ),
             state="starting",
@@ -234,15 +203,7 @@ class HostJob:
     def wake_fds(self) -> list[int]:
         """File descriptors that become readable when a warm rank returns or exits (its return-value
         pipe, its process sentinel), so the host polls at once instead of on its next tick."""
-        pc = getattr(self.ctx, "_pc", None)
-        if pc is None:
-            return []
-        fds = list(getattr(pc, "sentinels", {}))
-        for queue in getattr(self.ctx, "_ret_vals", {}).values():
-            reader = getattr(queue, "_reader", None)
-            if reader is not None and not reader.closed:
-                fds.append(reader.fileno())
-        return fds
+        return elastic.wake_fds(self.ctx) if self.ctx is not None else []
 
     def poll(self) -> None:
         """Check the ranks once; finish the job when they are done, failed, or past the timeout."""
@@ -297,7 +258,7 @@ class HostJob:
                 "attempt": self.attempt,
                 "failures": failed,
                 "ended_s": time.time(),
-                "exitcodes": {str(r): code for r, code in _exitcodes(self.ctx).items()},
+                "exitcodes": {str(r): code for r, code in elastic.exitcodes(self.ctx).items()},
             }
         )
         keep = self.run_dir.attempt_errors_dir(self.attempt)
@@ -314,10 +275,10 @@ class HostJob:
         line = attempt_marker(self.attempt, self.max_restarts + 1, why)
         for rank in range(world):
             try:
-                with open(self.run_dir.log_file(rank), "a") as log:
-                    log.write(line + "\n")
+                with open(self.run_dir.log_file(rank), "a") as rank_log:
+                    rank_log.write(line + "\n")
             except OSError as exc:
-                host_log(f"sgpu_magic host: could not mark attempt {self.attempt} in rank {rank}'s log ({exc})")
+                log.warning(f"sgpu_magic host: could not mark attempt {self.attempt} in rank {rank}'s log ({exc})")
         self.store = None  # a fresh store per attempt, as torchrun's agent makes (stale keys of the last one go)
         self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
         self._start_attempt()
@@ -334,13 +295,15 @@ class HostJob:
     def _save_stacks(self) -> None:
         """Take the stacks of the ranks still running into ``stacks/`` and their summary into the status; a
         failure is logged, never raised (the ranks are stopped all the same)."""
-        running = {r: self.pids[r] for r, code in _exitcodes(self.ctx).items() if code is None and r in self.pids}
+        running = {
+            r: self.pids[r] for r, code in elastic.exitcodes(self.ctx).items() if code is None and r in self.pids
+        }
         if not running:
             return
         try:
             self.status["stacks"] = save_stacks(self.run_dir, running)
         except Exception as exc:  # noqa: BLE001 - the stop goes on without them; the host log says why
-            host_log(f"sgpu_magic host: could not take the stacks of job {self.run_dir.job_id}: {exc!r}")
+            log.warning(f"sgpu_magic host: could not take the stacks of job {self.run_dir.job_id}: {exc!r}")
 
     def _finish(self, state: str) -> None:
         kill_leftovers(set(self.pids.values()), self.launch["job_id"])
@@ -348,7 +311,7 @@ class HostJob:
         self.usage.gpu.close()
         if self.guard.ended:
             self.status["teardown_ended"] = self.guard.report()
-        exitcodes = {str(r): code for r, code in _exitcodes(self.ctx).items()} if self.ctx else {}
+        exitcodes = {str(r): code for r, code in elastic.exitcodes(self.ctx).items()} if self.ctx else {}
         self.store = None  # closes the rendezvous listener before the kernel hears the job ended
         # the final status is the last thing written: once the kernel reads it, the run dir and the
         # leases are in their final form (no payload, GPUs free)

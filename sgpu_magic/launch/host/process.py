@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import gc
 import json
+import logging
 import os
 import select
 import signal
@@ -37,12 +38,15 @@ from pathlib import Path
 import psutil
 
 from sgpu_magic._util.proc import adopt_orphans
-from sgpu_magic.launch.host.cleanup import end_mlflow_run, host_log, reap_adopted
+from sgpu_magic._util.redact import RedactingFormatter
+from sgpu_magic.launch.host.cleanup import end_mlflow_run, reap_adopted
 from sgpu_magic.launch.host.job import HostJob
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import answer as answer_stacks
 from sgpu_magic.rundir import HOST_WARM_STATS, RunDir, host_warm_marker
 from sgpu_magic.status import StatusWriter
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.02
 
@@ -89,7 +93,9 @@ class Host:
                 try:
                     StatusWriter(run_dir).finish("failed", launch_error=f"{type(exc).__name__}: {exc}")
                 except OSError as write_exc:
-                    host_log(f"sgpu_magic host: job {run_dir.job_id} could not start ({exc}) nor say so ({write_exc})")
+                    log.warning(
+                        f"sgpu_magic host: job {run_dir.job_id} could not start ({exc}) nor say so ({write_exc})"
+                    )
         elif cmd["op"] == "stacks":  # answered from a thread: the dumps take up to stacks.DUMP_TIMEOUT_S
             job = self.jobs.get(run_dir.job_id)
             pids = None if job is None else dict(job.pids)
@@ -157,12 +163,23 @@ class Host:
                     end_mlflow_run(job.launch, job.status.get("state", "cancelled"))
 
 
+def host_logging() -> None:
+    """sgpu_magic's diagnostics in this process (``logging.getLogger(__name__)`` of its modules) go to the host's
+    log file (stderr, once :func:`_detach` has pointed it there) as they did before they were logged: the message
+    alone on its line, redacted. A line that cannot be written (a full disk) is lost, not the host."""
+    logging.raiseExceptions = False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter("%(message)s"))
+    package = logging.getLogger("sgpu_magic")
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    package.propagate = False
+
+
 def _plain_elastic_logging() -> None:
     """Log torch elastic's records through a plain formatter. torch's own formatter imports torch._dynamo
     the first time it formats an exception (2.7 s of CPU; 9 to 12 s on a busy 2-core machine), and
     elastic logs one for every failed rank: that held up the host's first failure report (chaos suite)."""
-    import logging
-
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s", "%m%d %H:%M:%S")
@@ -175,6 +192,7 @@ def _plain_elastic_logging() -> None:
 def main(argv: list[str]) -> None:
     log_path, kernel_pid = argv[1], int(argv[2])
     _detach(kernel_pid, log_path)
+    host_logging()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     warm = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess"

@@ -14,6 +14,7 @@ import signal
 import time
 from pathlib import Path
 
+from sgpu_magic._compat.forkserver import forkserver_pid, stop_forkserver
 from sgpu_magic.rundir import atomic_write_json, read_json
 
 WARM_PRELOAD = [
@@ -24,6 +25,7 @@ WARM_PRELOAD = [
     "torch._dynamo",
     "torch.distributed.elastic.multiprocessing",
     "sgpu_magic.rank.worker",
+    "sgpu_magic._compat.elastic",  # elastic starts each warm rank through its wrap_no_wait
     "sgpu_magic.launch.host.warm_ready",
 ]
 """Modules the forkserver imports once, so warm ranks skip them (the first DDP imports torch._dynamo; elastic's
@@ -73,7 +75,7 @@ class WarmPool:
 
         fingerprint = _path_fingerprint(sys_path)
         if self.fingerprint is not None and fingerprint != self.fingerprint:
-            forkserver._forkserver._stop()  # type: ignore[attr-defined] # a private of multiprocessing.forkserver
+            stop_forkserver()
             if os.path.exists(self.marker):
                 os.unlink(self.marker)
             self.started_s, self._measured = None, False
@@ -128,9 +130,7 @@ class WarmPool:
     @staticmethod
     def stop() -> None:
         """Kill the forkserver at once (it may still be importing torch)."""
-        import multiprocessing.forkserver as forkserver
-
-        pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        pid = forkserver_pid()
         if pid:
             try:
                 os.kill(pid, signal.SIGKILL)
