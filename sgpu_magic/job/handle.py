@@ -34,6 +34,11 @@ HOST_CHECK_S = 0.5
 CANCEL_WAIT_S = 15.0
 
 
+MAX_ENDED_JOBS = 100
+"""The kernel's job list (:func:`jobs`, ``%distributed_jobs``) keeps every job that has not ended and the last this
+many that have; older ended jobs leave it (a handle the notebook still holds keeps working)."""
+
+
 _JOBS: list[Job] = []
 
 
@@ -41,9 +46,20 @@ _JOBS_LOCK = threading.Lock()
 
 
 def jobs() -> list[Job]:
-    """Every job started in this process (kernel), oldest first."""
+    """The jobs started in this process (kernel), oldest first: every one that has not ended, and the last
+    :data:`MAX_ENDED_JOBS` (100) that have."""
     with _JOBS_LOCK:
         return list(_JOBS)
+
+
+def _register(job: Job | None = None) -> None:
+    """Add ``job`` (if given) to the kernel's list, and drop the oldest ended jobs beyond :data:`MAX_ENDED_JOBS`."""
+    with _JOBS_LOCK:
+        if job is not None:
+            _JOBS.append(job)
+        ended = [j for j in _JOBS if j.ended]
+        for old in ended[: max(0, len(ended) - MAX_ENDED_JOBS)]:
+            _JOBS.remove(old)
 
 
 class Job:
@@ -114,8 +130,7 @@ class Job:
         self.pending_reason = ""
         self.mlflow_run_id: str | None = None
         self._notes: list[str] | None = None
-        with _JOBS_LOCK:
-            _JOBS.append(self)
+        _register(self)
 
     job_id = property(lambda self: self._rd.job_id)
     run_dir = property(lambda self: self._rd.path)
@@ -295,6 +310,11 @@ class Job:
     def done(self) -> bool:
         return self.state.final
 
+    @property
+    def ended(self) -> bool:
+        """Whether the job's end was seen and its sinks told (its final status is kept; no file is read)."""
+        return self._final_status is not None
+
     def _emit(self, event: str, *args: Any) -> None:
         for sink in self._sinks:
             getattr(sink, event)(*args)
@@ -464,6 +484,7 @@ class Job:
         if finished:
             self._emit("finished", self)
         self._done.set()
+        _register()  # one more ended job: the oldest beyond MAX_ENDED_JOBS leaves the list
 
     # -- follow
 
