@@ -10,6 +10,7 @@ Usage (from the repository root)::
     .venv/bin/python -m benchmarks.run --only tracking        # per-step mlflow.log_metric vs none (batch 1)
     .venv/bin/python -m benchmarks.run --only teardown          # 500 warm launches of the DDP tutorial's main()
     .venv/bin/python -m benchmarks.run --only session           # live sessions vs ipyparallel (pip install ipyparallel)
+    .venv/bin/python -m benchmarks.run --only panel_memory      # kernel RSS per ended job with the panel (500 jobs)
 
 Every measurement runs in real Jupyter kernels driven through jupyter_client, as a notebook
 user would; all rows of a table come from the same run; values are medians of the
@@ -36,9 +37,9 @@ import shutil
 import tempfile
 import time
 
-SECTIONS = ["launch", "soak", "teardown", "train", "tracking", "logging", "capture", "session", "gpu"]
-OPT_IN = {"gpu", "soak", "teardown"}
-"""Sections run only when asked for (--gpu, --soak N, --only teardown)."""
+SECTIONS = ["launch", "soak", "teardown", "train", "tracking", "logging", "capture", "session", "panel_memory", "gpu"]
+OPT_IN = {"gpu", "soak", "teardown", "panel_memory"}
+"""Sections run only when asked for (--gpu, --soak N, --only teardown, --only panel_memory)."""
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -68,6 +69,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="warm launches of the teardown soak (--only teardown; default 500, 100 with --quick)",
     )
+    p.add_argument(
+        "--panel-jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="jobs of the panel memory section (--only panel_memory; default 500, 200 with --quick)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every raw sample here")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (kernel logs, run dirs)")
     return p.parse_args(argv)
@@ -88,12 +96,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown section(s): {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
 
-    from . import bench_capture, bench_launch, bench_logging, bench_session, bench_teardown, bench_tracking, bench_train
+    from . import (
+        bench_capture,
+        bench_launch,
+        bench_logging,
+        bench_panel_memory,
+        bench_session,
+        bench_teardown,
+        bench_tracking,
+        bench_train,
+    )
     from .common import Config, Context, Table, machine_description
 
     cfg = Config.make(args.quick, args.gpu, only, args.soak, args.reps)
     if args.teardown is not None:
         cfg.teardown_launches = args.teardown
+    if args.panel_jobs is not None:
+        cfg.panel_jobs = args.panel_jobs
     workdir = Path(tempfile.mkdtemp(prefix="sgpu-bench-"))
     ctx = Context(cfg, workdir)
     machine = machine_description()
@@ -112,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "logging": bench_logging.run,
         "capture": bench_capture.run,
         "session": bench_session.run,
+        "panel_memory": bench_panel_memory.run,
         "gpu": bench_train.run_gpu,
     }
     sections, raw = [], {}

@@ -54,24 +54,35 @@ def minmax_downsample(points: Points, max_points: int = MAX_CHART_POINTS) -> lis
 
 class MetricsChart:
     """The Metrics tab: a dropdown of the metric names, one bqplot figure of the chosen metric, a line per rank
-    with a legend. Fed :meth:`Job.metrics` by :meth:`update` (any thread); each series downsampled to at most
+    (``ranks`` of them, made with the figure: bqplot draws no mark added to a figure that is not on screen) with a
+    legend. Fed :meth:`Job.metrics` by :meth:`update` (any thread); each series downsampled to at most
     :data:`MAX_CHART_POINTS` points."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: int) -> None:
         import bqplot as bq
         import ipywidgets as w
+        import numpy as np
 
-        self._bq = bq
         self._lock = threading.Lock()
         self._data: dict[str, dict[int, list[tuple[float, float]]]] = {}
-        self.lines: dict[int, bq.Lines] = {}
         self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
+        self.lines: dict[int, bq.Lines] = {
+            rank: bq.Lines(
+                x=np.zeros(0),
+                y=np.zeros(0),
+                scales={"x": self.x_scale, "y": self.y_scale},
+                colors=[COLOURS[rank % len(COLOURS)]],
+                labels=[f"rank {rank}"],
+                display_legend=True,
+            )
+            for rank in range(ranks)
+        }
         axes = [
             bq.Axis(scale=self.x_scale, label="step", tick_format="d"),
             bq.Axis(scale=self.y_scale, orientation="vertical", tick_format=".3g"),
         ]
         self.figure = bq.Figure(
-            marks=[],
+            marks=list(self.lines.values()),
             axes=axes,
             animation_duration=0,
             legend_location="top-right",
@@ -108,26 +119,11 @@ class MetricsChart:
 
         with self._lock:
             by_rank = self._data.get(self.picker.value or "", {})
-            for rank in sorted(by_rank):
-                if rank not in self.lines:
-                    self._add_line(rank)
             for rank, line in self.lines.items():
                 points = by_rank.get(rank, [])
                 with line.hold_sync():
                     line.x = np.array([p[0] for p in points], dtype=float)
                     line.y = np.array([p[1] for p in points], dtype=float)
-
-    def _add_line(self, rank: int) -> None:
-        bq = self._bq
-        self.lines[rank] = bq.Lines(
-            x=[],
-            y=[],
-            scales={"x": self.x_scale, "y": self.y_scale},
-            colors=[COLOURS[rank % len(COLOURS)]],
-            labels=[f"rank {rank}"],
-            display_legend=True,
-        )
-        self.figure.marks = [self.lines[r] for r in sorted(self.lines)]
 
 
 def _finite(points: Points) -> list[tuple[float, float]]:

@@ -293,7 +293,7 @@ class Panel(TextView):
         if self._chart is None:
             from sgpu_magic.ui.charts import MetricsChart
 
-            self._chart = MetricsChart()
+            self._chart = MetricsChart(len(self.outputs))
             self.tabs.children = (*self.outputs, self._chart.widget)
             self.tabs.titles = (*[f"rank {r}" for r in range(len(self.outputs))], "metrics")
             _forget_reply_route(self._chart.picker)

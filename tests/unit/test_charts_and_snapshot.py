@@ -27,7 +27,7 @@ def test_minmax_downsample_keeps_ends_and_every_bucket_s_extremes():
 
 
 def test_the_live_chart_has_a_line_per_rank_and_follows_the_chosen_metric():
-    chart = MetricsChart()
+    chart = MetricsChart(2)
     chart.update(
         {"loss": {0: [(s, 1.0 / (s + 1)) for s in range(5000)], 1: [(0, 2.0), (1, 1.5)]}, "lr": {0: [(0, 1e-3)]}}
     )
