@@ -243,14 +243,16 @@ class Panel(TextView):
         error = job.exception() if job.state is not JobState.SUCCEEDED else None
         root = getattr(error, "root_cause", None)
         self._render_header(job, job.state, error)
-        if job.summary_on_success or job.state is not JobState.SUCCEEDED or job.notes:
+        said = job.summary_on_success or job.state is not JobState.SUCCEEDED or bool(job.notes)
+        if said:
             for line in summary_lines(job):
                 self.note(line)
-        self._leave_snapshot(job, root.rank if root is not None else 0)
+        self._leave_snapshot(job, root.rank if root is not None else 0, "" if said else summary_line(job))
 
-    def _leave_snapshot(self, job: Job, focus: int) -> None:
+    def _leave_snapshot(self, job: Job, focus: int, summary: str) -> None:
         """Replace the panel in the cell's output by its static snapshot (each rank's last ``SNAPSHOT_LINES`` lines,
-        ``focus``'s shown open), close every widget and drop the line buffers: the kernel keeps nothing of it."""
+        ``focus``'s shown open; ``summary``: the summary line, unless the cell has it), close every widget and drop
+        the line buffers: the kernel keeps nothing of it."""
         with self._lock:
             tails = []
             for rank, buf in enumerate(self.buffers):
@@ -258,7 +260,7 @@ class Panel(TextView):
                 footer = self._render_footer(rank, text.count("\n"))
                 tails.append(RankTail(rank, footer, text, open=rank == focus or len(self.buffers) <= 2))
             self.buffers, self._dirty = [], set()
-        self.snapshot = snapshot_bundle(self.header.value, tails, job.metrics(), summary_line(job))
+        self.snapshot = snapshot_bundle(self.header.value, tails, job.metrics(), summary)
         if self._display is not None:
             self._display.update(self.snapshot, raw=True)
         close_tree(self.widget)

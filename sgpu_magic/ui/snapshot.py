@@ -45,7 +45,8 @@ def snapshot_bundle(
 
     ``header_html``: the panel's final header; ``ranks``: each rank's tail (a rank ``open`` shows its lines, the
     others in a closed ``<details>``); ``metrics``: ``Job.metrics()`` (an SVG chart per metric, at most
-    ``SNAPSHOT_CHARTS``); ``summary``: the job's summary line (log folder, MLflow run).
+    ``SNAPSHOT_CHARTS``); ``summary``: the job's summary line (log folder, MLflow run), ``""`` when the cell has it
+    already. The header is in a ``<div class="sgpu-magic-header">``, the whole in ``<div class="sgpu-magic-snapshot">``.
     """
     charts = "".join(svg_chart(name, by_rank) for name, by_rank in list(metrics.items())[:SNAPSHOT_CHARTS])
     more = len(metrics) - SNAPSHOT_CHARTS
@@ -59,12 +60,12 @@ def snapshot_bundle(
     )
     body = (
         f'<div class="sgpu-magic-snapshot" style="border:1px solid #d0d7de;border-radius:6px;padding:6px 10px">'
-        f"{header_html}{f'<div>{charts}</div>' if charts else ''}{tails}"
-        f"<small>{html.escape(summary)}</small></div>"
+        f'<div class="sgpu-magic-header">{header_html}</div>{f"<div>{charts}</div>" if charts else ""}{tails}'
+        f"{f'<small>{html.escape(summary)}</small>' if summary else ''}</div>"
     )
     text = [plain(header_html)]
     text += [f"--- rank {tail.rank}: {plain(tail.footer_html)}\n{_ANSI.sub('', tail.text).rstrip()}" for tail in ranks]
-    return {"text/html": body, "text/plain": "\n".join(text + [summary])}
+    return {"text/html": body, "text/plain": "\n".join(text + ([summary] if summary else []))}
 
 
 def close_tree(widget) -> int:

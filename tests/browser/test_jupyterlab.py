@@ -97,7 +97,7 @@ def panel_of(cell):
 
 def header_of(panel):
     """The header of a live panel or of its snapshot."""
-    return panel.locator(".widget-html, .sgpu-magic-snapshot > div").filter(has_text=re.compile("sgpu_magic ")).first
+    return panel.locator(".widget-html, .sgpu-magic-header").filter(has_text=re.compile("sgpu_magic ")).first
 
 
 def snapshot_of(cell):

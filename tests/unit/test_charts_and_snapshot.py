@@ -55,6 +55,8 @@ def test_the_snapshot_bundle_has_html_and_text_without_ansi():
     html, text = bundle["text/html"], bundle["text/plain"]
     assert "ok &lt;x&gt;" in html and "\x1b" not in html and "<details open><summary><b>rank 1</b>" in html
     assert "<details><summary><b>rank 0</b>" in html and "<svg" in html
+    assert '<div class="sgpu-magic-header"><b>job</b> failed<br>why</div>' in html
+    assert "sgpu_magic: job x failed" not in snapshot_bundle("h", tails, {}, "")["text/html"]
     assert text.splitlines()[:3] == ["job failed", "why", "--- rank 0: exited 0 · log: r0.log"]
     assert text.endswith("Traceback\nsgpu_magic: job x failed")
     assert plain("<table><tr><td>a</td><td>1</td></tr></table>") == "a 1 \n"
