@@ -114,6 +114,7 @@ class Config:
     cell_timeout_s: float
     launch_timeout_s: float
     teardown_launches: int = 500
+    panel_jobs: int = 500
     session_ranks: tuple[int, ...] = (2, 8)
     session_reps: int = 30
     responsive_reps: int = 3
@@ -141,6 +142,7 @@ class Config:
                 cell_timeout_s=240,
                 launch_timeout_s=120,
                 teardown_launches=100,
+                panel_jobs=200,
                 session_ranks=(2,),
                 session_reps=10,
                 responsive_reps=1,

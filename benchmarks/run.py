@@ -11,6 +11,7 @@ Usage (from the repository root)::
     .venv/bin/python -m benchmarks.run --only teardown          # 500 warm launches of the DDP tutorial's main()
     .venv/bin/python -m benchmarks.run --only session           # live sessions vs ipyparallel (pip install ipyparallel)
     .venv/bin/python -m benchmarks.run --only responsive        # seconds to a refusal, a failure, a timeout, an interrupt
+    .venv/bin/python -m benchmarks.run --only panel_memory      # kernel RSS per ended job with the panel (500 jobs)
 
 Every measurement runs in real Jupyter kernels driven through jupyter_client, as a notebook
 user would; all rows of a table come from the same run; values are medians of the
@@ -37,9 +38,21 @@ import shutil
 import tempfile
 import time
 
-SECTIONS = ["launch", "soak", "teardown", "train", "tracking", "logging", "capture", "session", "responsive", "gpu"]
-OPT_IN = {"gpu", "soak", "teardown"}
-"""Sections run only when asked for (--gpu, --soak N, --only teardown)."""
+SECTIONS = [
+    "launch",
+    "soak",
+    "teardown",
+    "train",
+    "tracking",
+    "logging",
+    "capture",
+    "session",
+    "responsive",
+    "panel_memory",
+    "gpu",
+]
+OPT_IN = {"gpu", "soak", "teardown", "panel_memory"}
+"""Sections run only when asked for (--gpu, --soak N, --only teardown, --only panel_memory)."""
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -69,6 +82,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="warm launches of the teardown soak (--only teardown; default 500, 100 with --quick)",
     )
+    p.add_argument(
+        "--panel-jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="jobs of the panel memory section (--only panel_memory; default 500, 200 with --quick)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every raw sample here")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (kernel logs, run dirs)")
     return p.parse_args(argv)
@@ -93,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_capture,
         bench_launch,
         bench_logging,
+        bench_panel_memory,
         bench_responsive,
         bench_session,
         bench_teardown,
@@ -104,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config.make(args.quick, args.gpu, only, args.soak, args.reps)
     if args.teardown is not None:
         cfg.teardown_launches = args.teardown
+    if args.panel_jobs is not None:
+        cfg.panel_jobs = args.panel_jobs
     workdir = Path(tempfile.mkdtemp(prefix="sgpu-bench-"))
     ctx = Context(cfg, workdir)
     machine = machine_description()
@@ -123,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "capture": bench_capture.run,
         "session": bench_session.run,
         "responsive": bench_responsive.run,
+        "panel_memory": bench_panel_memory.run,
         "gpu": bench_train.run_gpu,
     }
     sections, raw = [], {}

@@ -19,7 +19,7 @@ from sgpu_magic.errors import JobCancelledError, LauncherError, ResourceError, S
 from sgpu_magic.job.follow import PUMP_INTERVAL_S, JobSink, LogPump, StatusFeed
 from sgpu_magic.job.metrics import MetricsPump
 from sgpu_magic.job.outcome import stopped_error
-from sgpu_magic.job.registry import forget
+from sgpu_magic.job.registry import forget, register
 from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
@@ -80,6 +80,11 @@ class JobLifecycle:
 
     job_id = property(lambda self: self._rd.job_id)
     world_size = property(lambda self: self.plan.world_size)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the job's end was seen and its sinks told (its final status is kept; no file is read)."""
+        return self._final_status is not None
 
     def request_cancel(self, _reason: str = "cancelled") -> None:
         """Ask for every rank to stop (or a pending job to leave the queue), without waiting.
@@ -253,6 +258,7 @@ class JobLifecycle:
         if finished:
             self._emit("finished", self)
         self._done.set()
+        register()  # one more ended job: the oldest beyond MAX_ENDED_JOBS leaves the list
 
     def _pump(self, final: bool = False) -> None:
         """Hand what the ranks wrote since the last call to the sinks; ``final``: all of it, then close the logs."""

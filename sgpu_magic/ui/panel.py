@@ -3,7 +3,10 @@
 Both views treat carriage returns as a terminal does (a tqdm bar is one updating line),
 follow the job from the thread that waits on it, and batch what they send: the panel
 flushes at most ``MAX_FLUSHES_PER_S`` times a second, and refreshes the tabs not on screen
-at most ``HIDDEN_TAB_FLUSHES_PER_S`` times a second.
+at most ``HIDDEN_TAB_FLUSHES_PER_S`` times a second. Once a job logs a metric the panel gets a
+Metrics tab (:class:`~sgpu_magic.ui.charts.MetricsChart`). When the job ends the panel replaces
+itself in the cell's output with a static snapshot (:mod:`sgpu_magic.ui.snapshot`), closes its
+widgets and drops its line buffers.
 """
 
 from __future__ import annotations
@@ -14,15 +17,22 @@ import os
 import re
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from sgpu_magic._compat.ipykernel import forget_reply_route
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
-from sgpu_magic.rundir import RankUsage
+from sgpu_magic.ui.header import header_html, metrics_html
+from sgpu_magic.ui.snapshot import SNAPSHOT_LINES, RankTail, close_tree, snapshot_bundle
 from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES, TerminalBuffer
-from sgpu_magic.ui.text import MAX_METRIC_LINES, TextView, restart_reason, stuck_line, summary_lines
+from sgpu_magic.ui.text import TextView, summary_line, summary_lines
+
+if TYPE_CHECKING:
+    from sgpu_magic.ui.charts import MetricsChart
+
+__all__ = ["Panel", "make_view", "metrics_html", "rank_state", "use_widgets"]
 
 MAX_FLUSHES_PER_S = 5.0
 
@@ -42,31 +52,11 @@ widget messages to kernel subshells (JupyterLab 4.4+); elsewhere this is how a t
 blocking cell catches up."""
 
 
-_BADGE_COLOURS = {
-    JobState.PENDING: "#777",
-    JobState.STARTING: "#1f6feb",
-    JobState.RUNNING: "#1f6feb",
-    JobState.SUCCEEDED: "#1a7f37",
-    JobState.FAILED: "#cf222e",
-    JobState.CANCELLED: "#bf8700",
-    JobState.TIMED_OUT: "#bf8700",
-}
-
-
-_TEXT_STYLE = "line-height: 1.4"
-"""For the panel's HTML text: ipywidgets gives an HTML widget its one-line height as line height, which
-spreads text that wraps or has a second line."""
-
-
 STOP_TOOLTIP = (
     "Cancel the job: every rank is stopped. If this button does not respond while the cell runs (a "
     "frontend without kernel subshells), use the notebook's Interrupt button: it cancels the job too."
 )
 """The Stop button's tooltip; the panel itself shows the job's state, and README's "The panel" the rest."""
-
-
-_NO_GPU = ' <small title="this machine has no GPU: the ranks run on CPU with gloo">(no GPU found)</small>'
-"""After the device kind in the header of a job on a machine without GPUs (the cell says so once per kernel)."""
 
 
 def rank_state(exitcode: int | None, running: bool) -> str:
@@ -101,11 +91,14 @@ def _panel_box_class():
 
 
 class Panel(TextView):
-    """The ipywidgets panel: header (job, state badge, devices, elapsed, MLflow link), Stop, one tab per rank.
+    """The ipywidgets panel: header (job, state badge, devices, elapsed, MLflow link), Stop, one tab per rank, and a
+    Metrics tab once the ranks log a metric.
 
-    Widgets are composed once; later only trait values change, from whichever thread follows
-    the job. Log views keep the last ``max_lines`` lines of each rank and say how many earlier
-    lines are only in the log file.
+    Widgets are composed once (the Metrics tab is added with the first metric); later only trait values change,
+    from whichever thread follows the job. Log views keep the last ``max_lines`` lines of each rank and say how
+    many earlier lines are only in the log file. When the job ends, the panel's place in the cell's output gets
+    the static snapshot (``snapshot``: a ``text/html`` and ``text/plain`` bundle that renders without a kernel),
+    every widget is closed and the line buffers are dropped.
     """
 
     needs_every_line = False  # it shows the last max_lines lines: fast logs are read from their tail
@@ -135,6 +128,11 @@ class Panel(TextView):
             [w.HBox([self.header, self.stop_button], layout=layout), self.tabs], layout=layout
         )
         self._job: Job | None = None
+        self._display = None  # the panel's display handle: the snapshot replaces it in place
+        self._chart: MetricsChart | None = None
+        self._metrics_new = False
+        self.snapshot: dict[str, str] | None = None
+        """The snapshot the ended job left in the cell (``{"text/html": ..., "text/plain": ...}``); ``None`` before."""
 
     def created(self, job: Job) -> None:
         """Build the tabs and show the panel in the cell that starts the job (state pending)."""
@@ -160,7 +158,7 @@ class Panel(TextView):
         self._render_header(job, JobState.PENDING)
         from IPython.display import display
 
-        display(self.widget)
+        self._display = display(self.widget, display_id=True)  # None outside IPython (nothing shown to replace)
         for widget in (self.stop_button, self.tabs):  # clicks and tab switches while the cell runs
             _forget_reply_route(widget)
 
@@ -173,6 +171,10 @@ class Panel(TextView):
     def _tab_selected(self, change) -> None:
         """The user switched tabs (a comm message, maybe on another thread): show that rank's lines now."""
         rank = change["new"]
+        if rank is not None and rank == len(self.outputs) and self._chart is not None and self._job is not None:
+            self._metrics_new = False
+            self._chart.update(self._job.metrics())
+            return
         if rank is None or not 0 <= rank < len(self.outputs):
             return
         with self._lock:
@@ -218,6 +220,9 @@ class Panel(TextView):
     def restarted(self, job: Job, attempt: int) -> None:
         self._render_header(job, JobState.RUNNING)
 
+    def metrics_logged(self, job: Job) -> None:
+        self._metrics_new = True  # drawn at the next flush (the Metrics tab on screen, or off screen every 5 s)
+
     def state_changed(self, job: Job, state: JobState) -> None:
         if state.final:
             self._retire_stop_button()
@@ -234,41 +239,68 @@ class Panel(TextView):
         self.stop_button.description = "Stop"
 
     def finished(self, job: Job) -> None:
-        self._flush(job, final=True)
+        self._final_footers(job)
         self._retire_stop_button()
         error = job.exception() if job.state is not JobState.SUCCEEDED else None
         root = getattr(error, "root_cause", None)
-        if root is not None:
-            self.tabs.selected_index = root.rank
         self._render_header(job, job.state, error)
-        if job.summary_on_success or job.state is not JobState.SUCCEEDED or job.notes:
+        said = job.summary_on_success or job.state is not JobState.SUCCEEDED or bool(job.notes)
+        if said:
             for line in summary_lines(job):
                 self.note(line)
+        self._leave_snapshot(job, root.rank if root is not None else 0, "" if said else summary_line(job))
 
-    def _flush(self, job: Job, final: bool = False) -> None:
+    def _leave_snapshot(self, job: Job, focus: int, summary: str) -> None:
+        """Replace the panel in the cell's output by its static snapshot (each rank's last ``SNAPSHOT_LINES`` lines,
+        ``focus``'s shown open; ``summary``: the summary line, unless the cell has it), close every widget and drop
+        the line buffers: the kernel keeps nothing of it."""
+        with self._lock:
+            tails = []
+            for rank, buf in enumerate(self.buffers):
+                text = buf.text(SNAPSHOT_LINES)
+                footer = self._render_footer(rank, text.count("\n"))
+                tails.append(RankTail(rank, footer, text, open=rank == focus or len(self.buffers) <= 2))
+            self.buffers, self._dirty = [], set()
+        self.snapshot = snapshot_bundle(self.header.value, tails, job.metrics(), summary)
+        if self._display is not None:
+            self._display.update(self.snapshot, raw=True)
+        close_tree(self.widget)
+        self.outputs, self.footers, self._chart = [], [], None
+        self.tabs.children = ()
+
+    def _flush(self, job: Job) -> None:
         now = time.monotonic()
         on_screen = self.tabs.selected_index
+        hidden_due = now - self._last_hidden_flush >= 1.0 / HIDDEN_TAB_FLUSHES_PER_S
         with self._lock:
-            if final:  # every tab: the one on screen with all its kept lines, the others with their last
-                # live_lines until selected (a selection, once the kernel is free, shows all kept lines)
-                dirty, self._dirty = set(range(len(self.buffers))), set()
-            elif now - self._last_hidden_flush >= 1.0 / HIDDEN_TAB_FLUSHES_PER_S:
+            if hidden_due:  # every tab with news
                 dirty, self._dirty = self._dirty, set()
                 self._last_hidden_flush = now
             else:  # only the tab on screen
                 dirty = self._dirty & {on_screen}
                 self._dirty -= dirty
-            live = self.live_tail_lines
-            texts = {r: self.buffers[r].text(None if final and r == on_screen else live) for r in dirty}
+            texts = {r: self.buffers[r].text(self.live_tail_lines) for r in dirty}
         self._last_flush = now
         self._last_bytes = sum(len(t) for t in texts.values())
-        if final:  # the ranks' exit states and line counts are known only now
-            self._final_footers(job)
         for rank, text in texts.items():
             self.outputs[rank].outputs = self._tab_outputs(rank, text)
         if texts:
             self.flushes += 1
-        self._render_header(job, job.state if final else self._job_state(job))
+        if self._metrics_new and (hidden_due or self._chart is None or on_screen == len(self.outputs)):
+            self._show_metrics(job)
+        self._render_header(job, self._job_state(job))
+
+    def _show_metrics(self, job: Job) -> None:
+        """Draw the metrics logged so far; with the first one, import bqplot and add the Metrics tab."""
+        self._metrics_new = False
+        if self._chart is None:
+            from sgpu_magic.ui.charts import MetricsChart
+
+            self._chart = MetricsChart(len(self.outputs))
+            self.tabs.children = (*self.outputs, self._chart.widget)
+            self.tabs.titles = (*[f"rank {r}" for r in range(len(self.outputs))], "metrics")
+            _forget_reply_route(self._chart.picker)
+        self._chart.update(job.metrics())
 
     @staticmethod
     def _job_state(job: Job) -> JobState:
@@ -315,81 +347,7 @@ class Panel(TextView):
         return value
 
     def _render_header(self, job: Job, state: JobState, error: BaseException | None = None) -> None:
-        colour = _BADGE_COLOURS[state]
-        # whole seconds while running, so the clock alone changes the header at most once a second
-        digits = 1 if state.final else 0
-        elapsed = f"{job.elapsed_s:.{digits}f} s" if job.elapsed_s is not None else "&ndash;"
-        url = getattr(job, "run_url", None)
-        link = f' &middot; <a href="{html.escape(url)}" target="_blank">MLflow run</a>' if url else ""
-        badge = f'<span style="background:{colour};color:white;border-radius:4px;padding:1px 6px">{state.label}</span>'
-        problem = f"<br><code>{html.escape(str(error).splitlines()[0])}</code>" if error else ""
-        if state is JobState.PENDING and job.pending_reason:
-            problem = f"<br><small>{html.escape(job.pending_reason)}</small>"
-        if state.final:
-            problem += "".join(f"<br><small>{html.escape(note)}</small>" for note in job.notes)
-        elif job.activity:
-            problem += f"<br><b>{html.escape(job.activity)}</b>"
-        stuck = stuck_line(job) if not state.final else ""
-        if stuck:  # the hang detector's badge (launch host): cleared when a rank writes again
-            badge += (
-                ' <span style="background:#e67e22;color:white;border-radius:4px;padding:1px 6px">possibly stuck</span>'
-            )
-            problem += f"<br><small>{html.escape(stuck)}</small>"
-        attempt = job.attempt if job.spec.max_restarts else 1
-        if attempt > 1:
-            badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"
-            if not error and not (state is JobState.PENDING and job.pending_reason):  # (an error says more)
-                problem += f"<br><small>{html.escape(restart_reason(job))}; all ranks restarted</small>"
-        problem += metrics_html(job.last_metrics(), dict(sorted(job.status.usage.items())), state.final)
-        self.header.value = (
-            f'<div style="{_TEXT_STYLE}">'
-            f"<b>sgpu_magic {'job' if job.title.startswith('job ') else html.escape(job.title)}</b> "
-            f"<code>{job.job_id}</code> {badge} &middot; "
-            f"{html.escape(job.plan.device_kind)}{_NO_GPU if job.plan.no_gpu else ''} &middot; "
-            f"{elapsed}{link}{problem}</div>"
-        )
-
-
-def _usage_rows(usage: dict[int, RankUsage], final: bool) -> dict[str, dict[int, str]]:
-    """The header table's first rows: each rank's CPU % and RSS as the launch host last sampled them; once the job
-    has ended, each rank's peak RSS."""
-    if not usage:
-        return {}
-    if final:
-        return {"<i>peak RSS MiB</i>": {r: f"{u.peak_rss_bytes / 2**20:.0f}" for r, u in usage.items()}}
-    return {
-        "<i>cpu %</i>": {r: f"{u.cpu_percent:.0f}" for r, u in usage.items()},
-        "<i>RSS MiB</i>": {r: f"{u.rss_bytes / 2**20:.0f}" for r, u in usage.items()},
-    }
-
-
-def metrics_html(
-    last: dict[str, dict[int, float]], usage: dict[int, RankUsage] | None = None, final: bool = False
-) -> str:
-    """The header's table, one column per rank: each rank's CPU % and RSS (``usage``, sampled about once a second;
-    once the job has ended (``final``), its peak RSS), then one row per metric with its last value (at most
-    ``MAX_METRIC_LINES``); ``""`` when there is neither. Plain HTML in the header widget: no widget (comm) of its
-    own."""
-    table = _usage_rows(usage or {}, final)
-    for name, by_rank in list(last.items())[:MAX_METRIC_LINES]:
-        table[f"<code>{html.escape(name)}</code>"] = {r: f"{v:.4g}" for r, v in by_rank.items()}
-    if not table:
-        return ""
-    ranks = sorted({rank for by_rank in table.values() for rank in by_rank})
-    cell = 'style="padding:0 8px;text-align:right"'
-    head = "".join(f"<th {cell}>rank {r}</th>" for r in ranks)
-    rows = "".join(
-        f'<tr><td style="padding:0 8px">{label}</td>'
-        + "".join(f"<td {cell}>{by_rank.get(r, '')}</td>" for r in ranks)
-        + "</tr>"
-        for label, by_rank in table.items()
-    )
-    more = len(last) - MAX_METRIC_LINES
-    extra = f"<br><small>... and {more} more: <code>job.metrics()</code></small>" if more > 0 else ""
-    return (
-        f'<br><small><table style="border-collapse:collapse"><tr><th {cell}></th>{head}</tr>'
-        f"{rows}</table>{extra}</small>"
-    )
+        self.header.value = header_html(job, state, error)
 
 
 def _forget_reply_route(widget) -> None:

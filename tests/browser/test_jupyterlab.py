@@ -6,6 +6,12 @@ the page. Every test runs once per frontend (the ``jupyter`` fixture), one serve
    and the MLflow link points at a server that answers for that run.
 2. A blocking ``fn.distributed(...)`` job stopped with the panel's Stop button while its cell runs.
 3. The same with a ``%%distributed --background`` job.
+4. Live sessions: an interrupted cell keeps the ranks' state; pdb's prompt in the input box.
+5. A job logging two metrics: the Metrics tab's bqplot figure draws a line per rank; the ended job's snapshot keeps
+   the charts as inline SVG.
+
+Once a job ends its panel is replaced by a static snapshot (header, each rank's last lines, the charts), which the
+tests read where they read the panel before.
 
 Screenshots of each scenario are written to the session's temporary directory, or to
 ``$SGPU_MAGIC_SCREENSHOTS`` when set (Notebook 7's with a ``notebook7-`` prefix).
@@ -81,9 +87,21 @@ def wait_cell_done(cell, timeout_ms: int = JOB_TIMEOUT_MS) -> None:
 
 
 def panel_of(cell):
+    """The cell's panel while its job runs, and the static snapshot that replaces it once the job has ended."""
     return (
-        cell.locator(".jp-OutputArea-output .widget-vbox").filter(has_text=re.compile("sgpu_magic (job|session)")).first
+        cell.locator(".jp-OutputArea-output .widget-vbox, .jp-OutputArea-output .sgpu-magic-snapshot")
+        .filter(has_text=re.compile("sgpu_magic (job|session)"))
+        .first
     )
+
+
+def header_of(panel):
+    """The header of a live panel or of its snapshot."""
+    return panel.locator(".widget-html, .sgpu-magic-header").filter(has_text=re.compile("sgpu_magic ")).first
+
+
+def snapshot_of(cell):
+    return cell.locator(".jp-OutputArea-output .sgpu-magic-snapshot")
 
 
 def shown_log(panel) -> str:
@@ -137,30 +155,28 @@ def test_quickstart_panel_tabs_tqdm_and_mlflow_link(jupyter, page, screenshots):
 
     panel = panel_of(magic_cell)
     panel.wait_for(timeout=60_000)  # shown when the job is created, before the ranks start
-    header = panel.locator(".widget-html").filter(has_text="sgpu_magic job").first
+    header = header_of(panel)
     expect(header).to_contain_text("2 x cpu (gloo)")
     expect(header).to_contain_text("succeeded", timeout=JOB_TIMEOUT_MS)
     wait_cell_done(magic_cell)
 
-    tabs = panel.locator(".lm-TabBar-tab")
-    expect(tabs).to_have_text(["rank 0", "rank 1"])
+    # the ended job's panel is replaced by its snapshot (it renders without a kernel): each rank's last lines
+    snapshot = snapshot_of(magic_cell)
+    expect(snapshot).to_have_count(1, timeout=30_000)
+    expect(magic_cell.locator(".jp-OutputArea-output .widget-vbox")).to_have_count(0)
     for rank in (0, 1):
-        tabs.nth(rank).click()  # switch tabs as a person does
-        expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text(
-            f"rank {rank}: epoch 3/3", timeout=30_000
-        )
-        lines = shown_log(panel).splitlines()
+        tail = snapshot.locator("details").filter(has=page.locator("summary", has_text=f"rank {rank}"))
+        expect(tail.locator("summary")).to_contain_text("exited 0")
+        lines = tail.locator("pre").inner_text().splitlines()
         assert not any(line.startswith(f"rank {1 - rank}") for line in lines), lines  # only this rank's lines
         assert [line for line in lines if line.startswith(f"rank {rank}: epoch ")] == [
             line for line in lines if re.match(rf"rank {rank}: epoch \d/3 total loss", line)
         ] and len([line for line in lines if line.startswith(f"rank {rank}: epoch ")]) == 3, lines
         bars = [line for line in lines if line.startswith(f"rank {rank} epochs:")]
         assert len(bars) == 1 and "100%" in bars[0] and "3/3" in bars[0], lines  # the bar is one updating line
-        footer = panel.locator(".widget-tab-contents .widget-output:visible").locator("small").first
-        expect(footer).to_contain_text("exited 0")
     prefix = jupyter.frontend.screenshot_prefix
     page.screenshot(path=str(screenshots / f"{prefix}quickstart-page.png"))
-    panel.screenshot(path=str(screenshots / f"{prefix}quickstart-panel.png"))
+    snapshot.screenshot(path=str(screenshots / f"{prefix}quickstart-snapshot.png"))
 
     link = header.locator("a", has_text="MLflow run")
     href = link.get_attribute("href")
@@ -219,7 +235,7 @@ def test_stop_button_cancels_a_running_job(jupyter, page, mode, screenshots):
     job_cell = run_cell(page, notebook, 2)
     panel = panel_of(job_cell)
     panel.wait_for(timeout=60_000)
-    header = panel.locator(".widget-html").filter(has_text="sgpu_magic job").first
+    header = header_of(panel)
     expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text(
         "rank 0 sleeping", timeout=JOB_TIMEOUT_MS
     )
@@ -239,7 +255,8 @@ def test_stop_button_cancels_a_running_job(jupyter, page, mode, screenshots):
     assert status["state"] == "cancelled"
     if mode == "blocking":  # the blocking call raised: the job was cancelled, not finished
         expect(job_cell.locator(".jp-Cell-outputArea")).to_contain_text("JobCancelledError")
-    expect(panel.locator("button", has_text="Stop")).to_be_disabled()
+    expect(snapshot_of(job_cell)).to_contain_text("cancelled")  # the panel left its snapshot, Stop went with it
+    expect(job_cell.locator("button", has_text="Stop")).to_have_count(0)
     page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}stop-{mode}-page.png"))
 
 
@@ -276,8 +293,8 @@ def test_interrupting_a_session_cell_keeps_the_ranks_state(jupyter, page, screen
     last = run_cell(page, notebook, 4)
     wait_cell_done(last, 60_000)
     expect(last.locator(".jp-OutputArea-output").last).to_contain_text("40")
-    expect(panel_of(last).locator(".widget-html").first).to_contain_text("sgpu_magic session s1 cell 3")
-    expect(panel_of(last).locator(".widget-tab-contents .widget-output:visible").first).to_be_visible()
+    expect(header_of(panel_of(last))).to_contain_text("sgpu_magic session s1 cell 3")
+    expect(snapshot_of(last).locator("details").first).to_be_visible()
     expect(panel_of(loop_cell)).to_contain_text("interrupted")
     page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}session-interrupt-page.png"))
 
@@ -340,10 +357,70 @@ def test_a_breakpoint_shows_in_the_panel_and_its_prompt_in_the_input_box(jupyter
     cell = run_cell(page, notebook, 3)
     box = cell.locator(".jp-Stdin-input").last
     box.wait_for(timeout=60_000)
-    expect(panel_of(cell).locator(".widget-html").first).to_contain_text("rank 1 in debugger")
+    expect(header_of(panel_of(cell))).to_contain_text("rank 1 in debugger")
     page.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}session-breakpoint-page.png"))
     box.fill("c")
     box.press("Enter")
     wait_cell_done(cell, 60_000)
     expect(cell.locator(".jp-OutputArea-output").last).to_contain_text("3.0")
-    expect(panel_of(cell).locator(".widget-html").first).not_to_contain_text("in debugger")
+    expect(header_of(panel_of(cell))).not_to_contain_text("in debugger")
+
+
+METRICS_CELL = """\
+%%distributed --gpus 2 --background --no-mlflow -o mjob
+import math, os, time
+from sgpu_magic import runtime
+
+rank = runtime.get_global_rank()
+for step in range(40):
+    runtime.log_metric("loss", math.exp(-step / 12) + 0.05 * rank + 0.02 * math.sin(step), step=step)
+    runtime.log_metric("accuracy", 1 - math.exp(-step / 10) - 0.03 * rank, step=step)
+    print(f"rank {rank} step {step}", flush=True)
+    time.sleep(0.05)
+deadline = time.monotonic() + 300
+while not os.path.exists("go") and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def test_the_metrics_tab_draws_each_rank_and_the_snapshot_keeps_the_chart(jupyter, page, screenshots):
+    """A job logging two metrics from 2 ranks: the panel gets a Metrics tab whose bqplot figure draws a line per
+    rank with a legend, the rank tabs still switch; once the job ends, the snapshot's inline SVG has both metrics."""
+    from playwright.sync_api import expect
+
+    name = "metrics.ipynb"
+    (jupyter.root / "go").unlink(missing_ok=True)
+    write_notebook(jupyter.root / name, ["%load_ext sgpu_magic", METRICS_CELL])
+    notebook = open_notebook(page, jupyter, name)
+    wait_cell_done(run_cell(page, notebook, 0), 120_000)
+    cell = run_cell(page, notebook, 1)
+    panel = panel_of(cell)
+    panel.wait_for(timeout=60_000)
+    tabs = panel.locator(".lm-TabBar-tab")
+    expect(tabs).to_have_text(["rank 0", "rank 1", "metrics"], timeout=JOB_TIMEOUT_MS)
+    expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text(
+        "rank 0 step 39", timeout=60_000
+    )
+    tabs.nth(1).click()
+    expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text("rank 1 step 39")
+    tabs.nth(2).click()
+    figure = panel.locator(".bqplot.figure").first
+    expect(figure).to_be_visible(timeout=30_000)
+    expect(panel.locator("select")).to_have_value("accuracy")  # the first metric by name
+    expect(figure).to_contain_text("rank 0")
+    expect(figure).to_contain_text("rank 1")
+    lines = figure.locator("g.curve path.line")  # the marks' lines (the legend draws its own)
+    expect(lines).to_have_count(2, timeout=30_000)
+    for index in (0, 1):  # each rank's line has all 40 points (a path of 39 segments)
+        expect(lines.nth(index)).to_have_attribute("d", re.compile(r"^M[^ML]+(L[^ML]+){39}$"), timeout=30_000)
+    panel.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}metrics.png"))
+
+    (jupyter.root / "go").touch()
+    snapshot = snapshot_of(cell)
+    expect(snapshot).to_contain_text("succeeded", timeout=JOB_TIMEOUT_MS)
+    expect(cell.locator(".jp-OutputArea-output .widget-vbox")).to_have_count(0)
+    expect(snapshot.locator("svg")).to_have_count(2)
+    expect(snapshot.locator("svg polyline")).to_have_count(4)
+    expect(snapshot).to_contain_text("rank 1 done")
+    snapshot.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}metrics-snapshot.png"))
