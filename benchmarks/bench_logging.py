@@ -163,7 +163,14 @@ def run(ctx: Context) -> Section:
             settle()
     if kernel is not None and not kernel.closed:
         kernel.shutdown()
-    return _report(ranks, lines, samples)
+    section = _report(ranks, lines, samples)
+    from . import bench_metrics_chart
+
+    chart = bench_metrics_chart.run(ctx, seconds=5.0 if cfg.quick else 10.0)
+    section.tables += chart.tables
+    section.targets += chart.targets
+    section.raw["metrics_chart"] = chart.raw
+    return section
 
 
 def _report(ranks: int, lines: int, samples: dict) -> Section:

@@ -12,6 +12,7 @@ Usage (from the repository root)::
     .venv/bin/python -m benchmarks.run --only session           # live sessions vs ipyparallel (pip install ipyparallel)
     .venv/bin/python -m benchmarks.run --only responsive        # seconds to a refusal, a failure, a timeout, an interrupt
     .venv/bin/python -m benchmarks.run --only panel_memory      # kernel RSS per ended job with the panel (500 jobs)
+    .venv/bin/python -m benchmarks.run --only metrics_chart     # kernel CPU while the chart follows 8 ranks x 1,000 metrics/s
 
 Every measurement runs in real Jupyter kernels driven through jupyter_client, as a notebook
 user would; all rows of a table come from the same run; values are medians of the
@@ -45,14 +46,16 @@ SECTIONS = [
     "train",
     "tracking",
     "logging",
+    "metrics_chart",
     "capture",
     "session",
     "responsive",
     "panel_memory",
     "gpu",
 ]
-OPT_IN = {"gpu", "soak", "teardown", "panel_memory"}
-"""Sections run only when asked for (--gpu, --soak N, --only teardown, --only panel_memory)."""
+OPT_IN = {"gpu", "soak", "teardown", "panel_memory", "metrics_chart"}
+"""Sections run only when asked for (--gpu, --soak N, --only teardown, --only panel_memory); ``metrics_chart`` is
+also the second half of ``logging`` (``--only metrics_chart`` runs it alone)."""
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_capture,
         bench_launch,
         bench_logging,
+        bench_metrics_chart,
         bench_panel_memory,
         bench_responsive,
         bench_session,
@@ -143,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": bench_train.run,
         "tracking": bench_tracking.run,
         "logging": bench_logging.run,
+        "metrics_chart": bench_metrics_chart.run,
         "capture": bench_capture.run,
         "session": bench_session.run,
         "responsive": bench_responsive.run,

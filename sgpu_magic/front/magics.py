@@ -24,80 +24,14 @@ from sgpu_magic.front.cell import (
     parse_timeout,
     show_cell_syntax_errors_alone,
 )
-from sgpu_magic.front.decorator import job_spec, start
+from sgpu_magic.front.decorator import start
 from sgpu_magic.front.job_table import JobTable, find_job, latest_running
 from sgpu_magic.front.magic_help import magic_help
+from sgpu_magic.front.options import job_options
 from sgpu_magic.front.session_magics import RANKS_OPTION, SESSION_OPTION, is_session_cell, run_session_cell
+from sgpu_magic.front.spec_options import job_spec
 from sgpu_magic.job.handle import jobs
 from sgpu_magic.spec import DEFAULT_STUCK_AFTER_S, DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
-
-_JOB_OPTIONS = (
-    argument(
-        "--gpus",
-        type=int,
-        required=True,
-        help="Number of ranks, one GPU each (CPU ranks with gloo when the machine has no GPU).",
-    ),
-    argument(
-        "--gpu-type", default=None, help="GPU model to require, e.g. H100 (case-insensitive match of the device name)."
-    ),
-    argument(
-        "--timeout",
-        default=None,
-        help="Seconds before every rank is stopped, or 'none'. Default: DistributedMagics.timeout_s (3 h).",
-    ),
-    argument("--port", type=int, default=None, help="MASTER_PORT for the rendezvous; default: a free port."),
-    argument("--no-widgets", action="store_true", help="Plain [rank N] text instead of the widget panel."),
-    argument("--no-mlflow", action="store_true", help="Do not track this job as an MLflow run."),
-    argument("--gpu-ids", default=None, metavar="I,J", help="Physical GPU indices to run on, one per rank, e.g. 0,1."),
-    argument(
-        "--background",
-        action="store_true",
-        help="Return the Job at once; the cell ends and the job's "
-        "output keeps coming here. Interrupting the kernel does not stop it (%%distributed_stop does).",
-    ),
-    argument(
-        "--no-wait",
-        action="store_true",
-        help="Fail at once, naming who holds them, when the GPUs are "
-        "leased by other jobs (default: wait in the queue).",
-    ),
-    argument(
-        "--cluster",
-        default=None,
-        metavar="ADDRESS",
-        help="Run on a Ray cluster: 'auto', 'ray://host:10001' "
-        "or 'host:6379' (needs sgpu_magic[ray]); one placement group of --gpus bundles, one actor per rank.",
-    ),
-    argument(
-        "--remote",
-        action="store_true",
-        help="Run on the kernel's remote cluster (DistributedMagics."
-        "remote_cluster, else $SGPU_MAGIC_REMOTE_CLUSTER), as the serverless GPU API's remote=True.",
-    ),
-    argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="N",
-        help="Restart all ranks up to N times after a "
-        "rank fails (torchrun's --max-restarts; ranks read TORCHELASTIC_RESTART_COUNT). Default 0.",
-    ),
-    argument(
-        "-o",
-        "--output",
-        default=None,
-        metavar="NAME",
-        help="Store the Job handle (per-rank results, log paths) in this variable.",
-    ),
-)
-
-
-def _job_options(magic):
-    """The options every job magic takes (%%distributed, %distributed_run), in this order in its help."""
-    for option in reversed(_JOB_OPTIONS):
-        magic = option(magic)
-    return magic
 
 
 @magics_class
@@ -196,7 +130,7 @@ class DistributedMagics(Magics):
             raise UsageError(str(exc)) from None
 
     @magic_arguments(name="%distributed")  # a cell magic: the usage line reads %%distributed
-    @_job_options
+    @job_options
     @SESSION_OPTION
     @RANKS_OPTION
     @magic_help(
@@ -259,7 +193,7 @@ class DistributedMagics(Magics):
         return job.result()[0]
 
     @magic_arguments(name="distributed_run")
-    @_job_options
+    @job_options
     @argument(
         "-m",
         "--module",

@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sgpu_magic.errors import SpecError
-from sgpu_magic.front.decorator import config_default, job_spec, resolve_config, start
+from sgpu_magic.front.decorator import start
+from sgpu_magic.front.spec_options import config_default, job_spec, resolve_config
 from sgpu_magic.job.handle import Job
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, check_switch, shown
 

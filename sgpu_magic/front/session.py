@@ -33,7 +33,8 @@ from sgpu_magic.errors import (
     SessionError,
     SpecError,
 )
-from sgpu_magic.front.decorator import FromConfig, job_spec, make_sinks, resolve_config
+from sgpu_magic.front.decorator import make_sinks
+from sgpu_magic.front.spec_options import FromConfig, job_spec, resolve_config
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.session.core import SessionCore, SessionState

@@ -18,9 +18,9 @@ from sgpu_magic.front.cell import (
     parse_line,
     parse_timeout,
 )
-from sgpu_magic.front.decorator import FromConfig
 from sgpu_magic.front.magic_help import magic_help
 from sgpu_magic.front.session import Session, current_session, find_session, sessions
+from sgpu_magic.front.spec_options import FromConfig
 
 
 def is_session_cell(line: str) -> bool:

@@ -23,7 +23,7 @@ from IPython.core.error import UsageError
 
 from sgpu_magic import distributed, run_script, runtime
 from sgpu_magic.errors import SpecError
-from sgpu_magic.front.decorator import REMOTE_CLUSTER_ENV, remote_cluster
+from sgpu_magic.front.spec_options import REMOTE_CLUSTER_ENV, remote_cluster
 from sgpu_magic.spec import parse_accelerator_type
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
