@@ -35,6 +35,7 @@ def paced_metrics(seconds, rate):
 
 metric_jobs = {{"panel": distributed(gpus={ranks}, widgets=True, **_KW)(paced_metrics),
                "text": distributed(gpus={ranks}, widgets=False, **_KW)(paced_metrics)}}
+metric_jobs["panel_small"] = metric_jobs["panel"]
 
 def _points_on_disk(job, n):
     """(points lost, points duplicated) over every rank's metrics file: each step 0..n-1 once."""
@@ -64,7 +65,9 @@ _emit(wall_s=_wall, cpu_s=_cpu, job_elapsed_s=_job.elapsed_s, loop_s=_loops, los
       last_ok=all(v == {n} - 1 for v in _last.values()) and len(_last) == {ranks}, view=type(_job.view).__name__)
 """
 
-CONDITIONS = ["panel", "text"]
+CONDITIONS = ["panel", "panel_small", "text"]
+SMALL_SECONDS = 0.01
+"""panel_small: the same panel job logging 10 points a rank: the panel's fixed cost per job (widgets, snapshot)."""
 
 
 def run(ctx: Context, seconds: float = 10.0) -> Section:
@@ -78,10 +81,13 @@ def run(ctx: Context, seconds: float = 10.0) -> Section:
         return k
 
     kernel = None
-    samples: dict[str, dict[str, list]] = {c: {"cpu_pct": [], "wall": [], "lost": [], "rows": []} for c in CONDITIONS}
+    samples: dict[str, dict[str, list]] = {
+        c: {"cpu_pct": [], "cpu": [], "wall": [], "lost": [], "rows": []} for c in CONDITIONS
+    }
     for rep in range(cfg.log_reps):
-        for cond in CONDITIONS[rep % 2 :] + CONDITIONS[: rep % 2]:
-            code = METRICS_CELL.format(cond=cond, seconds=seconds, rate=RATE_PER_S, n=n, ranks=ranks)
+        for cond in CONDITIONS[rep % 3 :] + CONDITIONS[: rep % 3]:
+            secs = SMALL_SECONDS if cond == "panel_small" else seconds
+            code = METRICS_CELL.format(cond=cond, seconds=secs, rate=RATE_PER_S, n=int(secs * RATE_PER_S), ranks=ranks)
             kernel, cell, problem = measure(factory, kernel, code, timeout, keep_stdout=False)
             if problem is not None:
                 print(f"  metrics {cond:<5}: {problem[:500]}", flush=True)
@@ -89,6 +95,7 @@ def run(ctx: Context, seconds: float = 10.0) -> Section:
             d = cell.data
             s = samples[cond]
             s["cpu_pct"].append(100 * d["cpu_s"] / d["wall_s"])
+            s["cpu"].append(d["cpu_s"])
             s["wall"].append(d["wall_s"])
             s["lost"].append(d["lost"] + d["dup"] + (0 if d["last_ok"] else 1))
             s["rows"].append(d)
@@ -114,7 +121,11 @@ def _report(ranks: int, seconds: float, n: int, samples: dict) -> Section:
         s = samples[cond]
         t.rows.append(
             [
-                "panel with the Metrics chart" if cond == "panel" else "text view (last-value table)",
+                {
+                    "panel": "panel with the Metrics chart",
+                    "panel_small": f"same panel job, {int(SMALL_SECONDS * RATE_PER_S)} points a rank (fixed cost)",
+                    "text": "text view (last-value table)",
+                }[cond],
                 fmt(median(s["wall"])),
                 fmt(median(s["cpu_pct"]), 1, "%"),
                 str(max(s["lost"])) if s["lost"] else "-",
@@ -135,6 +146,21 @@ def _report(ranks: int, seconds: float, n: int, samples: dict) -> Section:
             None if pct is None else pct <= 5.0,
         )
     )
+    cpu, fixed, wall = (
+        median(samples["panel"]["cpu"]),
+        median(samples["panel_small"]["cpu"]),
+        median(samples["panel"]["wall"]),
+    )
+    if None not in (cpu, fixed, wall):
+        marginal = 100 * max(0.0, cpu - fixed) / wall
+        sec.targets.append(
+            Target(
+                f"the same, beyond the panel's fixed cost per job (panel job of 10 points a rank: {fixed:.3f} s)",
+                "<= 5%",
+                f"{marginal:.1f}%",
+                marginal <= 5.0,
+            )
+        )
     lost = samples["panel"]["lost"] + samples["text"]["lost"]
     sec.targets.append(
         Target("metric points lost", "0", str(max(lost)) if lost else "-", None if not lost else max(lost) == 0)

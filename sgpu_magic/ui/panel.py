@@ -51,6 +51,10 @@ Switching to a tab refreshes it at once, also while a blocking cell runs where t
 widget messages to kernel subshells (JupyterLab 4.4+); elsewhere this is how a tab picked during a
 blocking cell catches up."""
 
+HEADER_RENDERS_PER_S = 1.0
+"""While a job runs its header (clock in whole seconds, CPU/RSS sampled once a second, last metric values) is
+redrawn at most this often; a change of state, an activity or a restart redraws it at once."""
+
 
 STOP_TOOLTIP = (
     "Cancel the job: every rank is stopped. If this button does not respond while the cell runs (a "
@@ -114,6 +118,7 @@ class Panel(TextView):
         self._dirty: set[int] = set()
         self._last_flush = 0.0
         self._last_hidden_flush = 0.0
+        self._last_header = 0.0
         self._last_bytes = 0
         self.live_lines = LIVE_LINES
         # every widget is a comm the kernel opens and keeps in sync: the widgets that set no layout or
@@ -288,7 +293,8 @@ class Panel(TextView):
             self.flushes += 1
         if self._metrics_new and (hidden_due or self._chart is None or on_screen == len(self.outputs)):
             self._show_metrics(job)
-        self._render_header(job, self._job_state(job))
+        if now - self._last_header >= 1.0 / HEADER_RENDERS_PER_S:
+            self._render_header(job, self._job_state(job))
 
     def _show_metrics(self, job: Job) -> None:
         """Draw the metrics logged so far; with the first one, import bqplot and add the Metrics tab."""
@@ -347,6 +353,7 @@ class Panel(TextView):
         return value
 
     def _render_header(self, job: Job, state: JobState, error: BaseException | None = None) -> None:
+        self._last_header = time.monotonic()
         self.header.value = header_html(job, state, error)
 
 

@@ -8,7 +8,7 @@ the page. Every test runs once per frontend (the ``jupyter`` fixture), one serve
 3. The same with a ``%%distributed --background`` job.
 4. Live sessions: an interrupted cell keeps the ranks' state; pdb's prompt in the input box.
 5. A job logging two metrics: the Metrics tab's bqplot figure draws a line per rank; the ended job's snapshot keeps
-   the charts as inline SVG.
+   the charts as inline SVG; the notebook, saved and reopened once its kernel was shut down, still shows it.
 
 Once a job ends its panel is replaced by a static snapshot (header, each rank's last lines, the charts), which the
 tests read where they read the panel before.
@@ -30,6 +30,8 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
+
+from helpers import wait_for
 
 JOB_TIMEOUT_MS = 240_000
 """A 2-rank CPU job on a loaded 2-core machine, first launch included."""
@@ -424,3 +426,18 @@ def test_the_metrics_tab_draws_each_rank_and_the_snapshot_keeps_the_chart(jupyte
     expect(snapshot.locator("svg polyline")).to_have_count(4)
     expect(snapshot).to_contain_text("rank 1 done")
     snapshot.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}metrics-snapshot.png"))
+
+    # saved, its kernel shut down, reopened: the job is still there (the snapshot is plain HTML in the notebook)
+    page.keyboard.press("Control+s")
+    saved = jupyter.root / name  # the frontend writes it through the server
+    wait_for(lambda: "sgpu-magic-snapshot" in saved.read_text(), 60, "the saved notebook with the snapshot")
+    for kernel in jupyter.api("kernels"):
+        request = urllib.request.Request(jupyter.url(f"api/kernels/{kernel['id']}"), method="DELETE")
+        urllib.request.urlopen(request, timeout=30).close()
+    assert jupyter.api("kernels") == []
+    page.goto(jupyter.notebook_url(name))
+    reopened = snapshot_of(page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").nth(1))
+    expect(reopened).to_contain_text("succeeded", timeout=60_000)
+    expect(reopened).to_contain_text("rank 1 done")
+    expect(reopened.locator("svg polyline")).to_have_count(4)
+    reopened.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}metrics-reopened.png"))
