@@ -70,6 +70,7 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
     reply: dict[str, Any] = {"ok": True, "interrupted": False}
     payload: dict = {}
     running.failure = None
+    grad_mode = _grad_mode()
     try:
         payload = pickle.loads(read_private(rd.payload_file, rd.path))
         load_globals(payload, ns, keep=True)  # the rank's own names win
@@ -85,6 +86,8 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
     except BaseException as exc:  # noqa: BLE001 - a cell's error fails the cell, never the session
         running.cell = False
         reply = {"ok": False, "interrupted": isinstance(exc, KeyboardInterrupt)}
+        if reply["interrupted"]:
+            _restore_grad_mode(grad_mode)
         running.failure = exc
         _write_error(rd, rank, exc, payload.get("display_names"))
     _flush()
@@ -93,6 +96,21 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
     except Exception as exc:  # noqa: BLE001 - the points are lost, the cell's outcome is not; its log says why
         print(f"sgpu_magic: metrics could not be written ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
     return reply
+
+
+def _grad_mode() -> bool | None:
+    """torch's grad mode before a cell (``None`` while the rank has not imported torch)."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else bool(torch.is_grad_enabled())
+
+
+def _restore_grad_mode(enabled: bool | None) -> None:
+    """An interrupted cell leaves torch's grad mode as it found it: an interrupt that lands inside
+    ``with torch.no_grad():`` between its ``set_grad_enabled(False)`` and the block left grad off for every later
+    cell of the rank (its next ``backward()`` raised while the other ranks waited for it in DDP's all-reduce)."""
+    torch = sys.modules.get("torch")
+    if enabled is not None and torch is not None:
+        torch.set_grad_enabled(enabled)
 
 
 def _push(msg: dict, ns: dict) -> dict[str, Any]:

@@ -52,6 +52,8 @@ class Request:
     deadline: float | None = None
     reason: str | None = None
     grace_end: float | None = None
+    failed_at: float | None = None
+    """Monotonic time the first rank raised in the cell: the others are interrupted ``FAILURE_GRACE_S`` later."""
     started_s: float = field(default_factory=time.time)
     done: threading.Event = field(default_factory=threading.Event)
     stream: queue.Queue = field(default_factory=queue.Queue)

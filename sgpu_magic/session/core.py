@@ -23,7 +23,7 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
-from sgpu_magic.rundir import RunDir, signal_status
+from sgpu_magic.rundir import RunDir, read_json, signal_status
 from sgpu_magic.session.channel import Channel, Request, new_channel
 from sgpu_magic.session.launcher import CellLauncher
 from sgpu_magic.session.outcome import cell_status, death_message, mlflow_run
@@ -33,6 +33,10 @@ from sgpu_magic.status import StatusWriter
 
 INTERRUPT_GRACE_S = 5.0
 """How long ranks interrupted in a cell may take to return before the session is declared broken."""
+
+FAILURE_GRACE_S = 5.0
+"""How long the other ranks of a cell may go on after one rank raised, before they are interrupted (as torchrun
+stops a job's other ranks when one fails: in SPMD code they are most likely waiting for the failed one)."""
 
 READ_TICK_S = 0.1
 """How often the reader thread checks deadlines, the ranks' liveness and the idle timeout when nothing arrives."""
@@ -343,6 +347,8 @@ class SessionCore:
         request.replies[rank] = reply
         if value is not None:
             request.values[rank] = value
+        if request.run_dir is not None and not reply.get("ok") and not reply.get("interrupted"):
+            request.failed_at = request.failed_at or time.monotonic()  # the others get FAILURE_GRACE_S
         if not request.missing:
             self._complete(request)
 
@@ -367,11 +373,22 @@ class SessionCore:
         now = time.monotonic()
         if request.deadline is not None and now > request.deadline and request.reason is None:
             self.interrupt("timed_out")
+        elif request.failed_at is not None and now > request.failed_at + FAILURE_GRACE_S and request.reason is None:
+            self.interrupt("failed")  # the cell has failed; the ranks still in it are most likely waiting for a peer
         elif request.grace_end is not None and now > request.grace_end and request.missing:
             stuck = ", ".join(str(r) for r in request.missing)
+            failed = sorted(
+                r for r, reply in request.replies.items() if not reply.get("ok") and not reply.get("interrupted")
+            )
+            why = (
+                f"of the interrupt sent {FAILURE_GRACE_S:g} s after rank(s) {', '.join(map(str, failed))} raised"
+                f"{_first_error(request.run_dir, failed)}"
+                if request.reason == "failed" and failed and request.run_dir is not None
+                else "of the interrupt"
+            )
             self.broken = (
                 f"session {self.name} needs a restart: rank(s) {stuck} did not return within {INTERRUPT_GRACE_S:g} s "
-                f"of the interrupt (blocked outside Python, e.g. in a C++ collective waiting for its peers); run "
+                f"{why} (blocked outside Python, e.g. in a C++ collective waiting for its peers); run "
                 f"%distributed_session restart (or sess.restart()) for fresh ranks (their state is lost)"
             )
             self.state = SessionState.BROKEN
@@ -399,6 +416,15 @@ class SessionCore:
         self.stop()  # ends this loop: the ranks get "stop", and their job ends
         if self.on_idle_stop is not None:
             self.on_idle_stop(message)
+
+
+def _first_error(run_dir: RunDir, ranks: list[int]) -> str:
+    """`` (RuntimeError: ...)``: the exception the first of ``ranks`` saved, for a message; ``""`` when none was."""
+    error = read_json(run_dir.error_file(ranks[0]))
+    if not error:
+        return ""
+    message = str(error.get("message", "")).splitlines()[0] if error.get("message") else ""
+    return f" ({error.get('exc_type', 'an exception')}{': ' + message[:200] if message else ''})"
 
 
 def _no_warning(text: str) -> None:

@@ -112,6 +112,45 @@ def test_interrupt_keeps_the_state(sess, tmp_path):
     assert sess.run_cell("w.sum().item()") == [3.0, 6.0]
 
 
+def test_when_one_rank_raises_the_ranks_still_in_the_cell_are_interrupted_and_the_state_is_kept(sess):
+    """In SPMD code a rank still running a cell in which another raised is most likely waiting for it: after
+    FAILURE_GRACE_S it is interrupted (as torchrun stops a job's other ranks), the cell fails naming the rank that
+    raised, and the session goes on."""
+    with pytest.raises(RankFailedError, match=r"rank 1 failed \(root cause\): ValueError: rank 1 gives up"):
+        sess.run_cell(
+            "import threading\nif rank == 1:\n    raise ValueError('rank 1 gives up')\nthreading.Event().wait()",
+            timeout=120,
+        )
+    job = sess.jobs[-1]
+    assert job.status.rank_outcomes == {0: "interrupted", 1: "raised"}
+    assert sess.state.value == "idle" and sess.run_cell("w.sum().item()") == [3.0, 6.0]
+
+
+def test_an_interrupted_cell_leaves_torchs_grad_mode_as_it_found_it(sess, tmp_path):
+    """An interrupt that lands inside ``with torch.no_grad():`` (after its ``set_grad_enabled(False)``) must not
+    leave grad off for the rank's later cells (their backward() would raise while the peers wait in all-reduce)."""
+    marker = tmp_path / "off"
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            sess.run_cell(
+                f"import pathlib, threading, torch\ntorch.set_grad_enabled(False)\n"
+                f"pathlib.Path({str(marker)!r} + str(rank)).touch()\nthreading.Event().wait()"
+            )
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_for(lambda: all(os.path.exists(f"{marker}{r}") for r in (0, 1)), 60, "grad off in both ranks")
+    assert sess.interrupt()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], CellInterruptedError), errors
+    assert sess.run_cell("torch.is_grad_enabled()") == [True, True]
+
+
 def test_an_interrupt_after_a_breakpoint_raises_in_the_cell(sess, monkeypatch, capsys):
     """pdb's ``c`` leaves no SIGINT handler of its own behind: the next interrupt still raises in the cell."""
     answers = ["c"]
@@ -215,6 +254,31 @@ def test_a_rank_that_dies_breaks_the_session_and_restart_brings_fresh_ranks(ip):
         SessionError, match=r"session fragile is stopped; start it again with %distributed_session restart"
     ):
         session.run_cell("1")
+
+
+@pytest.mark.slow
+def test_a_rank_left_in_a_collective_by_a_peer_that_raised_breaks_the_session_naming_both(ip):
+    """Rank 1 raises before the all-reduce that rank 0 waits in (gloo: not interruptible): rank 0 is interrupted
+    FAILURE_GRACE_S after, cannot return, and the session says it needs a restart, naming both; nothing hangs."""
+    session = Session(gpus=2, widgets=False, mlflow=False, name="peerless")
+    try:
+        session.run_cell("import torch, torch.distributed as dist\ndist.init_process_group('gloo')")
+        with pytest.raises(SessionError) as raised:
+            session.run_cell(
+                "if dist.get_rank() == 1:\n    raise RuntimeError('rank 1 skips the all-reduce')\n"
+                "dist.all_reduce(torch.ones(1))",
+                timeout=300,
+            )
+        assert isinstance(raised.value, SessionError)
+        assert str(raised.value).startswith(
+            "session peerless needs a restart: rank(s) 0 did not return within 5 s of the interrupt sent 5 s after "
+            "rank(s) 1 raised (RuntimeError: rank 1 skips the all-reduce) (blocked outside Python, e.g. in a C++ "
+            "collective waiting for its peers); run %distributed_session restart"
+        )
+        assert session.state.value == "broken"
+    finally:
+        session.stop()
+    assert wait_gone(session.pids.values()) == []
 
 
 def test_distributed_jobs_lists_the_session_and_its_cells(sess, run_cell):
