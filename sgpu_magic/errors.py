@@ -127,8 +127,9 @@ class RankFailure:
     oom_killed: bool | None = None
     peak_rss_bytes: int | None = None
 
-    def what(self) -> str:
-        """``ValueError: bad batch`` (first line, at most 200 characters), or that it left no exception."""
+    def what(self, max_chars: int | None = 200) -> str:
+        """``ValueError: bad batch`` (first line, at most ``max_chars`` characters, cut at a word; ``None``: all of
+        it), or that it left no exception."""
         if not self.exc_type:
             return "exited without a Python exception"
         lines = self.message.strip().splitlines()
@@ -138,7 +139,9 @@ class RankFailure:
             # Traceback ...\nValueError: <message>": show the worker's own message
             where = message[len(f"Caught {exc_type} in ") :].rstrip(".")
             exc_type, message = lines[-1].split(": ", 1)[0], f"{lines[-1].split(': ', 1)[1]} (in {where})"
-        message = message if len(message) <= 200 else message[:197] + "..."
+        if max_chars is not None and len(message) > max_chars:
+            cut = message[: max_chars - 4]
+            message = (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
         return f"{exc_type}: {message}"
 
     def summary(self) -> str:
@@ -244,7 +247,7 @@ class RankFailedError(SgpuError, RuntimeError):
 
     def _message(self) -> str:
         rc = self.root_cause
-        lines = [f"rank {rc.rank} failed (root cause): {rc.what()}{_ended(rc.exitcode)}"]
+        lines = [f"rank {rc.rank} failed (root cause): {rc.what(None)}{_ended(rc.exitcode)}"]
         lines += [f"  {line}" for line in rc.forensics()]
         if self.hint:
             lines.append(f"  hint: {self.hint}")

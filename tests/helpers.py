@@ -66,3 +66,28 @@ def job_processes(job_id: str) -> list[int]:
         except (OSError, psutil.Error):
             continue
     return found
+
+
+def interrupt_session_cell(sess, code: str, marker, ranks=(0, 1), timeout_s: float = 60) -> BaseException | None:
+    """Run ``code`` in live session ``sess`` from a thread; once every rank of ``ranks`` has touched
+    ``<marker><rank>`` (the cell's code does it), interrupt the session; return what the cell raised (``None``:
+    nothing)."""
+    import os
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            sess.run_cell(code)
+        except BaseException as exc:  # noqa: BLE001 - the caller looks at it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_for(lambda: all(os.path.exists(f"{marker}{r}") for r in ranks), timeout_s, "every rank to enter the cell")
+    assert sess.interrupt()
+    thread.join(30)
+    assert not thread.is_alive(), "the interrupted cell did not end"
+    assert len(errors) <= 1, errors
+    return errors[0] if errors else None

@@ -111,7 +111,7 @@ def stopped_error(rd: RunDir, how: str, status: dict | None = None) -> JobCancel
     ``cancelled``), the error of a job stopped once its ranks ran; with its final ``status``, also where the ranks
     still running then were (``Where the ranks still running were: rank 0: ...``)."""
     where = _still_running(rd, status) if status is not None else ""
-    return JobCancelledError(f"job {rd.job_id} was {how}; every rank was stopped. Logs: {rd.logs_dir}{where}")
+    return JobCancelledError(f"job {rd.job_id} was {how}; every rank was stopped. Logs: {rd.logs_dir}.{where}")
 
 
 def load_result(rd: RunDir, rank: int) -> Any:
@@ -167,9 +167,20 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
         error.hint = NO_GPU_HINT
     elif plan.backend == "nccl":
         error.hint = flight_recorder_note(rd).strip()
+    left = sorted(int(r) for r, code in (status.get("exitcodes") or {}).items() if code == 0)
+    if left and not error.hint and "by peer" in error.root_cause.message:  # gloo's words for a peer that left
+        error.hint = (
+            f"{_ranks_text(left)} returned while the others still ran: a rank that leaves before the collectives its "
+            f"peers still call (a barrier, an all-reduce) makes them fail like this; check that every rank runs the "
+            f"same collectives"
+        )
     if status.get("attempts"):
         error.attempt_note = (
             f"attempt {status.get('attempt', 1)} of {spec.max_restarts + 1} failed, after "
             f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures"
         )
     return error
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

@@ -88,6 +88,10 @@ _TRACEBACK_SHOWN = {
 }
 """What the text view says instead of a rank's traceback, for a blocking and a background job."""
 
+_TRACEBACK_IN_LOG = "its traceback is in its log file"
+"""What it says instead when the error below will not show that traceback: an interrupted rank (the cell raises
+``CellInterruptedError`` or a timeout), or a job that restarts its ranks after a failure (``max_restarts``)."""
+
 
 class TextView(JobSink):
     """Streams each rank's lines to the cell's output, prefixed ``[rank N]``; notes and warnings to stderr.
@@ -103,10 +107,12 @@ class TextView(JobSink):
         self._partial: dict[int, str] = {}
         self._failed_ranks: set[int] = set()
         self._traceback_shown = _TRACEBACK_SHOWN[False]
+        self._restarts = False
         self._stuck_said = False
 
     def started(self, job: Job) -> None:
         self._traceback_shown = _TRACEBACK_SHOWN[job.background]
+        self._restarts = bool(job.spec.max_restarts)
 
     def output(self, rank: int, text: str) -> None:
         *lines, self._partial[rank] = (self._partial.get(rank, "") + text).split("\n")
@@ -131,7 +137,9 @@ class TextView(JobSink):
                 continue
             if is_traceback_marker(line):
                 self._failed_ranks.add(rank)
-                line = line.replace("its traceback follows", self._traceback_shown)
+                interrupted = " raised KeyboardInterrupt;" in line
+                shown_as = _TRACEBACK_IN_LOG if interrupted or self._restarts else self._traceback_shown
+                line = line.replace("its traceback follows", shown_as)
             shown.append(f"[rank {rank}] {terminal_line(line)}\n")
         if shown:
             out = self._out or sys.stdout

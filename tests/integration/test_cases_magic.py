@@ -454,3 +454,21 @@ def test_rank_traceback_line_numbers_match_the_notebook_cell_with_leading_blank_
     err = result.error_in_exec
     assert isinstance(err, RankFailedError)
     assert 'File "<%%distributed cell>", line 6, in <module>' in err.root_cause.traceback
+
+
+def test_a_rank_that_returns_before_its_peers_collective_is_named_in_the_error(ip):
+    """Rank 1 returns while rank 0 waits in a barrier: rank 0 fails with gloo's 'Connection closed by peer', and
+    the error names rank 1 as the one that left (it exited 0, so nothing else would name it)."""
+    result, text = run_cell_merged(
+        ip,
+        '%%distributed --gpus 2 --no-mlflow\nimport os, torch.distributed as dist\ndist.init_process_group("gloo")\n'
+        'if os.environ["RANK"] == "0":\n    dist.barrier()\n',
+    )
+    err = result.error_in_exec
+    assert isinstance(err, RankFailedError), text
+    assert err.root_cause.rank == 0 and "by peer" in err.root_cause.message
+    assert (
+        "  hint: rank 1 returned while the others still ran: a rank that leaves before the collectives its peers "
+        "still call (a barrier, an all-reduce) makes them fail like this; check that every rank runs the same "
+        "collectives" in str(err)
+    )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import psutil
 import pytest
@@ -20,7 +19,7 @@ ray = pytest.importorskip("ray")
 from sgpu_magic import Session, distributed  # noqa: E402
 from sgpu_magic.errors import CellInterruptedError, RankFailedError, ResourceError, SessionError  # noqa: E402
 
-from helpers import wait_for, wait_gone  # noqa: E402
+from helpers import interrupt_session_cell, wait_for, wait_gone  # noqa: E402
 from kernel_utils import execute, start_kernel, stop_kernel  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -136,23 +135,9 @@ def test_the_debugger_reaches_a_rank_on_its_node(sess, monkeypatch, capsys):
 
 def test_interrupt_keeps_the_state(sess, tmp_path):
     marker = tmp_path / "started"
-    errors: list[BaseException] = []
-
-    def run():
-        try:
-            sess.run_cell(
-                f"import time, pathlib\npathlib.Path({str(marker)!r} + str(rank)).touch()\nwhile True:\n    time.sleep(0.01)"
-            )
-        except BaseException as exc:  # noqa: BLE001 - the test looks at it
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    wait_for(lambda: all(os.path.exists(f"{marker}{r}") for r in (0, 1)), 60, "both ranks to enter the cell")
-    assert sess.interrupt()
-    thread.join(30)
-    assert not thread.is_alive()
-    assert len(errors) == 1 and isinstance(errors[0], CellInterruptedError), errors
+    code = f"import time, pathlib\npathlib.Path({str(marker)!r} + str(rank)).touch()\nwhile True:\n    time.sleep(0.01)"
+    error = interrupt_session_cell(sess, code, marker)
+    assert isinstance(error, CellInterruptedError), error
     assert sess.run_cell("w.sum().item()") == [3.0, 6.0]
 
 

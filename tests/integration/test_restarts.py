@@ -100,6 +100,9 @@ def test_the_magic_restarts_and_says_so(ip, capsys):
     # the failed rank's lines are hidden after its traceback marker, and shown again from the new attempt on
     assert "[rank 0] [sgpu_magic] attempt 2 of 2: all ranks restarted after rank 0 failed (exit code 1)" in out
     assert "[rank 1] [sgpu_magic] attempt 2 of 2: all ranks restarted after rank 0 failed (exit code 1)" in out
+    # the job succeeded: no error follows, so the failed attempt's rank does not point at one
+    assert "[rank 0] [sgpu_magic] rank 0 raised RuntimeError; its traceback is in its log file\n" in out
+    assert "the error below shows" not in out
 
 
 @pytest.mark.parametrize("bad", [-1, 1001, "2", True, 1.5])

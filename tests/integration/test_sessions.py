@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 import psutil
@@ -12,7 +11,7 @@ from IPython.core.error import UsageError
 from sgpu_magic import Session
 from sgpu_magic.errors import CaptureError, CellInterruptedError, RankFailedError, SessionError, SpecError
 
-from helpers import wait_for, wait_gone
+from helpers import interrupt_session_cell, wait_gone
 
 
 @pytest.fixture(scope="module")
@@ -90,25 +89,11 @@ def test_run_calls_a_function_in_the_ranks_namespace(sess):
 
 def test_interrupt_keeps_the_state(sess, tmp_path):
     marker = tmp_path / "started"
-    errors: list[BaseException] = []
-
-    def run():
-        try:
-            sess.run_cell(
-                f"import time, pathlib\npathlib.Path({str(marker)!r} + str(rank)).touch()\nwhile True:\n    time.sleep(0.01)"
-            )
-        except BaseException as exc:  # noqa: BLE001 - the test looks at it
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    wait_for(lambda: all(os.path.exists(f"{marker}{r}") for r in (0, 1)), 60, "both ranks to enter the cell")
-    assert sess.interrupt()
-    thread.join(30)
-    assert not thread.is_alive()
-    assert len(errors) == 1 and isinstance(errors[0], CellInterruptedError), errors
-    assert isinstance(errors[0], KeyboardInterrupt)
-    assert "the ranks and their state are kept" in str(errors[0])
+    code = f"import time, pathlib\npathlib.Path({str(marker)!r} + str(rank)).touch()\nwhile True:\n    time.sleep(0.01)"
+    error = interrupt_session_cell(sess, code, marker)
+    assert isinstance(error, CellInterruptedError), error
+    assert isinstance(error, KeyboardInterrupt)
+    assert "the ranks and their state are kept" in str(error)
     assert sess.run_cell("w.sum().item()") == [3.0, 6.0]
 
 
@@ -130,24 +115,11 @@ def test_an_interrupted_cell_leaves_torchs_grad_mode_as_it_found_it(sess, tmp_pa
     """An interrupt that lands inside ``with torch.no_grad():`` (after its ``set_grad_enabled(False)``) must not
     leave grad off for the rank's later cells (their backward() would raise while the peers wait in all-reduce)."""
     marker = tmp_path / "off"
-    errors: list[BaseException] = []
-
-    def run():
-        try:
-            sess.run_cell(
-                f"import pathlib, threading, torch\ntorch.set_grad_enabled(False)\n"
-                f"pathlib.Path({str(marker)!r} + str(rank)).touch()\nthreading.Event().wait()"
-            )
-        except BaseException as exc:  # noqa: BLE001 - the test looks at it
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    wait_for(lambda: all(os.path.exists(f"{marker}{r}") for r in (0, 1)), 60, "grad off in both ranks")
-    assert sess.interrupt()
-    thread.join(30)
-    assert not thread.is_alive()
-    assert len(errors) == 1 and isinstance(errors[0], CellInterruptedError), errors
+    code = (
+        f"import pathlib, threading, torch\ntorch.set_grad_enabled(False)\n"
+        f"pathlib.Path({str(marker)!r} + str(rank)).touch()\nthreading.Event().wait()"
+    )
+    assert isinstance(interrupt_session_cell(sess, code, marker), CellInterruptedError)
     assert sess.run_cell("torch.is_grad_enabled()") == [True, True]
 
 
@@ -166,13 +138,21 @@ def test_an_interrupt_after_a_breakpoint_raises_in_the_cell(sess, monkeypatch, c
     assert sess.run_cell("rank") == [0, 1]
 
 
-def test_a_cell_timeout_interrupts_the_cell_and_keeps_the_state(sess):
+def test_a_cell_timeout_interrupts_the_cell_and_keeps_the_state(sess, capsys):
     from sgpu_magic.errors import JobTimeoutError
 
+    capsys.readouterr()
     with pytest.raises(
         JobTimeoutError, match=r"ran longer than its timeout of 0.5 s and was interrupted; the ranks kept"
     ):
         sess.run_cell("import time\nwhile True:\n    time.sleep(0.01)", timeout=0.5)
+    out = capsys.readouterr().out  # the error shows no traceback, so the text view does not promise one
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] [sgpu_magic] rank {rank} raised KeyboardInterrupt; its traceback is in its log file\n"
+            in out
+        )
+    assert "the error below shows" not in out
     assert sess.run_cell("rank") == [0, 1]
 
 

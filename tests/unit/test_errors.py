@@ -152,3 +152,15 @@ def test_secondary_failures_group_by_what_happened_and_sort_by_first_rank():
         "rank 4 failed with the same ValueError: bad batch (exit code 1)",
     ]
     assert grouped_failures(root, [], []) == []
+
+
+def test_a_long_message_is_whole_for_the_root_cause_and_cut_at_a_word_for_the_others():
+    """The root cause's first line keeps its remedy, however long; other ranks' lines are cut at a word."""
+    remedy = "Create it inside the cell or function that runs on the ranks instead of capturing it from the kernel."
+    long = "the global 'stats_lock' (a _thread.lock) cannot be pickled for the ranks. " + remedy
+    root = RankFailure(rank=1, exitcode=1, exc_type="CaptureError", message=long, time_s=1.0)
+    other = RankFailure(rank=0, exitcode=1, exc_type="RuntimeError", message="x " * 150, time_s=2.0)
+    text = str(RankFailedError(root, [other], [], "/runs/x"))
+    assert text.splitlines()[0] == f"rank 1 failed (root cause): CaptureError: {long} (exit code 1)"
+    cut = other.what()
+    assert len(cut) <= len("RuntimeError: ") + 200 and cut.endswith("x ...") and "x x ..." in cut
