@@ -26,6 +26,7 @@ from typing import Any
 
 from sgpu_magic import capture
 from sgpu_magic.errors import (
+    CaptureError,
     CellInterruptedError,
     JobCancelledError,
     JobTimeoutError,
@@ -337,7 +338,16 @@ class Session:
         """
         if not values:
             raise SessionError("push needs at least one name=value, e.g. sess.push(lr=1e-3)")
-        _, data = capture.capture_arguments(f"{self.name}.push", (), values)
+        data = {}
+        for name, value in values.items():
+            try:
+                data[name] = capture.dumps(value)
+            except Exception as exc:  # noqa: BLE001 - any pickling failure is the user's value: said with its name
+                raise CaptureError(
+                    f"{name!r} is a {capture.type_name(value)}, which cannot be pushed to the ranks of session "
+                    f"{self.name} ({type(exc).__name__}: {exc}); create it in the ranks instead, in a "
+                    f"%%distributed --session cell. Nothing was sent."
+                ) from None
         self._core.request({"op": "push", "values": data}, self._core.check_ranks(None))
 
     def pull(self, name: str, rank: int | None = None) -> Any:

@@ -168,7 +168,9 @@ def test_a_cell_timeout_interrupts_the_cell_and_keeps_the_state(sess, capsys):
         (
             lambda s: s.push(lock=threading.Lock()),
             CaptureError,
-            r"keyword argument 'lock' of shared.push is a _thread.lock",
+            r"^'lock' is a _thread.lock, which cannot be pushed to the ranks of session shared \(TypeError: cannot "
+            r"pickle '_thread.lock' object\); create it in the ranks instead, in a %%distributed --session cell\. "
+            r"Nothing was sent\.$",
         ),
         (lambda s: s.push(), SessionError, r"push needs at least one name=value"),
         (lambda s: s.run_cell("1", timeout=-1), SpecError, r"timeout must be a number of seconds > 0"),
