@@ -18,6 +18,7 @@ RATE_PER_S = 1000
 
 METRICS_DEF = '''\
 import mlflow  # waits for the kernel's background import of MLflow (a one-time cost, not the chart's)
+import bqplot  # imported by a kernel's first chart: a one-time cost too (about 0.3 s of CPU), not following's
 
 def paced_metrics(seconds, rate):
     import os

@@ -23,10 +23,10 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
-from sgpu_magic.rundir import RunDir, read_json, signal_status
+from sgpu_magic.rundir import RunDir, signal_status
 from sgpu_magic.session.channel import Channel, Request, new_channel
 from sgpu_magic.session.launcher import CellLauncher
-from sgpu_magic.session.outcome import cell_status, death_message, mlflow_run
+from sgpu_magic.session.outcome import cell_status, death_message, mlflow_run, stuck_message
 from sgpu_magic.session.relay import DebugRelay, ReadLine, Write, read_line, write_output
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import StatusWriter
@@ -376,21 +376,7 @@ class SessionCore:
         elif request.failed_at is not None and now > request.failed_at + FAILURE_GRACE_S and request.reason is None:
             self.interrupt("failed")  # the cell has failed; the ranks still in it are most likely waiting for a peer
         elif request.grace_end is not None and now > request.grace_end and request.missing:
-            stuck = ", ".join(str(r) for r in request.missing)
-            failed = sorted(
-                r for r, reply in request.replies.items() if not reply.get("ok") and not reply.get("interrupted")
-            )
-            why = (
-                f"of the interrupt sent {FAILURE_GRACE_S:g} s after rank(s) {', '.join(map(str, failed))} raised"
-                f"{_first_error(request.run_dir, failed)}"
-                if request.reason == "failed" and failed and request.run_dir is not None
-                else "of the interrupt"
-            )
-            self.broken = (
-                f"session {self.name} needs a restart: rank(s) {stuck} did not return within {INTERRUPT_GRACE_S:g} s "
-                f"{why} (blocked outside Python, e.g. in a C++ collective waiting for its peers); run "
-                f"%distributed_session restart (or sess.restart()) for fresh ranks (their state is lost)"
-            )
+            self.broken = stuck_message(self.name, request, INTERRUPT_GRACE_S, FAILURE_GRACE_S)
             self.state = SessionState.BROKEN
             self._complete(request, self.broken)
 
@@ -416,15 +402,6 @@ class SessionCore:
         self.stop()  # ends this loop: the ranks get "stop", and their job ends
         if self.on_idle_stop is not None:
             self.on_idle_stop(message)
-
-
-def _first_error(run_dir: RunDir, ranks: list[int]) -> str:
-    """`` (RuntimeError: ...)``: the exception the first of ``ranks`` saved, for a message; ``""`` when none was."""
-    error = read_json(run_dir.error_file(ranks[0]))
-    if not error:
-        return ""
-    message = str(error.get("message", "")).splitlines()[0] if error.get("message") else ""
-    return f" ({error.get('exc_type', 'an exception')}{': ' + message[:200] if message else ''})"
 
 
 def _no_warning(text: str) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
+from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.session.channel import Request
 
 
@@ -75,3 +76,30 @@ def death_message(name: str, job: Job) -> str:
         f"session {name} is broken: {what}; the other ranks were stopped and the session's state is gone. Run "
         f"%distributed_session restart (or sess.restart()) for fresh ranks. Logs: {job.run_dir}"
     )
+
+
+def stuck_message(name: str, request: Request, interrupt_grace_s: float, failure_grace_s: float) -> str:
+    """Why session ``name`` broke when ranks of ``request`` did not return after its interrupt: which ranks, and,
+    when the interrupt came because other ranks had raised (reason ``failed``), which ones and their error."""
+    stuck = ", ".join(str(r) for r in request.missing)
+    failed = sorted(r for r, reply in request.replies.items() if not reply.get("ok") and not reply.get("interrupted"))
+    why = "of the interrupt"
+    if request.reason == "failed" and failed and request.run_dir is not None:
+        why = (
+            f"of the interrupt sent {failure_grace_s:g} s after rank(s) {', '.join(map(str, failed))} raised"
+            f"{_first_error(request.run_dir, failed)}"
+        )
+    return (
+        f"session {name} needs a restart: rank(s) {stuck} did not return within {interrupt_grace_s:g} s "
+        f"{why} (blocked outside Python, e.g. in a C++ collective waiting for its peers); run "
+        f"%distributed_session restart (or sess.restart()) for fresh ranks (their state is lost)"
+    )
+
+
+def _first_error(run_dir: RunDir, ranks: list[int]) -> str:
+    """`` (RuntimeError: ...)``: the exception the first of ``ranks`` saved, for a message; ``""`` when none was."""
+    error = read_json(run_dir.error_file(ranks[0]))
+    if not error:
+        return ""
+    message = str(error.get("message", "")).splitlines()[0] if error.get("message") else ""
+    return f" ({error.get('exc_type', 'an exception')}{': ' + message[:200] if message else ''})"

