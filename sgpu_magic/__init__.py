@@ -20,7 +20,7 @@ _LAZY = {
     "DistributedFunction": "sgpu_magic.front.decorator",
     "run_script": "sgpu_magic.front.script",
     "Session": "sgpu_magic.front.session",
-    "current_session": "sgpu_magic.front.session",
+    "current_session": "sgpu_magic.front.sessions",
     "Job": "sgpu_magic.job",
     "JobState": "sgpu_magic.job",
     **dict.fromkeys(
@@ -63,7 +63,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from sgpu_magic.front.decorator import DistributedFunction, distributed
     from sgpu_magic.front.script import run_script
-    from sgpu_magic.front.session import Session, current_session
+    from sgpu_magic.front.session import Session
+    from sgpu_magic.front.sessions import current_session
     from sgpu_magic.job import Job, JobState
 
 __all__ = [

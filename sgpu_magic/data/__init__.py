@@ -12,12 +12,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sgpu_magic.data.dataset import DataLoader, VolumeDataset
+    from sgpu_magic.data.dataset import VolumeDataset
+    from sgpu_magic.data.loader import DataLoader
 
 __all__ = ["VolumeDataset", "DataLoader"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "DataLoader":
+        from sgpu_magic.data.loader import DataLoader
+
+        return DataLoader
     if name in __all__:
         from sgpu_magic.data import dataset
 

@@ -18,9 +18,7 @@ The same from magics: ``%distributed_session start --gpus 2``, ``%%distributed -
 
 from __future__ import annotations
 
-import itertools
 import pickle
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,49 +33,12 @@ from sgpu_magic.errors import (
     SpecError,
 )
 from sgpu_magic.front.decorator import make_sinks
+from sgpu_magic.front.sessions import next_name, register, sessions
 from sgpu_magic.front.spec_options import FromConfig, job_spec, resolve_config
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.session.core import SessionCore, SessionState
 from sgpu_magic.spec import LaunchSpec, check_timeout, shown
-
-_SESSIONS: list[Session] = []
-_SESSIONS_LOCK = threading.Lock()
-_NUMBERS = itertools.count(1)
-
-
-def sessions() -> list[Session]:
-    """Every session started in this kernel, oldest first (stopped ones too)."""
-    with _SESSIONS_LOCK:
-        return list(_SESSIONS)
-
-
-def current_session() -> Session | None:
-    """The latest session of this kernel that is not stopped (the one ``%%distributed --session`` uses), or
-    ``None``."""
-    live = [s for s in sessions() if s.state is not SessionState.STOPPED]
-    return live[-1] if live else None
-
-
-def find_session(name: str | None) -> Session:
-    """The session named ``name``, or the current one (``name`` ``None`` or ``""``).
-
-    Raises:
-        SessionError: there is no session, or none of that name; the message lists the kernel's sessions.
-    """
-    if not name:
-        session = current_session()
-        if session is None:
-            raise SessionError(
-                "no live session in this kernel; start one with %distributed_session start --gpus N "
-                "(or sess = Session(gpus=N))"
-            )
-        return session
-    for session in reversed(sessions()):
-        if session.name == name:
-            return session
-    known = ", ".join(f"{s.name} ({s.state.value})" for s in sessions()) or "none yet"
-    raise SessionError(f"no session named {name!r} in this kernel (sessions: {known})")
 
 
 class Session:
@@ -131,15 +92,13 @@ class Session:
         self._core = SessionCore(spec, self._sinks, self.name, idle_timeout_s, lease_dir)
         self._core.on_idle_stop = self._announce
         self._max_capture_bytes = int(resolve_config(FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES)))
-        with _SESSIONS_LOCK:
-            _SESSIONS.append(self)
+        register(self)
         self._core.start()
 
     @staticmethod
     def _unique_name(name: str | None) -> str:
         if name is None:
-            taken = {s.name for s in sessions()}
-            return next(f"s{n}" for n in _NUMBERS if f"s{n}" not in taken)
+            return next_name()
         if not isinstance(name, str) or not name.isidentifier():
             raise SpecError(f"a session name is a Python identifier such as 'train'; got {shown(name)}")
         clash = [s for s in sessions() if s.name == name and s.state is not SessionState.STOPPED]

@@ -19,7 +19,8 @@ from sgpu_magic.front.cell import (
     parse_timeout,
 )
 from sgpu_magic.front.magic_help import magic_help
-from sgpu_magic.front.session import Session, current_session, find_session, sessions
+from sgpu_magic.front.session import Session
+from sgpu_magic.front.sessions import current_session, find_session, sessions
 from sgpu_magic.front.spec_options import FromConfig
 
 

@@ -125,7 +125,8 @@ def test_ranks_with_different_worker_counts_are_told_so(volume, tmp_path):
         # (or SIGTERM: a rank whose 2 DataLoader workers take more than the teardown grace to go, 1 run in 3 at
         # a3b9629 too, is ended by the launch host; its error stays the root cause)
         match=r"failed \(root cause\): ValueError: VolumeDataset\('http://127"
-        r".*\.\.\. \((exit code 1|killed by signal SIGTERM \(15\))\)",
+        r".*Give every rank's DataLoader the same num_workers\. \(in DataLoader worker process \d\) "
+        r"\((exit code 1|killed by signal SIGTERM \(15\))\)",
     ) as caught:
         read_epochs.distributed(server.url, str(tmp_path / "cache"), [2, 1], 1)
     assert re.search(

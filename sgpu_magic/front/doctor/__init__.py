@@ -204,7 +204,7 @@ def diagnose(config: DoctorConfig | None = None) -> Report:
     Returns:
         Report: one :class:`Check` per row; ``report.ok`` is False when a row is an error.
     """
-    from sgpu_magic.front.doctor import _machine, _services
+    from sgpu_magic.front.doctor import _machine, _services, _system
 
     config = config or DoctorConfig()
     facts = _machine.Facts.gather(config)
@@ -214,9 +214,9 @@ def diagnose(config: DoctorConfig | None = None) -> Report:
         _machine.torch_rows,
         _machine.gpu_rows,
         _machine.lease_rows,
-        _machine.port_rows,
-        _machine.home_rows,
-        _machine.host_rows,
+        _system.port_rows,
+        _system.home_rows,
+        _system.host_rows,
         _services.mlflow_rows,
         _services.frontend_rows,
         _services.ray_rows,
