@@ -181,8 +181,8 @@ class JobLifecycle:
                     f"({reason}); pass gpu_ids=[...] / --gpu-ids to use it anyway"
                 )
 
-    def _launch(self) -> None:
-        """Write launch.json (with what the sinks prepare) and hand the run dir to the launch host."""
+    def _launch_record(self) -> dict[str, Any]:
+        """``launch.json`` as the job's spec and plan make it (before the sinks add theirs)."""
         rd, plan, spec = self._rd, self.plan, self.spec
         launch: dict[str, Any] = {
             "job_id": rd.job_id,
@@ -204,6 +204,12 @@ class JobLifecycle:
         if self._lease is not None:  # the launch host gives the GPUs back as soon as the ranks are gone
             assert self._registry is not None  # the lease came from it
             launch["lease_dir"] = str(self._registry.dir)
+        return launch
+
+    def _launch(self) -> None:
+        """Write launch.json (with what the sinks prepare) and hand the run dir to the launch host."""
+        rd, plan, spec = self._rd, self.plan, self.spec
+        launch = self._launch_record()
         prepared: list[JobSink] = []
         try:
             for sink in self._sinks:

@@ -107,12 +107,19 @@ class _Supervisor(threading.Thread):
         return "timed_out" if deadline is not None and time.time() > deadline else None
 
     def _run(self) -> None:
+        bundle = _bundle(self.launch["backend"], self.gpu_type)
+        reason = self._reserve(bundle)
+        if reason:
+            return self._finish(reason)
+        refs = self._start_ranks()
+        self.running.set()
+        self._follow(refs)
+
+    def _reserve(self, bundle: dict[str, float]) -> str | None:
+        """The job's placement group, waited for (saying so every ``PENDING_NOTE_S``); why it stopped waiting, if."""
         ray = ray_module()
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        gloo = self.launch["backend"] == "gloo"
-        bundle = _bundle(self.launch["backend"], self.gpu_type)
         self.pg = placement_group(
             [dict(bundle) for _ in range(self.world)], strategy="PACK", name=f"sgpu_magic-{self.rd.job_id}"
         )
@@ -120,7 +127,7 @@ class _Supervisor(threading.Thread):
         while not ray.wait([ready], timeout=0.1)[0]:
             reason = self._should_stop()
             if reason:
-                return self._finish(reason)
+                return reason
             if time.time() - noted > PENDING_NOTE_S:
                 noted = time.time()
                 unit = "GPU" if "GPU" in bundle else "CPU"
@@ -130,6 +137,15 @@ class _Supervisor(threading.Thread):
                     f"{total:g} {unit}s free now"
                 )
         self.status.pop("waiting", None)
+        return None
+
+    def _start_ranks(self) -> list:
+        """One rank actor per bundle, each running its rank with torchrun's env; the status says they run."""
+        ray = ray_module()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        assert self.pg is not None  # reserved by _reserve
+        gloo = self.launch["backend"] == "gloo"
         agent = agent_class()
         self.actors = [
             agent.options(
@@ -155,7 +171,12 @@ class _Supervisor(threading.Thread):
             nodes={str(r): ip for r, (_, ip, _) in enumerate(nodes)},
             pids={str(r): p for r, p in enumerate(pids) if p is not None},
         )
-        self.running.set()
+        return refs
+
+    def _follow(self, refs: list) -> None:
+        """Copy the ranks' logs and record each rank's outcome as it ends; finish on the first failure, a stop or
+        the timeout, else once every rank has succeeded."""
+        ray = ray_module()
         pending = dict(zip(refs, range(self.world)))
         exitcodes: dict[str, int | None] = {}
         last_pull = 0.0
@@ -166,35 +187,42 @@ class _Supervisor(threading.Thread):
                 self._pull_logs()
             for ref in done:
                 rank = pending.pop(ref)
-                try:
-                    out = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - the actor died (node lost, killed)
-                    out = {
-                        "exitcode": -9,
-                        "result": None,
-                        "error": {
-                            "rank": rank,
-                            "exc_type": type(exc).__name__,
-                            "time_s": time.time(),
-                            "message": f"the rank's Ray actor died: {exc}",
-                            "traceback": "",
-                        },
-                    }
-                exitcodes[str(rank)] = out["exitcode"]
-                if out["result"] is not None:
-                    atomic_write_bytes(self.rd.result_file(rank), out["result"])
-                if out["error"]:
-                    atomic_write_json(self.rd.error_file(rank), out["error"])
-                ended = out.get("teardown")
-                if ended:  # it had not exited teardown_grace_s after its outcome: its agent ended it
-                    self.status.setdefault("teardown_ended", []).append(ended)
-                if out["exitcode"] != 0 and not (ended and ended["outcome"] == "value"):
-                    self.status["failures"] = [{"rank": rank, "exitcode": out["exitcode"], "time_s": time.time()}]
+                if not self._record_outcome(rank, ref, exitcodes):
                     return self._finish("failed", exitcodes=exitcodes)
             reason = self._should_stop()
             if reason:
                 return self._finish(reason, exitcodes=exitcodes)
         self._finish("succeeded", exitcodes=exitcodes)
+
+    def _record_outcome(self, rank: int, ref: Any, exitcodes: dict[str, int | None]) -> bool:
+        """Write rank ``rank``'s result or error into the run dir; whether it succeeded (an agent that ended a rank
+        after its value, at the teardown grace, counts as success)."""
+        try:
+            out = ray_module().get(ref)
+        except Exception as exc:  # noqa: BLE001 - the actor died (node lost, killed)
+            out = {
+                "exitcode": -9,
+                "result": None,
+                "error": {
+                    "rank": rank,
+                    "exc_type": type(exc).__name__,
+                    "time_s": time.time(),
+                    "message": f"the rank's Ray actor died: {exc}",
+                    "traceback": "",
+                },
+            }
+        exitcodes[str(rank)] = out["exitcode"]
+        if out["result"] is not None:
+            atomic_write_bytes(self.rd.result_file(rank), out["result"])
+        if out["error"]:
+            atomic_write_json(self.rd.error_file(rank), out["error"])
+        ended = out.get("teardown")
+        if ended:  # it had not exited teardown_grace_s after its outcome: its agent ended it
+            self.status.setdefault("teardown_ended", []).append(ended)
+        if out["exitcode"] != 0 and not (ended and ended["outcome"] == "value"):
+            self.status["failures"] = [{"rank": rank, "exitcode": out["exitcode"], "time_s": time.time()}]
+            return False
+        return True
 
     def _rank_launch(self) -> dict:
         keep = ("job_id", "name", "world_size", "backend", "cwd", "sys_path", "teardown_grace_s")
