@@ -59,7 +59,7 @@ def test_interrupting_a_hung_cell_says_where_each_rank_was():
         error = collect(kc, msg_id, timeout_s=60).error
         assert error is not None and error["ename"] == "JobCancelledError", error
         assert re.fullmatch(
-            r"job \S+ was interrupted; every rank was stopped\. Logs: \S+/logs Where the ranks still running were: "
+            r"job \S+ was interrupted; every rank was stopped\. Logs: \S+/logs\. Where the ranks still running were: "
             r"rank 0: dist\.broadcast at Cell In\[3\] line 9; rank 1: time\.sleep at Cell In\[3\] line 11 "
             r"\(their stacks: \S+/stacks\)\.",
             error["evalue"],
