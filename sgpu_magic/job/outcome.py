@@ -14,6 +14,7 @@ from sgpu_magic.errors import (
     RankFailedError,
     RankFailure,
     SgpuError,
+    rank_ranges,
 )
 from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.flight_recorder import flight_recorder_note
@@ -170,7 +171,7 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
     left = sorted(int(r) for r, code in (status.get("exitcodes") or {}).items() if code == 0)
     if left and not error.hint and "by peer" in error.root_cause.message:  # gloo's words for a peer that left
         error.hint = (
-            f"{_ranks_text(left)} returned while the others still ran: a rank that leaves before the collectives its "
+            f"{'ranks' if len(left) > 1 else 'rank'} {rank_ranges(left)} returned while the others still ran: a rank that leaves before the collectives its "
             f"peers still call (a barrier, an all-reduce) makes them fail like this; check that every rank runs the "
             f"same collectives"
         )
@@ -180,7 +181,3 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
             f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures"
         )
     return error
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

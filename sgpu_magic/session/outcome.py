@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sgpu_magic.errors import describe_exit
+from sgpu_magic.errors import RankFailure, describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.rundir import RunDir, read_json
@@ -101,5 +101,7 @@ def _first_error(run_dir: RunDir, ranks: list[int]) -> str:
     error = read_json(run_dir.error_file(ranks[0]))
     if not error:
         return ""
-    message = str(error.get("message", "")).splitlines()[0] if error.get("message") else ""
-    return f" ({error.get('exc_type', 'an exception')}{': ' + message[:200] if message else ''})"
+    failure = RankFailure(
+        rank=ranks[0], exitcode=None, exc_type=error.get("exc_type"), message=error.get("message", "")
+    )
+    return f" ({failure.what()})"
