@@ -17,7 +17,7 @@ print-loop time against the /dev/null baseline.
 
 from __future__ import annotations
 
-from .common import Context, Section, Table, Target, fmt, fmt_range, measure, median, ratio, settle
+from .common import Context, Section, Table, Target, fmt, fmt_range, measure, median, panel_cpu_targets, ratio, settle
 
 FLOOD_DEF = '''\
 def flood(n, redirect=None):
@@ -281,32 +281,13 @@ def _report(ranks: int, lines: int, samples: dict) -> Section:
             None if not all_lost else max(all_lost) == 0,
         )
     )
-    pct = median(samples["panel"]["cpu_pct"])
-    sec.targets.append(
-        Target(
-            "kernel CPU while logging heavily (panel), % of the job's wall time",
-            "<= 5%",
-            fmt(pct, 1, "%"),
-            None if pct is None else pct <= 5.0,
-        )
+    targets, extra_s, marginal = panel_cpu_targets(
+        samples, "logging heavily (panel)", f"panel job of {SMALL_LINES} lines"
     )
-    cpu, fixed, wall = (
-        median(samples["panel"]["cpu"]),
-        median(samples["panel_small"]["cpu"]),
-        median(samples["panel"]["wall"]),
-    )
-    if None not in (cpu, fixed, wall):
-        marginal = 100 * max(0.0, cpu - fixed) / wall
-        sec.targets.append(
-            Target(
-                f"the same, beyond the panel's fixed cost per job (panel job of {SMALL_LINES} lines: {fixed:.3f} s)",
-                "<= 5%",
-                f"{marginal:.1f}%",
-                marginal <= 5.0,
-            )
-        )
+    sec.targets += targets
+    if extra_s is not None:
         t.notes.append(
             f"kernel CPU for following the logs alone (panel job minus the {SMALL_LINES}-line panel job): "
-            f"{cpu - fixed:.3f} s = {marginal:.1f}% of the heavy job's wall time."
+            f"{extra_s:.3f} s = {marginal:.1f}% of the heavy job's wall time."
         )
     return sec

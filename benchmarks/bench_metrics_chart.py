@@ -12,7 +12,7 @@ Run by ``python -m benchmarks.run --only logging`` after the print flood.
 
 from __future__ import annotations
 
-from .common import Context, Section, Table, Target, fmt, measure, median, settle
+from .common import Context, Section, Table, Target, fmt, measure, median, panel_cpu_targets, settle
 
 RATE_PER_S = 1000
 
@@ -138,30 +138,12 @@ def _report(ranks: int, seconds: float, n: int, samples: dict) -> Section:
         "doubled: every rank's metrics file checked for each step once, plus job.metrics()'s last step per rank."
     )
     sec.tables.append(t)
-    pct = median(samples["panel"]["cpu_pct"])
-    sec.targets.append(
-        Target(
-            f"kernel CPU while the chart follows {ranks} ranks x {RATE_PER_S:,} metrics/s, % of the job's wall time",
-            "<= 5%",
-            fmt(pct, 1, "%"),
-            None if pct is None else pct <= 5.0,
-        )
+    targets, _, _ = panel_cpu_targets(
+        samples,
+        f"the chart follows {ranks} ranks x {RATE_PER_S:,} metrics/s",
+        "panel job of 10 points a rank",
     )
-    cpu, fixed, wall = (
-        median(samples["panel"]["cpu"]),
-        median(samples["panel_small"]["cpu"]),
-        median(samples["panel"]["wall"]),
-    )
-    if None not in (cpu, fixed, wall):
-        marginal = 100 * max(0.0, cpu - fixed) / wall
-        sec.targets.append(
-            Target(
-                f"the same, beyond the panel's fixed cost per job (panel job of 10 points a rank: {fixed:.3f} s)",
-                "<= 5%",
-                f"{marginal:.1f}%",
-                marginal <= 5.0,
-            )
-        )
+    sec.targets += targets
     lost = samples["panel"]["lost"] + samples["text"]["lost"]
     sec.targets.append(
         Target("metric points lost", "0", str(max(lost)) if lost else "-", None if not lost else max(lost) == 0)

@@ -374,3 +374,36 @@ def machine_description() -> dict:
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "argv": " ".join([Path(sys.executable).name, *sys.argv]),
     }
+
+
+def panel_cpu_targets(samples: dict, what: str, small: str) -> tuple[list[Target], float | None, float | None]:
+    """The two kernel-CPU targets of a heavy panel job (``samples["panel"]``, ``what`` it did): <= 5% of its wall
+    time, and <= 5% beyond the panel's fixed cost per job, measured by the same panel job doing little
+    (``samples["panel_small"]``, described by ``small``). Also the CPU seconds beyond that fixed cost and their
+    share of the wall time in percent (``None`` when either job was not measured)."""
+    pct = median(samples["panel"]["cpu_pct"])
+    targets = [
+        Target(
+            f"kernel CPU while {what}, % of the job's wall time",
+            "<= 5%",
+            fmt(pct, 1, "%"),
+            None if pct is None else pct <= 5.0,
+        )
+    ]
+    cpu, fixed, wall = (
+        median(samples["panel"]["cpu"]),
+        median(samples["panel_small"]["cpu"]),
+        median(samples["panel"]["wall"]),
+    )
+    if cpu is None or fixed is None or wall is None:
+        return targets, None, None
+    marginal = 100 * max(0.0, cpu - fixed) / wall
+    targets.append(
+        Target(
+            f"the same, beyond the panel's fixed cost per job ({small}: {fixed:.3f} s)",
+            "<= 5%",
+            f"{marginal:.1f}%",
+            marginal <= 5.0,
+        )
+    )
+    return targets, cpu - fixed, marginal
