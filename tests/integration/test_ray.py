@@ -259,7 +259,14 @@ def test_kernel_sigkill_leaves_no_actor_or_rank(cluster, tmp_path):
         wait_for(started, 180, "the 4 ranks to run")
         os.kill(km.provisioner.process.pid, signal.SIGKILL)
         wait_for(lambda: not job_processes(job_id), 60, "Ray to remove the dead kernel's actors and their ranks")
-        assert not [p for p in psutil.process_iter(["cmdline"]) if "RankAgent" in " ".join(p.info["cmdline"] or [])]
+        # An actor's worker process exits a moment after its rank children; Ray must end it, not leave it idle.
+        wait_for(
+            lambda: (
+                not [p for p in psutil.process_iter(["cmdline"]) if "RankAgent" in " ".join(p.info["cmdline"] or [])]
+            ),
+            60,
+            "Ray to end the dead kernel's RankAgent actor processes",
+        )
     finally:
         stop_kernel(km, kc)
 
