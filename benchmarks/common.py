@@ -376,12 +376,14 @@ def machine_description() -> dict:
     }
 
 
-def panel_cpu_targets(samples: dict, what: str, small: str) -> tuple[list[Target], float | None, float | None]:
-    """The two kernel-CPU targets of a heavy panel job (``samples["panel"]``, ``what`` it did): <= 5% of its wall
+def panel_cpu_targets(
+    samples: dict, what: str, small: str, key: str = "panel"
+) -> tuple[list[Target], float | None, float | None]:
+    """The two kernel-CPU targets of a heavy panel job (``samples[key]``, ``what`` it did): <= 5% of its wall
     time, and <= 5% beyond the panel's fixed cost per job, measured by the same panel job doing little
     (``samples["panel_small"]``, described by ``small``). Also the CPU seconds beyond that fixed cost and their
     share of the wall time in percent (``None`` when either job was not measured)."""
-    pct = median(samples["panel"]["cpu_pct"])
+    pct = median(samples[key]["cpu_pct"])
     targets = [
         Target(
             f"kernel CPU while {what}, % of the job's wall time",
@@ -391,9 +393,9 @@ def panel_cpu_targets(samples: dict, what: str, small: str) -> tuple[list[Target
         )
     ]
     cpu, fixed, wall = (
-        median(samples["panel"]["cpu"]),
+        median(samples[key]["cpu"]),
         median(samples["panel_small"]["cpu"]),
-        median(samples["panel"]["wall"]),
+        median(samples[key]["wall"]),
     )
     if cpu is None or fixed is None or wall is None:
         return targets, None, None

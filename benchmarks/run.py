@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = [t for sec in sections for t in sec.targets]
     if targets:
         tt = Table(
-            "Targets (issue 4)",
+            "Targets (from the issues that set them)",
             ["target", "wanted", "measured", "verdict"],
             [[t.name, t.target, t.measured, t.verdict] for t in targets],
         )

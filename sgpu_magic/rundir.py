@@ -15,7 +15,8 @@ Layout::
         results/rank_<N>.exit.json  how rank N ended when it called sys.exit(0) (written by the rank)
         errors/rank_<N>.json exception of rank N (written by the rank)
         elastic/             torch elastic's own per-rank files
-        metrics/rank_<N>.jsonl  the points rank N logged (runtime.log_metric, mlflow.log_metric), appended in batches
+        metrics/rank_<N>.bin the points rank N logged (runtime.log_metric, mlflow.log_metric), 32-byte records appended
+                             in batches; rank_<N>.names: their names
         code.json            the notebook's labels and sources of the job's code, to map stack frames (by the kernel)
         stacks/rank_<N>.txt  rank N's stack when the job timed out or was cancelled while it ran (by the host)
         flight_recorder/rank_<N>  rank N's NCCL flight recorder dump (by torch, in a GPU job whose collective timed out)
@@ -380,13 +381,14 @@ class RunDir:
 
     metrics_dir = _entry(
         "metrics",
-        "``rank_<r>.jsonl``: the metric points each rank logged, one JSON array per line "
-        "(:mod:`sgpu_magic._util.metrics`), appended by the rank, followed by the kernel (0700, files 0600).",
+        "``rank_<r>.bin``: the metric points each rank logged, one 32-byte record each, and ``rank_<r>.names``: "
+        "their names (:mod:`sgpu_magic._util.metrics`), appended by the rank, followed by the kernel (0700, files 0600).",
     )
 
     def metrics_file(self, rank: int) -> Path:
-        """``metrics/rank_<r>.jsonl``: the points rank ``rank`` logged (``runtime.log_metric``, ``mlflow.log_metric``)."""
-        return self.metrics_dir / f"rank_{rank}.jsonl"
+        """``metrics/rank_<r>.bin``: the points rank ``rank`` logged (``runtime.log_metric``, ``mlflow.log_metric``);
+        their names are in :func:`sgpu_magic._util.metrics.names_file` of it."""
+        return self.metrics_dir / f"rank_{rank}.bin"
 
     def log_file(self, rank: int) -> Path:
         return self.logs_dir / f"rank_{rank}.log"

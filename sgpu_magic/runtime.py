@@ -155,7 +155,7 @@ def log_metric(name: str, value: float, step: int | None = None) -> None:
     """Record one point of metric ``name`` from this rank: for the panel, ``job.metrics()``, and MLflow.
 
     The point is appended to this rank's metrics file in the job's run directory
-    (``metrics/rank_<r>.jsonl``), written in batches (at least every 0.2 s, and before the rank
+    (``metrics/rank_<r>.bin``), written in batches (at least every 0.2 s, and before the rank
     reports), which the kernel follows as it follows the logs. When the job is tracked it is also logged to
     MLflow under the same ``name``, from a background thread (the first such batch imports mlflow): to the
     run active in this thread (a rank's ``with mlflow.start_run():`` run), else the job's run, where every

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sgpu_magic.errors import SgpuError
 from sgpu_magic.job.follow import JobSink
@@ -27,6 +27,9 @@ from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import HostStatus
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["CANCEL_WAIT_S", "Job", "jobs"]
 
@@ -177,6 +180,17 @@ class Job(JobLifecycle):
             job.metrics("loss")   # {"loss": {0: [(0, 2.3), (1, 1.9)], 1: [(0, 2.4), (1, 2.0)]}}
         """
         return self._metrics.snapshot(name)
+
+    def metric_arrays(self, name: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """The points of metric ``name`` (as :meth:`metrics` holds them) as numpy arrays, for plotting:
+        ``{rank: (steps, values)}``, both ``float64``, ranks sorted; ``{}`` when ``name`` was never logged.
+
+        Example::
+
+            for rank, (steps, values) in job.metric_arrays("loss").items():
+                plt.plot(steps, values, label=f"rank {rank}")
+        """
+        return self._metrics.arrays(name)
 
     def last_metrics(self) -> dict[str, dict[int, float]]:
         """``{name: {rank: last value}}`` of every metric logged so far (the summary's table)."""

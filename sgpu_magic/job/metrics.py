@@ -1,5 +1,6 @@
-"""The kernel's side of rank metrics: each rank's metrics file read by byte offset (as :class:`~sgpu_magic.job.follow.LogPump`
-reads the logs) into bounded series, behind :meth:`sgpu_magic.job.handle.Job.metrics`.
+"""The kernel's side of rank metrics: each rank's metrics file read by byte offset (as
+:class:`~sgpu_magic.job.follow.LogPump` reads the logs), decoded a chunk at a time with numpy, into bounded
+series, behind :meth:`sgpu_magic.job.handle.Job.metrics`.
 
 Memory is bounded per series (one metric of one rank): past :data:`MAX_POINTS` points a series keeps every
 second point it holds and from then on every ``stride``-th point logged (1, 2, 4, ... as it grows), so it always
@@ -12,9 +13,12 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from sgpu_magic._util.metrics import Point, decode_lines
+from sgpu_magic._util.metrics import decode_names, decode_records, names_file
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_POINTS = 2000
 """Points a series holds at most (plus its last point); beyond that it is downsampled (module docstring)."""
@@ -24,41 +28,94 @@ READ_INTERVAL_S = 0.2
 
 
 class Series:
-    """One metric of one rank: an evenly downsampled ``[(step, value)]`` with its first and last point."""
+    """One metric of one rank: an evenly downsampled sample of its points with its first and last point.
 
-    __slots__ = ("points", "stride", "seen", "last")
+    The points held are those logged at the multiples of :attr:`stride` (counting from 0, the first point), in two
+    numpy buffers (steps, values) of ``MAX_POINTS + 1`` entries."""
+
+    __slots__ = ("_steps", "_values", "held", "stride", "seen", "last")
 
     def __init__(self) -> None:
-        self.points: list[tuple[int, float]] = []
+        import numpy as np
+
+        self._steps = np.empty(MAX_POINTS + 1, dtype=np.int64)
+        self._values = np.empty(MAX_POINTS + 1, dtype=np.float64)
+        self.held = 0
         self.stride = 1
         self.seen = 0
         self.last: tuple[int, float] | None = None
 
     def add(self, step: int, value: float) -> None:
-        point = (step, value)
-        if self.seen % self.stride == 0:
-            self.points.append(point)
-            if len(self.points) > MAX_POINTS:
-                self.points = self.points[::2]  # the points logged at multiples of the doubled stride
-                self.stride *= 2
-        self.seen += 1
-        self.last = point
+        """Take one more point."""
+        import numpy as np
+
+        self.add_many(np.array([step], dtype=np.int64), np.array([value], dtype=np.float64))
+
+    def add_many(self, steps: np.ndarray, values: np.ndarray) -> None:
+        """Take the points ``zip(steps, values)`` (numpy arrays, in the order logged): one slice per stride."""
+        n = len(steps)
+        if not n:
+            return
+        i = 0
+        while i < n:
+            first = i + (-(self.seen + i)) % self.stride  # the first point at or after i the stride keeps
+            if first >= n:
+                break
+            room = MAX_POINTS + 1 - self.held  # points it takes until the next halving
+            end = min(n, first + room * self.stride)
+            kept = slice(first, end, self.stride)
+            count = len(range(first, end, self.stride))
+            self._steps[self.held : self.held + count] = steps[kept]
+            self._values[self.held : self.held + count] = values[kept]
+            self.held += count
+            i = end
+            if self.held > MAX_POINTS:  # keep the points logged at multiples of the doubled stride
+                half = (self.held + 1) // 2
+                self._steps[:half] = self._steps[: self.held : 2].copy()
+                self._values[:half] = self._values[: self.held : 2].copy()
+                self.held, self.stride = half, self.stride * 2
+        self.seen += n
+        self.last = (int(steps[-1]), float(values[-1]))
+
+    def _last_extra(self) -> bool:
+        """Whether the last point logged is not one the stride keeps (it is then shown after the held ones)."""
+        return self.last is not None and (self.seen - 1) % self.stride != 0
+
+    @property
+    def points(self) -> list[tuple[int, float]]:
+        """The held points, ``[(step, value)]``."""
+        return list(zip(self._steps[: self.held].tolist(), self._values[: self.held].tolist()))
 
     def values(self) -> list[tuple[int, float]]:
         """The held points in the order logged, ending with the last point logged."""
-        points = list(self.points)
-        if self.last is not None and (not points or points[-1] is not self.last):
-            points.append(self.last)
+        points = self.points
+        if self._last_extra():
+            points.append(self.last)  # type: ignore[arg-type] # not None: _last_extra checked it
         return points
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`values` as two new numpy arrays: steps (float64) and values (float64)."""
+        import numpy as np
+
+        extra = self._last_extra()
+        steps = np.empty(self.held + extra, dtype=np.float64)
+        values = np.empty(self.held + extra, dtype=np.float64)
+        steps[: self.held], values[: self.held] = self._steps[: self.held], self._values[: self.held]
+        if extra:
+            steps[-1], values[-1] = self.last  # type: ignore[misc] # not None: _last_extra checked it
+        return steps, values
 
 
 class MetricsPump:
-    """Reads the ranks' metrics files (``metrics/rank_<r>.jsonl``) into :class:`Series`; thread-safe."""
+    """Reads the ranks' metrics files (``metrics/rank_<r>.bin`` and their name tables) into :class:`Series`;
+    thread-safe."""
 
     def __init__(self, paths: list[Path]) -> None:
         self._paths = paths
         self._files: list[IO[bytes] | None] = [None] * len(paths)
         self._offsets = [0] * len(paths)
+        self._names: list[dict[int, str]] = [{} for _ in paths]
+        self._names_read = [0] * len(paths)
         self._series: dict[str, dict[int, Series]] = {}
         self._lock = threading.Lock()
         self._read_at = 0.0
@@ -88,27 +145,59 @@ class MetricsPump:
         if os.fstat(f.fileno()).st_size <= self._offsets[rank]:
             return False
         f.seek(self._offsets[rank])
-        points, used = decode_lines(f.read())
+        records, used = decode_records(f.read())
+        if not used:
+            return False
         self._offsets[rank] += used
-        self._add(rank, points)
-        return bool(points)
+        self._add(rank, records)
+        return True
 
-    def _add(self, rank: int, points: list[Point]) -> None:
+    def _read_names(self, rank: int) -> None:
+        try:
+            with open(names_file(self._paths[rank]), "rb") as f:
+                f.seek(self._names_read[rank])
+                names, used = decode_names(f.read())
+        except FileNotFoundError:
+            return
+        self._names_read[rank] += used
+        self._names[rank].update(names)
+
+    def _add(self, rank: int, records: np.ndarray) -> None:
+        import numpy as np
+
+        ids = records["name"]
+        if (ids == ids[0]).all():  # the usual chunk: one metric
+            groups = [(int(ids[0]), records)]
+        else:
+            unique, which = np.unique(ids, return_inverse=True)
+            groups = [(int(ident), records[which == k]) for k, ident in enumerate(unique.tolist())]
+        names = self._names[rank]
+        if any(ident not in names for ident, _ in groups):
+            self._read_names(rank)  # after the records: every name they use is in the table by now
         with self._lock:
-            for name, value, step, _time_ms in points:
+            for ident, chunk in groups:
+                name = names.get(ident)
+                if name is None:  # not in the table: not written by sgpu_magic's writer
+                    continue
                 by_rank = self._series.get(name)
                 if by_rank is None:
                     by_rank = self._series[name] = {}
                 series = by_rank.get(rank)
                 if series is None:
                     series = by_rank[rank] = Series()
-                series.add(step, value)
+                series.add_many(chunk["step"], chunk["value"])
 
     def snapshot(self, name: str | None = None) -> dict[str, dict[int, list[tuple[int, float]]]]:
         """``{name: {rank: [(step, value)]}}`` of every metric (or only ``name``), names and ranks sorted."""
         with self._lock:
             names = sorted(self._series) if name is None else [name] if name in self._series else []
             return {n: {r: s.values() for r, s in sorted(self._series[n].items())} for n in names}
+
+    def arrays(self, name: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """``{rank: (steps, values)}`` of metric ``name`` as numpy arrays (:meth:`Series.arrays`), ranks sorted;
+        ``{}`` for a name never logged."""
+        with self._lock:
+            return {r: s.arrays() for r, s in sorted(self._series.get(name, {}).items())}
 
     def last_values(self) -> dict[str, dict[int, float]]:
         """``{name: {rank: last value}}``, names and ranks sorted."""

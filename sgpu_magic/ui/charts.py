@@ -2,9 +2,10 @@
 and the min-max bucketing that bounds both.
 
 Every series (one metric of one rank) is drawn from at most :data:`MAX_CHART_POINTS` points: past that,
-:func:`minmax_downsample` keeps the first and the last point and, of each of ``(MAX_CHART_POINTS - 2) // 2`` equal
-buckets of the points in between, the lowest and the highest one (in the order logged), so spikes stay visible
-where plain decimation would drop them. The series it reads (``Job.metrics()``) hold at most 2000 points already.
+:func:`minmax_indices` keeps the first and the last point and, of each of at most ``(MAX_CHART_POINTS - 2) // 2``
+equal buckets of the points in between, the lowest and the highest one (in the order logged), so spikes stay
+visible where plain decimation would drop them. The series it reads (``Job.metric_arrays()``) hold at most 2000
+points already; only the metric on screen is fetched and drawn.
 
 bqplot is imported only when the first metric of a job reaches a panel (:class:`MetricsChart`): a panel without
 metrics, and the text view, never import it.
@@ -15,7 +16,11 @@ from __future__ import annotations
 import html
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_CHART_POINTS = 1000
 """Points each series of the live chart holds at most (min-max bucketing beyond; module docstring)."""
@@ -32,31 +37,56 @@ COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 Points = Sequence[tuple[float, float]]
 
 
+def minmax_indices(values: np.ndarray, max_points: int = MAX_CHART_POINTS) -> np.ndarray:
+    """The indices (ascending) of at most ``max_points`` (>= 4) of ``values`` to draw: the first, the last, and of
+    each of ``(max_points - 2) // 2`` equal buckets of the rest (sizes differing by one at most) the lowest and the
+    highest one (the first of equal values; NaN ignored; a bucket of NaN only gives none); every index when they
+    fit. Vectorised: an ``argmin`` and an ``argmax`` over the buckets as rows (tens of µs for 2000 points)."""
+    import numpy as np
+
+    n = len(values)
+    if n <= max_points:
+        return np.arange(n)
+    inner = values[1:-1]
+    buckets = (max_points - 2) // 2
+    size, wider = divmod(len(inner), buckets)  # the first `wider` buckets hold size + 1 points
+    nan = np.isnan(inner)
+    low, high = np.where(nan, np.inf, inner), np.where(nan, -np.inf, inner)
+    found = []
+    for start, rows, width in ((0, wider, size + 1), (wider * (size + 1), buckets - wider, size)):
+        if not rows:
+            continue
+        part = slice(start, start + rows * width)
+        base = start + np.arange(rows) * width
+        lo = base + low[part].reshape(rows, width).argmin(axis=1)
+        hi = base + high[part].reshape(rows, width).argmax(axis=1)
+        found.append(np.stack([np.minimum(lo, hi), np.maximum(lo, hi)], axis=1).ravel())
+    pairs = np.concatenate(found)
+    keep = ~nan[pairs]
+    keep[1::2] &= pairs[1::2] != pairs[::2]  # a bucket's lowest and highest at one point: once
+    return np.concatenate([[0], pairs[keep] + 1, [n - 1]])
+
+
 def minmax_downsample(points: Points, max_points: int = MAX_CHART_POINTS) -> list[tuple[float, float]]:
-    """At most ``max_points`` (>= 4) of ``points``: the first, the last, and the lowest and highest value of each of
-    ``(max_points - 2) // 2`` equal buckets of the rest, in their order (the first of equal values; NaN ignored);
-    ``points`` as a list when they fit. Vectorised with numpy: a few hundred µs for 2000 points."""
+    """:func:`minmax_indices` of ``points`` (``[(x, y)]``): at most ``max_points`` of them, in their order; ``points``
+    as a list when they fit."""
     if len(points) <= max_points:
         return list(points)
     import numpy as np
 
-    inner = points[1:-1]
-    buckets = (max_points - 2) // 2
-    values = np.fromiter((p[1] for p in inner), dtype=float, count=len(inner))
-    starts = (np.arange(buckets) * len(inner)) // buckets  # every bucket holds at least one point: len > 2 * buckets
-    bucket_of = np.repeat(np.arange(buckets), np.diff(np.append(starts, len(inner))))
-    kept_at = []
-    for extreme in (np.fmin, np.fmax):
-        hits = np.flatnonzero(values == extreme.reduceat(values, starts)[bucket_of])
-        kept_at.append(hits[np.unique(bucket_of[hits], return_index=True)[1]])  # the first hit of each bucket
-    return [points[0], *(inner[i] for i in np.union1d(*kept_at).tolist()), points[-1]]
+    values = np.fromiter((p[1] for p in points), dtype=float, count=len(points))
+    return [points[i] for i in minmax_indices(values, max_points).tolist()]
+
+
+Fetch = Callable[[str], Mapping[int, "tuple[np.ndarray, np.ndarray]"]]
+"""The points of one metric per rank as ``(steps, values)`` arrays (:meth:`sgpu_magic.job.handle.Job.metric_arrays`)."""
 
 
 class MetricsChart:
     """The Metrics tab: a dropdown of the metric names, one bqplot figure of the chosen metric, a line per rank
     (``ranks`` of them, made with the figure: bqplot draws no mark added to a figure that is not on screen) with a
-    legend. Fed :meth:`Job.metrics` by :meth:`update` (any thread); each series downsampled to at most
-    :data:`MAX_CHART_POINTS` points."""
+    legend. :meth:`update` (any thread) gives it the names and how to fetch a metric's points; only the metric on
+    screen is fetched and drawn, each series min-max bucketed to at most :data:`MAX_CHART_POINTS` points."""
 
     def __init__(self, ranks: int) -> None:
         import bqplot as bq
@@ -64,7 +94,7 @@ class MetricsChart:
         import numpy as np
 
         self._lock = threading.Lock()
-        self._data: dict[str, dict[int, list[tuple[float, float]]]] = {}
+        self._fetch: Fetch | None = None
         self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
         self.lines: dict[int, bq.Lines] = {
             rank: bq.Lines(
@@ -98,32 +128,32 @@ class MetricsChart:
         """The metric on screen (the dropdown's value)."""
         return self.picker.value
 
-    def update(self, metrics: dict[str, dict[int, list[tuple[int, float]]]]) -> None:
-        """Take every metric's points (``{name: {rank: [(step, value)]}}``) and redraw the one on screen."""
-        data = {
-            name: {rank: minmax_downsample(points) for rank, points in by_rank.items()}
-            for name, by_rank in metrics.items()
-        }
+    def update(self, names: Sequence[str], fetch: Fetch) -> None:
+        """Take the metric ``names`` (the dropdown's choices) and ``fetch``, then redraw the metric on screen."""
         with self._lock:
-            self._data = data
-        names = list(data)
+            self._fetch = fetch
+        names, before = list(names), self.picker.value
         if list(self.picker.options) != names:
             self.picker.options = names  # keeps the value while it is still a name; the first one at first
             if self.picker.value is None and names:
                 self.picker.value = names[0]
-        self.draw()
+        if self.picker.value == before:  # else the dropdown's observer has drawn it
+            self.draw()
 
     def draw(self) -> None:
         """Show the chosen metric: one line per rank (a rank that has not logged it gets an empty line)."""
         import numpy as np
 
         with self._lock:
-            by_rank = self._data.get(self.picker.value or "", {})
+            fetch, name = self._fetch, self.picker.value
+            by_rank = fetch(name) if fetch is not None and name is not None else {}
+            empty = np.zeros(0)
             for rank, line in self.lines.items():
-                points = by_rank.get(rank, [])
+                steps, values = by_rank.get(rank, (empty, empty))
+                kept = minmax_indices(values)
                 with line.hold_sync():
-                    line.x = np.array([p[0] for p in points], dtype=float)
-                    line.y = np.array([p[1] for p in points], dtype=float)
+                    line.x = steps[kept] if len(kept) < len(steps) else steps
+                    line.y = values[kept] if len(kept) < len(values) else values
 
 
 def _finite(points: Points) -> list[tuple[float, float]]:

@@ -4,7 +4,8 @@ Both views treat carriage returns as a terminal does (a tqdm bar is one updating
 follow the job from the thread that waits on it, and batch what they send: the panel
 flushes at most ``MAX_FLUSHES_PER_S`` times a second, and refreshes the tabs not on screen
 at most ``HIDDEN_TAB_FLUSHES_PER_S`` times a second. Once a job logs a metric the panel gets a
-Metrics tab (:class:`~sgpu_magic.ui.charts.MetricsChart`). When the job ends the panel replaces
+Metrics tab (:class:`~sgpu_magic.ui.charts.MetricsChart`), redrawn at most ``CHART_REDRAWS_PER_S`` times a second
+while it is on screen. When the job ends the panel replaces
 itself in the cell's output with a static snapshot (:mod:`sgpu_magic.ui.snapshot`), closes its
 widgets and drops its line buffers.
 """
@@ -50,6 +51,11 @@ HIDDEN_TAB_FLUSHES_PER_S = 0.2
 Switching to a tab refreshes it at once, also while a blocking cell runs where the frontend sends
 widget messages to kernel subshells (JupyterLab 4.4+); elsewhere this is how a tab picked during a
 blocking cell catches up."""
+
+CHART_REDRAWS_PER_S = 2.0
+"""The Metrics chart on screen is redrawn with new points at most this often (each redraw resends the metric's line
+of every rank: up to 16 KB a rank); off screen every ``1 / HIDDEN_TAB_FLUSHES_PER_S`` seconds, and at once when its
+tab is picked."""
 
 HEADER_RENDERS_PER_S = 1.0
 """While a job runs its header (clock in whole seconds, CPU/RSS sampled once a second, last metric values) is
@@ -119,6 +125,7 @@ class Panel(TextView):
         self._last_flush = 0.0
         self._last_hidden_flush = 0.0
         self._last_header = 0.0
+        self._last_chart = 0.0
         self._last_bytes = 0
         self.live_lines = LIVE_LINES
         # every widget is a comm the kernel opens and keeps in sync: the widgets that set no layout or
@@ -178,7 +185,7 @@ class Panel(TextView):
         rank = change["new"]
         if rank is not None and rank == len(self.outputs) and self._chart is not None and self._job is not None:
             self._metrics_new = False
-            self._chart.update(self._job.metrics())
+            self._chart.update(list(self._job.last_metrics()), self._job.metric_arrays)
             return
         if rank is None or not 0 <= rank < len(self.outputs):
             return
@@ -291,7 +298,9 @@ class Panel(TextView):
             self.outputs[rank].outputs = self._tab_outputs(rank, text)
         if texts:
             self.flushes += 1
-        if self._metrics_new and (hidden_due or self._chart is None or on_screen == len(self.outputs)):
+        chart_due = on_screen == len(self.outputs) and now - self._last_chart >= 1.0 / CHART_REDRAWS_PER_S
+        if self._metrics_new and (hidden_due or self._chart is None or chart_due):
+            self._last_chart = now
             self._show_metrics(job)
         if now - self._last_header >= 1.0 / HEADER_RENDERS_PER_S:
             self._render_header(job, self._job_state(job))
@@ -306,7 +315,7 @@ class Panel(TextView):
             self.tabs.children = (*self.outputs, self._chart.widget)
             self.tabs.titles = (*[f"rank {r}" for r in range(len(self.outputs))], "metrics")
             _forget_reply_route(self._chart.picker)
-        self._chart.update(job.metrics())
+        self._chart.update(list(job.last_metrics()), job.metric_arrays)
 
     @staticmethod
     def _job_state(job: Job) -> JobState:

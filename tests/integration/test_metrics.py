@@ -14,6 +14,7 @@ import stat
 import pytest
 
 from sgpu_magic import distributed
+from sgpu_magic._util.metrics import names_file, read_points
 from sgpu_magic.job.metrics import MAX_POINTS
 
 from helpers import wait_for
@@ -50,13 +51,19 @@ def test_every_rank_s_points_reach_job_metrics_downsampled_with_first_and_last(s
         assert dict(points)[steps[1]] == 1.0 / (steps[1] + 1) + rank
     assert job.metrics("lr") == {"lr": metrics["lr"]}
     assert job.metrics("nothing such") == {}
+    arrays = job.metric_arrays("loss")  # the same points as numpy arrays, for plotting
+    assert sorted(arrays) == [0, 1] and job.metric_arrays("nothing such") == {}
+    for rank, (steps, values) in arrays.items():
+        assert steps.dtype == values.dtype == "float64"
+        assert list(zip(steps.tolist(), values.tolist())) == [(float(s), v) for s, v in metrics["loss"][rank]]
     # the files behind it: every point, private
     folder = job.run_dir / "metrics"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     for rank in range(2):
-        path = folder / f"rank_{rank}.jsonl"
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600
-        assert len(path.read_text().splitlines()) == n + 3
+        path = folder / f"rank_{rank}.bin"
+        assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(names_file(path).stat().st_mode) == 0o600
+        points = read_points(path)
+        assert len(points) == n + 3 and [p[2] for p in points if p[0] == "loss"] == list(range(n))
 
 
 @distributed(gpus=2, mlflow=False, widgets=False, timeout=120)
@@ -136,4 +143,4 @@ def test_a_bad_point_fails_the_rank_with_what_was_wrong(how, error):
 
     with pytest.raises(RankFailedError, match=error):
         logs_wrongly.distributed(how)
-    assert not os.path.exists(logs_wrongly.last_job.run_dir / "metrics" / "rank_0.jsonl")
+    assert not os.path.exists(logs_wrongly.last_job.run_dir / "metrics" / "rank_0.bin")

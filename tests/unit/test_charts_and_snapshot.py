@@ -13,7 +13,7 @@ from sgpu_magic.job.handle import Job, jobs
 from sgpu_magic.job.registry import MAX_ENDED_JOBS
 from sgpu_magic.launch.resources import plan_devices
 from sgpu_magic.rundir import RunDir
-from sgpu_magic.ui.charts import MAX_CHART_POINTS, MetricsChart, minmax_downsample, svg_chart
+from sgpu_magic.ui.charts import MAX_CHART_POINTS, MetricsChart, minmax_downsample, minmax_indices, svg_chart
 from sgpu_magic.ui.snapshot import RankTail, close_tree, plain, snapshot_bundle
 
 
@@ -27,11 +27,39 @@ def test_minmax_downsample_keeps_ends_and_every_bucket_s_extremes():
     assert len(minmax_downsample(points, 300)) <= 300
 
 
+@pytest.mark.parametrize("n", [1001, 1999, 2001, 7777])
+def test_minmax_indices_are_each_bucket_s_first_lowest_and_highest_point(n):
+    import numpy as np
+
+    values = np.random.default_rng(n).normal(size=n).round(1)  # ties: the first of equal values wins
+    values[10:600] = np.nan  # a run of NaN: whole buckets of it give no point
+    values[700] = np.inf
+    kept = minmax_indices(values, MAX_CHART_POINTS).tolist()
+    inner, buckets = list(range(1, n - 1)), (MAX_CHART_POINTS - 2) // 2
+    size, wider = divmod(len(inner), buckets)
+    starts = [b * size + min(b, wider) for b in range(buckets + 1)]
+    expected = [0]
+    for start, end in zip(starts, starts[1:]):
+        bucket = [i for i in inner[start:end] if not math.isnan(values[i])]
+        if bucket:
+            low = min(bucket, key=lambda i: (values[i], i))
+            high = min(bucket, key=lambda i: (-values[i], i))
+            expected += sorted({low, high})
+    assert kept == [*expected, n - 1] and len(kept) <= MAX_CHART_POINTS and 700 in kept
+
+
 def test_the_live_chart_has_a_line_per_rank_and_follows_the_chosen_metric():
+    import numpy as np
+
+    steps = np.arange(5000, dtype=float)
+    data = {
+        "loss": {0: (steps, 1.0 / (steps + 1)), 1: (np.array([0.0, 1.0]), np.array([2.0, 1.5]))},
+        "lr": {0: (np.array([0.0]), np.array([1e-3]))},
+    }
+    fetched = []
     chart = MetricsChart(2)
-    chart.update(
-        {"loss": {0: [(s, 1.0 / (s + 1)) for s in range(5000)], 1: [(0, 2.0), (1, 1.5)]}, "lr": {0: [(0, 1e-3)]}}
-    )
+    chart.update(["loss", "lr"], lambda name: fetched.append(name) or data[name])
+    assert fetched == ["loss"]  # only the metric on screen is fetched
     assert chart.metric == "loss" and list(chart.picker.options) == ["loss", "lr"]
     assert len(chart.lines[0].x) == MAX_CHART_POINTS and chart.lines[1].y.tolist() == [2.0, 1.5]
     assert [m.labels for m in chart.figure.marks] == [["rank 0"], ["rank 1"]] and chart.lines[0].display_legend
