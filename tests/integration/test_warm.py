@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -142,3 +143,21 @@ def test_cold_start_method_can_be_forced(monkeypatch):
         assert start_method(probe) == "subprocess" and not torch_loaded
     finally:
         shutdown_host()
+
+
+def test_the_host_imports_torch_at_a_lower_priority_but_keeps_its_own_and_its_ranks():
+    """The host's ahead-of-time ``import torch`` runs in a thread at nice 10 (so the forkserver's preload and the
+    kernel's own import go first); the host's main thread, its forkserver and the ranks keep nice 0."""
+    import psutil
+
+    @distributed(gpus=1, mlflow=False, widgets=False)
+    def my_nice():
+        return os.nice(0), os.getppid()
+
+    wait_warm()
+    ((rank_nice, parent),) = my_nice.distributed()
+    assert start_method(my_nice) == "forkserver" and rank_nice == 0
+    host = psutil.Process(get_host().pid)
+    assert host.nice() == 0 and psutil.Process(parent).nice() == 0  # the forkserver: the warm rank's parent
+    assert os.getpriority(os.PRIO_PROCESS, host.pid) == 0  # the host's main thread (its tid is its pid)
+    assert re.search(r"imported torch in [0-9.]+ s in a thread at nice 10$", get_host().log_path.read_text(), re.M)
