@@ -133,17 +133,19 @@ def __dir__() -> list[str]:
 def load_ipython_extension(ipython: InteractiveShell) -> None:
     """``%load_ext sgpu_magic``: register ``%%distributed``, ``%distributed_run`` and ``%mlflow_ui``, start the
     launch host and import mlflow in the background."""
+    from sgpu_magic.launch.client import get_host
+
+    host = get_host()  # first: its forkserver preloads torch while the rest loads (the first launch waits for it)
+
     from sgpu_magic.front.magics import DistributedMagics
     from sgpu_magic.front.session_magics import SessionMagics
-    from sgpu_magic.launch.client import get_host
 
     ipython.register_magics(DistributedMagics)
     ipython.register_magics(SessionMagics)
-    host = get_host()
     magics = ipython.magics_manager.registry.get("DistributedMagics")
     if magics is None or magics.mlflow:
         from sgpu_magic.tracking.run import warm_up
 
         # import mlflow (~2 s) in the background, before the first tracked job needs it, once the host's
         # forkserver is warm (the first launch waits for it; on few cores the import would slow it down)
-        warm_up(after=host.warm_marker)
+        warm_up(after=host.ready_markers)

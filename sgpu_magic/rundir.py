@@ -277,6 +277,11 @@ def host_warm_marker(host_log: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(host_log)}.warm")
 
 
+def host_ready_marker(host_log: str | os.PathLike) -> Path:
+    """``<host log>.ready``: made by the launch host once it has imported torch and serves launches."""
+    return Path(f"{os.fspath(host_log)}.ready")
+
+
 HOST_WARM_STATS = "warm.json"
 """Beside the host logs: the forkserver's remembered preload time (see :mod:`sgpu_magic.launch.host.warm_pool`)."""
 

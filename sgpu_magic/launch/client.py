@@ -19,10 +19,10 @@ from pathlib import Path
 import psutil
 
 from sgpu_magic.errors import LauncherError
-from sgpu_magic.rundir import RunDir, default_root, host_warm_marker, make_private_dir
+from sgpu_magic.rundir import RunDir, default_root, host_ready_marker, host_warm_marker, make_private_dir
 
 _HANDSHAKE_TIMEOUT_S = 30.0
-_HOST_MAIN = "import sys; from sgpu_magic.launch.host.process import main; main(sys.argv)"
+_HOST_MAIN = "import sys; from sgpu_magic.launch.host.boot import main; main(sys.argv)"
 """The host runs from ``-c``, not ``-m``: its ``__main__`` then names no module, so each rank forked
 from its forkserver skips re-running the host module as ``__mp_main__`` (multiprocessing's prepare)."""
 
@@ -71,6 +71,13 @@ class LaunchHost:
         if os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") == "subprocess":
             return None
         return host_warm_marker(self.log_path)
+
+    @property
+    def ready_markers(self) -> list[Path]:
+        """The files that exist once the host is ready for a fast first launch: it has imported torch, and its
+        forkserver (unless every launch is cold) has preloaded it."""
+        warm = self.warm_marker
+        return [host_ready_marker(self.log_path), *([warm] if warm is not None else [])]
 
     def where(self) -> str:
         """The host's log file (its own diagnostics), for error messages."""

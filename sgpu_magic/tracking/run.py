@@ -43,6 +43,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,20 +81,20 @@ _STATUS = {JobState.SUCCEEDED: "FINISHED", JobState.FAILED: "FAILED"}  # every o
 _warm_thread: threading.Thread | None = None
 
 
-def warm_up(after: Path | None = None, max_wait_s: float = 30.0) -> None:
+def warm_up(after: Sequence[Path] = (), max_wait_s: float = 30.0) -> None:
     """Import mlflow in a background thread (about 2 s of CPU), so the first tracked job does not wait for it.
 
-    ``after``: start only once this file exists (the launch host's warm marker: its forkserver has
-    finished preloading) or ``max_wait_s`` have passed, so that on a machine with few cores the
-    import does not slow down the forkserver, nor hold the GIL while the notebook's first cell
-    imports torch. A tracked job that comes earlier imports mlflow itself.
+    ``after``: start only once these files exist (the launch host's markers: it has imported torch and its
+    forkserver has preloaded it) or ``max_wait_s`` have passed, so that on a machine with few cores the
+    import does not slow down the host and the forkserver the first launch waits for, nor hold the GIL while
+    the notebook's first cell imports torch. A tracked job that comes earlier imports mlflow itself.
     """
     global _warm_thread
     if _warm_thread is None and "mlflow" not in sys.modules:
 
         def _import() -> None:
             deadline = time.monotonic() + max_wait_s
-            while after is not None and not after.exists() and time.monotonic() < deadline:
+            while not all(path.exists() for path in after) and time.monotonic() < deadline:
                 time.sleep(0.1)
             try:
                 import mlflow  # noqa: F401

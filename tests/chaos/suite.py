@@ -227,7 +227,7 @@ class Runner:
         for p in psutil.process_iter(["cmdline"]):
             cmd = " ".join(p.info["cmdline"] or [])
             if (
-                "sgpu_magic.launch.host.process import main" in cmd
+                "sgpu_magic.launch.host.boot import main" in cmd
                 and kernel is not None
                 and cmd.endswith(f" {kernel.pid}")
             ):

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.api import PContext
 
 log = logging.getLogger(__name__)
-"""The host's diagnostics: one line each in its log file (:func:`sgpu_magic.launch.host.process.main` sets the
+"""The host's diagnostics: one line each in its log file (:func:`sgpu_magic.launch.host.process.serve` sets the
 handler up), redacted."""
 
 GRACE_S = 3.0

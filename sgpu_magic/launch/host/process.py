@@ -1,8 +1,7 @@
 """The launch host: one process per kernel that starts and watches ranks with torch elastic.
 
-Started by :mod:`sgpu_magic.launch.client` as ``python -m sgpu_magic.launch.host.process <log> <kernel_pid>``.
-It detaches (its own session, not a child of the kernel, so Jupyter's interrupt does not
-reach it), answers ``ready <pid>`` on stdout, then reads JSON commands from stdin:
+Started through :mod:`sgpu_magic.launch.host.boot` (which detaches it from the kernel, answers ``ready <pid>``
+and starts its forkserver), it then reads JSON commands from stdin (:func:`serve`):
 
 - ``{"op": "launch", "run_dir": ..., "env": {...}}``: start the job's ranks.
 - ``{"op": "cancel", "run_dir": ..., "reason": "cancelled" | "timed_out" | "interrupted"}``.
@@ -33,17 +32,15 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 
-from sgpu_magic._util.proc import adopt_orphans
 from sgpu_magic._util.redact import RedactingFormatter
 from sgpu_magic.launch.host.cleanup import end_mlflow_run, reap_adopted
 from sgpu_magic.launch.host.job import HostJob
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import answer as answer_stacks
-from sgpu_magic.rundir import HOST_WARM_STATS, RunDir, host_warm_marker
+from sgpu_magic.rundir import RunDir, host_ready_marker
 from sgpu_magic.status import StatusWriter
 
 log = logging.getLogger(__name__)
@@ -54,25 +51,12 @@ POLL_S = 0.02
 IDLE_POLL_S = 0.5
 
 
-def _detach(kernel_pid: int, log_path: str) -> None:
-    """Leave the kernel's process tree (fork; the parent exits), say ready, log to ``log_path``."""
-    if os.fork() > 0:
-        os._exit(0)
-    adopt_orphans()
-    sys.stdout.write(f"ready {os.getpid()}\n")
-    sys.stdout.flush()
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
 class Host:
     """The host's loop: commands from stdin, polling of running jobs, shutdown with the kernel."""
 
-    def __init__(self, kernel_pid: int, warm_marker: str | None, warm_stats: Path | None = None) -> None:
+    def __init__(self, kernel_pid: int, pool: WarmPool | None) -> None:
         self.kernel = psutil.Process(kernel_pid)
-        self.pool = WarmPool(warm_marker, warm_stats) if warm_marker else None
+        self.pool = pool
         self.jobs: dict[str, HostJob] = {}
         self.ended: collections.deque[HostJob] = collections.deque(maxlen=32)
         """Jobs that ended lately: if the kernel dies before it ends their MLflow runs, the host does."""
@@ -189,7 +173,7 @@ def _plain_elastic_logging() -> None:
     elastic.propagate = False
 
 
-IMPORT_NICE = 10
+IMPORT_NICE = 5
 """While its forkserver preloads, the host imports torch in a thread at this nice value (Linux: per thread), so that on
 a busy machine the forkserver and the kernel's own ``import torch`` go first: the first launch waits for the
 forkserver, and the host's import ends before it anyway. The host's main thread, and every process it starts, keep
@@ -210,16 +194,14 @@ def _import_elastic(niced: bool) -> None:
     log.info("imported torch in %.2f s in a thread at nice %s", time.perf_counter() - started, nice)
 
 
-def main(argv: list[str]) -> None:
-    log_path, kernel_pid = argv[1], int(argv[2])
-    _detach(kernel_pid, log_path)
+def serve(kernel_pid: int, pool: WarmPool | None, log_path: str | None = None) -> None:
+    """Run the host for kernel ``kernel_pid`` (its forkserver, ``pool``, already preloading; ``None``: every launch
+    cold) until the kernel closes stdin or dies; called by :func:`sgpu_magic.launch.host.boot.main`. Once torch is
+    imported it makes the host's ready marker beside ``log_path`` (:func:`sgpu_magic.rundir.host_ready_marker`)."""
     host_logging()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    warm = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess"
-    host = Host(kernel_pid, str(host_warm_marker(log_path)) if warm else None, Path(log_path).parent / HOST_WARM_STATS)
-    if host.pool is not None:
-        host.pool.ready(sys.path)  # the forkserver preloads while this host imports torch: the first launch can be warm
+    host = Host(kernel_pid, pool)
     started = time.perf_counter()
     gc.disable()  # torch's ~300k objects live as long as the host: collecting them while importing is wasted CPU
     importer = threading.Thread(target=_import_elastic, args=(host.pool is not None,), name="import torch")
@@ -230,8 +212,6 @@ def main(argv: list[str]) -> None:
     if host.pool is not None:
         host.pool.import_s = time.perf_counter() - started  # what a cold rank would pay now
     _plain_elastic_logging()
+    if log_path is not None:
+        os.close(os.open(host_ready_marker(log_path), os.O_WRONLY | os.O_CREAT, 0o600))
     host.run()
-
-
-if __name__ == "__main__":
-    main(sys.argv)
