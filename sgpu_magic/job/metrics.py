@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 MAX_POINTS = 2000
 """Points a series holds at most (plus its last point); beyond that it is downsampled (module docstring)."""
 
+INITIAL_POINTS = 16
+"""A new series' buffers hold this many points; they double as it grows (a job's many short series stay small)."""
+
 READ_INTERVAL_S = 0.2
 """How often a running job's metrics files are read (the panel shows them at most 5 times a second)."""
 
@@ -31,15 +34,15 @@ class Series:
     """One metric of one rank: an evenly downsampled sample of its points with its first and last point.
 
     The points held are those logged at the multiples of :attr:`stride` (counting from 0, the first point), in two
-    numpy buffers (steps, values) of ``MAX_POINTS + 1`` entries."""
+    numpy buffers (steps, values) that grow to ``MAX_POINTS + 1`` entries at most (32 KB for both)."""
 
     __slots__ = ("_steps", "_values", "held", "stride", "seen", "last")
 
     def __init__(self) -> None:
         import numpy as np
 
-        self._steps = np.empty(MAX_POINTS + 1, dtype=np.int64)
-        self._values = np.empty(MAX_POINTS + 1, dtype=np.float64)
+        self._steps = np.empty(INITIAL_POINTS, dtype=np.int64)
+        self._values = np.empty(INITIAL_POINTS, dtype=np.float64)
         self.held = 0
         self.stride = 1
         self.seen = 0
@@ -65,6 +68,8 @@ class Series:
             end = min(n, first + room * self.stride)
             kept = slice(first, end, self.stride)
             count = len(range(first, end, self.stride))
+            if self.held + count > len(self._steps):
+                self._grow(self.held + count)
             self._steps[self.held : self.held + count] = steps[kept]
             self._values[self.held : self.held + count] = values[kept]
             self.held += count
@@ -76,6 +81,17 @@ class Series:
                 self.held, self.stride = half, self.stride * 2
         self.seen += n
         self.last = (int(steps[-1]), float(values[-1]))
+
+    def _grow(self, needed: int) -> None:
+        """Make the buffers hold at least ``needed`` points (doubling, at most ``MAX_POINTS + 1``)."""
+        import numpy as np
+
+        size = min(MAX_POINTS + 1, max(needed, 2 * len(self._steps)))
+        for name in ("_steps", "_values"):
+            old = getattr(self, name)
+            new = np.empty(size, dtype=old.dtype)
+            new[: self.held] = old[: self.held]
+            setattr(self, name, new)
 
     def _last_extra(self) -> bool:
         """Whether the last point logged is not one the stride keeps (it is then shown after the held ones)."""

@@ -31,7 +31,7 @@ def test_records_round_trip_and_an_unfinished_record_waits():
     names, _ = decode_names(name_line("loss") + name_line("x"))
     assert [(names[i], v, s, t) for i, v, s, t in records.tolist()] == [("loss", 0.5, 3, 17), ("x", math.inf, 0, 18)]
     assert math.isnan(decode_records(encode(("n", math.nan, 0, 0)))[0]["value"][0])
-    table = b"not json\n" + name_line("ok") + b'[1, 2]\n["half line'
+    table = b"not json\n5\n" + name_line("ok") + b'[1, 2]\n["half line'
     names, used = decode_names(table)
     assert list(names.values()) == ["ok"] and table[used:] == b'["half line'
 
