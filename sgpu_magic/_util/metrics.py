@@ -120,6 +120,30 @@ def decode_names(data: bytes) -> tuple[dict[int, str], int]:
     return names, end
 
 
+def read_new(path: Path, offset: int, limit: int = 8 << 20) -> bytes:
+    """What the metrics file or name table ``path`` holds from byte ``offset`` (at most ``limit`` bytes), cut to whole
+    records (a ``.bin`` file) or whole lines (a name table); ``b""`` when there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(limit)
+    except FileNotFoundError:
+        return b""
+    if path.suffix == ".names":
+        return data[: data.rfind(b"\n") + 1]
+    return data[: len(data) - len(data) % RECORD_SIZE]
+
+
+def append(path: Path, data: bytes) -> None:
+    """Append ``data`` (whole records or whole lines) to the metrics file or name table ``path`` (0600, made in a 0700
+    folder if missing): how a copy of another node's file is kept up to date."""
+    fd = _open_append(path)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def read_points(path: Path) -> list[Point]:
     """Every point of the metrics file ``path`` in the order written (records whose name is not in the table
     are left out): for tests, benchmarks and tools; the kernel reads the files incrementally

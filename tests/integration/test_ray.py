@@ -67,6 +67,10 @@ def test_a_4_rank_ddp_job_spreads_over_both_nodes(cluster, monkeypatch):
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
         model(torch.ones(8, 4)).sum().backward()
         grad = model.module.weight.grad.clone()
+        from sgpu_magic import runtime
+
+        for step in range(2):
+            runtime.log_metric("loss", dist.get_rank() + step, step=step)
         print(f"rank {dist.get_rank()} of {dist.get_world_size()} on node {os.environ['GROUP_RANK']}", flush=True)
         return {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")} | {
             "grad": grad.tolist()
@@ -81,6 +85,7 @@ def test_a_4_rank_ddp_job_spreads_over_both_nodes(cluster, monkeypatch):
     assert _status_file(job)["start_method"] == "ray" and len(set(_status_file(job)["nodes"].values())) >= 1
     for rank in range(4):
         assert f"rank {rank} of 4 on node {rank // 2}" in job.logs(rank)  # logs came back into the run dir
+    assert job.metrics() == {"loss": {r: [(0, float(r)), (1, r + 1.0)] for r in range(4)}}  # and the metrics
     assert not job_processes(job.job_id)
     from mlflow import MlflowClient
 

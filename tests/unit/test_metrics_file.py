@@ -161,3 +161,20 @@ def test_log_metric_takes_numpy_and_torch_numbers_outside_a_job_and_drops_them()
     runtime.log_metric("n", np.float32(0.5), step=np.int64(2))
     runtime.log_metric("n", torch.tensor(1.5))
     assert metrics_file.WRITER.dropped == before + 2
+
+
+def test_a_copy_kept_up_to_date_by_offsets_reads_as_the_original(tmp_path):
+    """How another node's file is copied (Ray jobs): whole records and whole name lines only, then appended."""
+    from sgpu_magic._util.metrics import append, read_new
+
+    source, copy = tmp_path / "node" / "rank_0.bin", tmp_path / "kernel" / "rank_0.bin"
+    names_file(source).parent.mkdir()
+    names_file(source).write_bytes(name_line("loss") + b'[1, "half')
+    source.write_bytes(encode(("loss", 1.0, 0, 0)) + encode(("loss", 2.0, 1, 0))[:5])
+    records, names = read_new(source, 0), read_new(names_file(source), 0)
+    assert (len(records), names) == (RECORD_SIZE, name_line("loss"))
+    assert read_new(tmp_path / "missing.bin", 0) == b""
+    append(names_file(copy), names)
+    append(copy, records)
+    assert read_points(copy) == [("loss", 1.0, 0, 0)]
+    assert [oct(p.stat().st_mode & 0o777) for p in (copy.parent, copy, names_file(copy))] == ["0o700", "0o600", "0o600"]

@@ -179,6 +179,16 @@ class RankAgent:
         except FileNotFoundError:
             return b""
 
+    def read_metrics(self, rank: int, offset: int, names_offset: int) -> tuple[bytes, bytes]:
+        """What rank ``rank`` of the job appended to its metrics file from byte ``offset`` (whole records, up to 8 MiB)
+        and to its name table from ``names_offset`` (whole lines). The table is read after the records, so it names
+        every record returned (:mod:`sgpu_magic._util.metrics`)."""
+        from sgpu_magic._util.metrics import names_file, read_new
+
+        path = RunDir(self.dir).metrics_file(rank)
+        records = read_new(path, offset)
+        return records, read_new(names_file(path), names_offset)
+
     def session_send(self, message: dict[str, Any], payload: bytes | None = None) -> None:
         """Relay a session command to the rank (see :meth:`SessionPipe.send`)."""
         self._pipe().send(message, payload)

@@ -76,6 +76,7 @@ class _Supervisor(threading.Thread):
         self._stop_reason: str | None = None
         self.finished = False
         self.offsets = [0] * self.world
+        self.metric_offsets = [(0, 0)] * self.world  # (metrics file, name table) of each rank, copied so far
         self.actors: list = []
         self.running = threading.Event()
         """Set once every rank has started (its actor's ``run`` called)."""
@@ -276,6 +277,27 @@ class _Supervisor(threading.Thread):
                 with open(self.rd.log_file(rank), "ab") as f:
                     f.write(chunk)
                 self.offsets[rank] += len(chunk)
+        self._pull_metrics()
+
+    def _pull_metrics(self) -> None:
+        """Bring what each rank added to its metrics file and name table on its node into the job's run directory
+        here (the names first, so the kernel's reader knows every record it reads), with the logs."""
+        from sgpu_magic._util.metrics import append, names_file
+
+        ray = ray_module()
+        refs = [a.read_metrics.remote(r, *self.metric_offsets[r]) for r, a in enumerate(self.actors)]
+        for rank, ref in enumerate(refs):
+            try:
+                records, names = ray.get(ref, timeout=10)
+            except Exception:  # noqa: BLE001 - a dead actor has no more points to give
+                continue
+            path = self.rd.metrics_file(rank)
+            if names:
+                append(names_file(path), names)
+            if records:
+                append(path, records)
+            offset, names_offset = self.metric_offsets[rank]
+            self.metric_offsets[rank] = (offset + len(records), names_offset + len(names))
 
     def _finish(self, state: str, **change) -> None:
         ray = ray_module()
