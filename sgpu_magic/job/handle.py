@@ -179,6 +179,7 @@ class Job(JobLifecycle):
 
             job.metrics("loss")   # {"loss": {0: [(0, 2.3), (1, 1.9)], 1: [(0, 2.4), (1, 2.0)]}}
         """
+        self._settle_metrics()
         return self._metrics.snapshot(name)
 
     def metric_arrays(self, name: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -190,7 +191,13 @@ class Job(JobLifecycle):
             for rank, (steps, values) in job.metric_arrays("loss").items():
                 plt.plot(steps, values, label=f"rank {rank}")
         """
+        self._settle_metrics()
         return self._metrics.arrays(name)
+
+    def _settle_metrics(self) -> None:
+        """Once the job has ended, read whatever the ranks' files gained after the follower's last read."""
+        if self.done():
+            self._metrics.pump(final=True)
 
     def last_metrics(self) -> dict[str, dict[int, float]]:
         """``{name: {rank: last value}}`` of every metric logged so far (the summary's table)."""

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from sgpu_magic._util.metrics import decode_names, decode_records, names_file
+from sgpu_magic._util.metrics import RECORD_SIZE, decode_names, decode_records, names_file
 
 if TYPE_CHECKING:
     import numpy as np
@@ -134,24 +134,26 @@ class MetricsPump:
         self._names_read = [0] * len(paths)
         self._series: dict[str, dict[int, Series]] = {}
         self._lock = threading.Lock()
+        self._read_lock = threading.Lock()  # one reader of the files at a time (the follower, a caller of metrics())
         self._read_at = 0.0
 
     def pump(self, final: bool = False) -> bool:
         """Read what the ranks appended (at most every ``READ_INTERVAL_S`` unless ``final``; ``final`` also closes
         the files); whether any point was new."""
-        now = time.monotonic()
-        if not final and now - self._read_at < READ_INTERVAL_S:
-            return False
-        self._read_at = now
-        new = False
-        for rank in range(len(self._paths)):
-            new = self._read(rank) or new
-            if final and self._files[rank] is not None:
-                self._files[rank].close()  # type: ignore[union-attr] # checked just before
-                self._files[rank] = None
-        return new
+        with self._read_lock:
+            now = time.monotonic()
+            if not final and now - self._read_at < READ_INTERVAL_S:
+                return False
+            self._read_at = now
+            new = False
+            for rank in range(len(self._paths)):
+                new = self._read(rank, final) or new
+                if final and self._files[rank] is not None:
+                    self._files[rank].close()  # type: ignore[union-attr] # checked just before
+                    self._files[rank] = None
+            return new
 
-    def _read(self, rank: int) -> bool:
+    def _read(self, rank: int, final: bool) -> bool:
         f = self._files[rank]
         if f is None:
             try:
@@ -164,9 +166,28 @@ class MetricsPump:
         records, used = decode_records(f.read())
         if not used:
             return False
+        known = self._known(rank, records)
+        if known < len(records) and not final:  # a name not in the table yet: read those records again next time
+            records, used = records[:known], known * RECORD_SIZE
+            if not known:
+                return False
         self._offsets[rank] += used
         self._add(rank, records)
         return True
+
+    def _known(self, rank: int, records: np.ndarray) -> int:
+        """How many of ``records``, from the first, have names in the rank's name table (read again if needed)."""
+        names = self._names[rank]
+        ids = records["name"]
+        unknown = [i for i in set(ids.tolist()) if i not in names]
+        if unknown:
+            self._read_names(rank)
+            unknown = [i for i in unknown if i not in names]
+        if not unknown:
+            return len(records)
+        import numpy as np
+
+        return int(np.flatnonzero(np.isin(ids, unknown))[0])
 
     def _read_names(self, rank: int) -> None:
         try:
@@ -188,8 +209,6 @@ class MetricsPump:
             unique, which = np.unique(ids, return_inverse=True)
             groups = [(int(ident), records[which == k]) for k, ident in enumerate(unique.tolist())]
         names = self._names[rank]
-        if any(ident not in names for ident, _ in groups):
-            self._read_names(rank)  # after the records: every name they use is in the table by now
         with self._lock:
             for ident, chunk in groups:
                 name = names.get(ident)

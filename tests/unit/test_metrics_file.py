@@ -178,3 +178,15 @@ def test_a_copy_kept_up_to_date_by_offsets_reads_as_the_original(tmp_path):
     append(copy, records)
     assert read_points(copy) == [("loss", 1.0, 0, 0)]
     assert [oct(p.stat().st_mode & 0o777) for p in (copy.parent, copy, names_file(copy))] == ["0o700", "0o600", "0o600"]
+
+
+def test_a_record_whose_name_is_not_in_the_table_yet_waits_for_it_until_the_final_read(tmp_path):
+    path = tmp_path / "rank_0.bin"
+    pump = MetricsPump([path])
+    names_file(path).write_bytes(name_line("a"))
+    path.write_bytes(encode(("a", 1.0, 0, 0)) + encode(("b", 2.0, 0, 0)) + encode(("a", 3.0, 1, 0)))
+    assert pump.pump() is True and pump.snapshot() == {"a": {0: [(0, 1.0)]}}  # "b" and what follows wait
+    with open(names_file(path), "ab") as f:
+        f.write(name_line("b"))
+    pump.pump(final=True)
+    assert pump.snapshot() == {"a": {0: [(0, 1.0), (1, 3.0)]}, "b": {0: [(0, 2.0)]}}
