@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from sgpu_magic._util.metrics import RECORD_SIZE, decode_names, decode_records, names_file
+from sgpu_magic._util.metrics import RECORD_SIZE, decode_names, decode_records, names_file, read_new
 
 if TYPE_CHECKING:
     import numpy as np
@@ -190,12 +190,7 @@ class MetricsPump:
         return int(np.flatnonzero(np.isin(ids, unknown))[0])
 
     def _read_names(self, rank: int) -> None:
-        try:
-            with open(names_file(self._paths[rank]), "rb") as f:
-                f.seek(self._names_read[rank])
-                names, used = decode_names(f.read())
-        except FileNotFoundError:
-            return
+        names, used = decode_names(read_new(names_file(self._paths[rank]), self._names_read[rank]))
         self._names_read[rank] += used
         self._names[rank].update(names)
 
