@@ -145,20 +145,21 @@ def test_cold_start_method_can_be_forced(monkeypatch):
         shutdown_host()
 
 
-def test_the_host_imports_torch_at_a_lower_priority_but_keeps_its_own_and_its_ranks():
-    """The host's ahead-of-time ``import torch`` runs in a thread at nice 5 (so the forkserver's preload and the
-    kernel's own import go first); the host's main thread, its forkserver and the ranks keep nice 0."""
+def test_the_forkserver_is_a_fork_of_the_host_that_imported_torch_once():
+    """The host imports torch (and the rest warm ranks need) once, then forks its forkserver from itself: no second
+    interpreter imports torch in the seconds before the first launch. A warm rank's parent is that fork (the host's
+    child, with the host's own argv), and host, forkserver and rank run at the priority they were given (nice 0)."""
     import psutil
 
     @distributed(gpus=1, mlflow=False, widgets=False)
-    def my_nice():
+    def my_parent():
         return os.nice(0), os.getppid()
 
     wait_warm()
-    ((rank_nice, parent),) = my_nice.distributed()
-    assert start_method(my_nice) == "forkserver" and rank_nice == 0
-    host = psutil.Process(get_host().pid)
-    assert host.nice() == 0 and psutil.Process(parent).nice() == 0  # the forkserver: the warm rank's parent
-    assert os.getpriority(os.PRIO_PROCESS, host.pid) == 0  # the host's main thread (its tid is its pid)
-    assert re.search(r"imported torch in [0-9.]+ s in a thread at nice 5$", get_host().log_path.read_text(), re.M)
+    ((rank_nice, parent),) = my_parent.distributed()
+    assert start_method(my_parent) == "forkserver" and rank_nice == 0
+    host, forkserver = psutil.Process(get_host().pid), psutil.Process(parent)
+    assert forkserver.ppid() == host.pid and forkserver.cmdline() == host.cmdline()
+    assert host.nice() == 0 and forkserver.nice() == 0
+    assert re.search(r"^imported torch in [0-9.]+ s$", get_host().log_path.read_text(), re.M)
     assert all(path.exists() for path in get_host().ready_markers)  # what the kernel's mlflow import waits for

@@ -166,6 +166,38 @@ def test_stop_forkserver_without_the_private_says_what_fails(monkeypatch):
         forkserver.stop_forkserver()
 
 
+def test_fork_forkserver_starts_a_fork_of_this_process_that_serves_and_stops():
+    run = _run("""
+        import multiprocessing, multiprocessing.forkserver, os
+        from sgpu_magic._compat.forkserver import fork_forkserver, forkserver_pid, stop_forkserver
+
+        pid = fork_forkserver(lambda: None)
+        with open(f"/proc/{pid}/cmdline", "rb") as mine, open("/proc/self/cmdline", "rb") as its:
+            print(pid == forkserver_pid(), mine.read() == its.read())  # a fork: this process's argv, not `-c main()`
+        print(fork_forkserver(lambda: None))  # one is running: nothing done
+        multiprocessing.forkserver.ensure_running()  # sees it alive
+        print(forkserver_pid() == pid)
+        child = multiprocessing.get_context("forkserver").Process(target=os._exit, args=(7,))
+        child.start()
+        child.join()
+        print(child.exitcode)
+        stop_forkserver()
+        print(forkserver_pid(), os.path.exists(f"/proc/{pid}"))
+    """)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["True True", "None", "True", "7", "None False"]
+
+
+def test_fork_forkserver_of_another_shape_is_none(monkeypatch):
+    def main(listener_fd, alive_r, preload, main_path=None, sys_path=None, *, authkey_r=None):  # CPython 3.14's
+        raise AssertionError("not to be called")
+
+    monkeypatch.setattr(multiprocessing.forkserver, "main", main)
+    before = forkserver.forkserver_pid()
+    assert forkserver.fork_forkserver(lambda: None) is None
+    assert forkserver.forkserver_pid() == before  # nothing started: the caller falls back to ensure_running()
+
+
 def test_forkserver_pid_without_the_private_is_none(monkeypatch):
     monkeypatch.delattr(multiprocessing.forkserver._forkserver, "_forkserver_pid")
     assert forkserver.forkserver_pid() is None

@@ -1,4 +1,5 @@
-"""Imported first by the launch host's forkserver: it dies with the host, even mid-preload.
+"""Imported first by a forkserver the launch host restarts (a fresh interpreter; the first one is a fork of the
+host, see :meth:`sgpu_magic.launch.host.warm_pool.WarmPool.start_forked`): it dies with the host, even mid-preload.
 
 PR_SET_PDEATHSIG makes the kernel send SIGKILL to the forkserver when its parent, the
 launch host, ends (however it ends), so no forkserver outlives its kernel.

@@ -1,7 +1,7 @@
 """The launch host: one process per kernel that starts and watches ranks with torch elastic.
 
-Started through :mod:`sgpu_magic.launch.host.boot` (which detaches it from the kernel, answers ``ready <pid>``
-and starts its forkserver), it then reads JSON commands from stdin (:func:`serve`):
+Started through :mod:`sgpu_magic.launch.host.boot` (which detaches it from the kernel, answers ``ready <pid>``,
+imports torch and forks its forkserver), it then reads JSON commands from stdin (:func:`serve`):
 
 - ``{"op": "launch", "run_dir": ..., "env": {...}}``: start the job's ranks.
 - ``{"op": "cancel", "run_dir": ..., "reason": "cancelled" | "timed_out" | "interrupted"}``.
@@ -23,7 +23,6 @@ single-machine job listens on no other address.
 from __future__ import annotations
 
 import collections
-import gc
 import json
 import logging
 import os
@@ -173,44 +172,17 @@ def _plain_elastic_logging() -> None:
     elastic.propagate = False
 
 
-IMPORT_NICE = 5
-"""While its forkserver preloads, the host imports torch in a thread at this nice value (Linux: per thread), so that on
-a busy machine the forkserver and the kernel's own ``import torch`` go first: the first launch waits for the
-forkserver, and the host's import ends before it anyway. The host's main thread, and every process it starts, keep
-their priority (a native thread torch starts while it is imported keeps the importer's; it idles in the host)."""
-
-
-def _import_elastic(niced: bool) -> None:
-    """Import torch elastic's process API (and torch) ahead of the first launch, at ``IMPORT_NICE`` when ``niced``."""
-    if niced and sys.platform.startswith("linux"):  # elsewhere a thread id is not a PRIO_PROCESS id
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IMPORT_NICE)
-        except OSError:
-            pass
-    started = time.perf_counter()
-    import torch.distributed.elastic.multiprocessing.api  # noqa: F401
-
-    nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if sys.platform.startswith("linux") else None
-    log.info("imported torch in %.2f s in a thread at nice %s", time.perf_counter() - started, nice)
-
-
-def serve(kernel_pid: int, pool: WarmPool | None, log_path: str | None = None) -> None:
-    """Run the host for kernel ``kernel_pid`` (its forkserver, ``pool``, already preloading; ``None``: every launch
-    cold) until the kernel closes stdin or dies; called by :func:`sgpu_magic.launch.host.boot.main`. Once torch is
-    imported it makes the host's ready marker beside ``log_path`` (:func:`sgpu_magic.rundir.host_ready_marker`)."""
+def serve(kernel_pid: int, pool: WarmPool | None, log_path: str | None = None, import_s: float | None = None) -> None:
+    """Run the host for kernel ``kernel_pid`` (torch already imported, its forkserver ``pool`` started; ``None``:
+    every launch cold) until the kernel closes stdin or dies; called by :func:`sgpu_magic.launch.host.boot.main`,
+    which says how long its ``import torch`` took (``import_s``). It first makes the host's ready marker beside
+    ``log_path`` (:func:`sgpu_magic.rundir.host_ready_marker`)."""
     host_logging()
+    if import_s is not None:
+        log.info("imported torch in %.2f s", import_s)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     host = Host(kernel_pid, pool)
-    started = time.perf_counter()
-    gc.disable()  # torch's ~300k objects live as long as the host: collecting them while importing is wasted CPU
-    importer = threading.Thread(target=_import_elastic, args=(host.pool is not None,), name="import torch")
-    importer.start()
-    importer.join()
-    gc.freeze()
-    gc.enable()
-    if host.pool is not None:
-        host.pool.import_s = time.perf_counter() - started  # what a cold rank would pay now
     _plain_elastic_logging()
     if log_path is not None:
         os.close(os.open(host_ready_marker(log_path), os.O_WRONLY | os.O_CREAT, 0o600))

@@ -1,9 +1,11 @@
 """The launch host's warm pool: a forkserver with torch preloaded, and when a launch should wait for it.
 
 Ranks fork from the forkserver (torch, ``torch._dynamo`` and elastic's wrapper already imported,
-never CUDA), so a warm launch skips interpreter start-up and ``import torch``. The forkserver
-takes seconds to preload; a launch that arrives meanwhile starts cold interpreters, unless the
-forkserver is expected to be ready before they would have started (:meth:`WarmPool.wait_s`).
+never CUDA), so a warm launch skips interpreter start-up and ``import torch``. The first forkserver
+is a fork of the host once it has imported all that (:meth:`WarmPool.start_forked`), so it is ready
+when the host is. One restarted because the packages changed is a fresh interpreter that takes
+seconds to preload; a launch that arrives meanwhile starts cold interpreters, unless the forkserver
+is expected to be ready before they would have started (:meth:`WarmPool.wait_s`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import signal
 import time
 from pathlib import Path
 
-from sgpu_magic._compat.forkserver import forkserver_pid, stop_forkserver
+from sgpu_magic._compat.forkserver import fork_forkserver, forkserver_pid, stop_forkserver
+from sgpu_magic._util.proc import die_with_parent
 from sgpu_magic.rundir import atomic_write_json, read_json
 
 WARM_PRELOAD = [
@@ -32,7 +35,7 @@ WARM_PRELOAD = [
 per-rank wrapper is unpickled from torch.distributed.elastic.multiprocessing, ~25 ms of CPU per rank otherwise)."""
 
 PRELOAD_PER_IMPORT = 2.0
-"""Preloading takes about this many times the host's own ``import torch`` run alongside it (torch._dynamo adds
+"""A restarted forkserver's preload takes about this many times the host's own ``import torch`` (torch._dynamo adds
 about as much again): the estimate before the ratio has been measured on this machine."""
 INTERPRETER_S = 0.3
 """A cold rank's own start-up besides ``import torch`` (interpreter, sgpu_magic's worker, the rendezvous)."""
@@ -91,6 +94,29 @@ class WarmPool:
         self._record_warm_s()
         return True
 
+    def start_forked(self, sys_path: list[str]) -> bool:
+        """Start the forkserver as a fork of the host, which has imported everything in :data:`WARM_PRELOAD` (but
+        the two marker modules) itself: ready at once, and torch imported once instead of twice on the machine's
+        cores in the seconds before the first launch. Call it before the host starts any thread.
+
+        Falls back to :meth:`ready` (a fresh interpreter that preloads) where this Python's forkserver is not the
+        shape :func:`sgpu_magic._compat.forkserver.fork_forkserver` knows. A forkserver restarted later (the
+        packages changed) is always a fresh interpreter: the host's own modules are the old ones.
+
+        Returns:
+            Whether the forkserver is ready (its marker made).
+        """
+        host_pid = os.getpid()
+        self.fingerprint = _path_fingerprint(sys_path)
+        os.environ["SGPU_MAGIC_WARM_MARKER"] = self.marker
+        os.environ["SGPU_MAGIC_HOST_PID"] = str(host_pid)
+        self.started_s = time.time()
+        if fork_forkserver(lambda: _forkserver_child(host_pid)) is None:
+            return self.ready(sys_path)
+        os.close(os.open(self.marker, os.O_WRONLY | os.O_CREAT, 0o600))
+        self._measured = True  # ready as it started: nothing to learn about preloading
+        return True
+
     def note_ready(self) -> None:
         """Measure the preload time as soon as the forkserver is ready (called by the host's loop every half second,
         so it is measured even when no launch comes to look)."""
@@ -136,6 +162,20 @@ class WarmPool:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+HOST_PRELOAD = [
+    m for m in WARM_PRELOAD if m not in ("sgpu_magic.launch.host.forkserver_guard", "sgpu_magic.launch.host.warm_ready")
+]
+"""What the host imports itself before it forks its forkserver (:meth:`WarmPool.start_forked`): the preload without
+the two modules that only a forkserver of its own runs (the forked one does what they do in ``_forkserver_child``)."""
+
+
+def _forkserver_child(host_pid: int) -> None:
+    """In a forkserver forked from the host: die with the host, as ``forkserver_guard`` makes an exec'd one do."""
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != host_pid:
+        os._exit(1)  # the host is already gone
 
 
 def warm_wait_s(ready: bool, remaining_s: float | None, cold_s: float) -> float | None:

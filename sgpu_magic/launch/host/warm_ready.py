@@ -1,4 +1,4 @@
-"""Imported last by the launch host's forkserver: marks its preloading as finished.
+"""Imported last by a forkserver the launch host restarts (a fresh interpreter): marks its preloading as finished.
 
 The host sets ``SGPU_MAGIC_WARM_MARKER`` to a file path before starting the forkserver;
 once that file exists, warm launches are faster than cold ones, so the host uses them.
