@@ -39,13 +39,15 @@ def _under(pid: int, roots: tuple[int, ...]) -> bool:
     return False
 
 
-_POOL = ("from multiprocessing.forkserver import main", "from multiprocessing.resource_tracker import main")
+_TRACKER = "from multiprocessing.resource_tracker import main"
 
 
 def _pool_started(host: int) -> bool:
-    """Whether the launch host has started its forkserver and resource tracker (both past their exec)."""
-    cmdlines = [_cmdline(child.pid) for child in psutil.Process(host).children()]
-    return all(any(marker in cmdline for cmdline in cmdlines) for marker in _POOL)
+    """Whether the launch host has made its forkserver (a fork of itself: its ready markers exist once it has) and
+    started its resource tracker (a fresh interpreter, past its exec)."""
+    if not all(path.exists() for path in get_host().ready_markers):
+        return False
+    return any(_TRACKER in _cmdline(child.pid) for child in psutil.Process(host).children())
 
 
 @pytest.fixture(scope="module")

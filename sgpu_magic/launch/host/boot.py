@@ -47,7 +47,10 @@ def _import(warm: bool) -> float:
     import_s = time.perf_counter() - started
     if warm:
         for name in HOST_PRELOAD:
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except ImportError as exc:  # as a forkserver's own preload: the ranks import it (or fail) themselves
+                print(f"sgpu_magic host: could not preload {name} ({exc})", file=sys.stderr, flush=True)
     gc.freeze()  # the forkserver's ranks inherit them frozen: a rank's gc.collect() does not walk them
     gc.enable()
     return import_s
