@@ -115,7 +115,7 @@ def test_a_warm_rank_imports_no_torch_module_of_its_own():
     included) comes preloaded from the forkserver: a module imported after the fork would cost the
     rank its import time at every launch (elastic's multiprocessing package was ~25 ms of CPU per rank).
 
-    Preloaded objects sit in gc's permanent generation (the forkserver calls gc.freeze()), so the
+    Preloaded objects sit in gc's permanent generation (frozen before the forkserver was forked), so the
     modules that ``gc.get_objects()`` sees in a rank are the ones it imported itself."""
     wait_warm()
 
