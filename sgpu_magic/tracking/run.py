@@ -82,7 +82,8 @@ _warm_thread: threading.Thread | None = None
 
 
 def warm_up(after: Sequence[Path] = (), max_wait_s: float = 30.0) -> None:
-    """Import mlflow in a background thread (about 2 s of CPU), so the first tracked job does not wait for it.
+    """Import mlflow in a background thread (about 2 s of CPU), so the first tracked job does not wait for it, and
+    the module of the tracking URI's store (:func:`import_store_module`).
 
     ``after``: start only once these files exist (the launch host's markers: it has imported torch and its
     forkserver has preloaded it) or ``max_wait_s`` have passed, so that on a machine with few cores the
@@ -97,12 +98,30 @@ def warm_up(after: Sequence[Path] = (), max_wait_s: float = 30.0) -> None:
             while not all(path.exists() for path in after) and time.monotonic() < deadline:
                 time.sleep(0.1)
             try:
-                import mlflow  # noqa: F401
+                import mlflow
+
+                import_store_module(mlflow.get_tracking_uri())
             except Exception:  # noqa: BLE001 - the job reports it when it needs mlflow
                 pass
 
         _warm_thread = threading.Thread(target=_import, name="sgpu_magic-mlflow-import", daemon=True)
         _warm_thread.start()
+
+
+def import_store_module(uri: str) -> bool:
+    """Import the module of MLflow's SQL tracking store when ``uri`` names a database (``sqlite:``, ``postgresql:``,
+    ``mysql:``, ``mssql:``; MLflow's default is ``sqlite:///mlflow.db``): it imports SQLAlchemy and alembic, about
+    1 s of CPU that the first tracked launch pays otherwise (``MlflowClient(uri)`` imports it). Nothing is created
+    or connected to. Returns whether it imported it."""
+    from urllib.parse import urlsplit
+
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+
+    if urlsplit(uri).scheme.partition("+")[0] not in DATABASE_ENGINES:
+        return False
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+
+    return True
 
 
 def _warn(text: str) -> None:

@@ -89,6 +89,27 @@ def test_relative_tracking_uris_become_absolute(tmp_path, monkeypatch):
     assert absolute_tracking_uri("postgresql://u@h/db") == "postgresql://u@h/db"
 
 
+def test_the_warm_up_imports_the_sql_stores_module_for_a_database_uri_only(tmp_path):
+    """``%load_ext``'s background MLflow import also imports the SQL store's module (about 1 s of CPU the first tracked
+    launch paid), for a database URI only, and creates no database."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "mlflow.db"
+    code = (
+        "import sys\n"
+        "from sgpu_magic.tracking.run import import_store_module\n"
+        "loaded = lambda: 'mlflow.store.tracking.sqlalchemy_store' in sys.modules\n"
+        "print(import_store_module('file:///tmp/mlruns'), import_store_module('http://127.0.0.1:5000'), loaded())\n"
+        f"print(import_store_module('sqlite:///{db}'), loaded())\n"
+        "print(import_store_module('postgresql+psycopg2://user@db.example/mlflow'))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["False False False", "True True", "True"]
+    assert not db.exists()
+
+
 def test_run_link_points_at_an_http_server_without_credentials():
     assert (
         run_link("https://user:secret@mlflow.example.com:8443/base/", "3", "abc")
