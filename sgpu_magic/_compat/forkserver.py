@@ -56,7 +56,7 @@ def _forkable() -> bool:
     )
 
 
-def fork_forkserver(child_setup: Callable[[], None]) -> int | None:
+def fork_forkserver(child_setup: Callable[[], object]) -> int | None:
     """Start this process's forkserver as a fork of this process, with every module it has imported, instead of
     a fresh interpreter that imports them again (``ForkServer.ensure_running()``, which it mirrors: a 0600 Unix
     socket, the "alive" pipe, then ``_forkserver_address`` / ``_forkserver_alive_fd`` / ``_forkserver_pid``, all
@@ -64,7 +64,7 @@ def fork_forkserver(child_setup: Callable[[], None]) -> int | None:
 
     Call it while this process runs no other thread: the forkserver (and every process it forks) is this
     process's copy at the moment of the call. The forked child closes every file descriptor but 0-2 and its
-    socket and pipe (as ``ensure_running()``'s exec does), runs ``child_setup()``, then
+    socket and pipe (as ``ensure_running()``'s exec does), runs ``child_setup()`` (its value is ignored), then
     ``multiprocessing.forkserver.main``; it exits when this process has ended.
 
     Returns:

@@ -1,4 +1,5 @@
-"""File helpers shared by every process: the one atomic replace (readers see the old file or the whole new one)."""
+"""File helpers shared by every process: the one atomic replace (readers see the old file or the whole new one), and
+the private marker file (:func:`touch_private`)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ def atomic_write(path: str | os.PathLike, data: bytes, mode: int | None = None, 
                 os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
+
+
+def touch_private(path: str | os.PathLike) -> None:
+    """Make the empty file ``path`` (0600) if it does not exist, leaving one that does as it is: a marker."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
 
 
 def count_lines(paths: list[Path]) -> dict[str, int]:

@@ -4,6 +4,7 @@ call site). No psutil here: ranks import this module."""
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 
 PR_SET_PDEATHSIG = 1
@@ -20,9 +21,15 @@ def _prctl(option: int, arg: int) -> bool:
     return True
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Have the OS send ``sig`` to this process when its parent ends, however it ends (``PR_SET_PDEATHSIG``)."""
-    return _prctl(PR_SET_PDEATHSIG, sig)
+def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None, exit_code: int = 1) -> bool:
+    """Have the OS send ``sig`` to this process when its parent ends, however it ends (``PR_SET_PDEATHSIG``).
+
+    ``expected_parent``: the pid the parent should have; when this process's parent is another one by now (the
+    expected one died before the death signal was armed), exit at once with ``exit_code`` (``os._exit``)."""
+    armed = _prctl(PR_SET_PDEATHSIG, sig)
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(exit_code)
+    return armed
 
 
 def adopt_orphans() -> bool:

@@ -55,12 +55,10 @@ def _die_with_parent(expected_parent: int | None) -> None:
     Also lead a session of its own, so that what this rank starts can be found and stopped with it, and let the
     launch host's py-spy read this rank's stack under Yama's ``ptrace_scope`` 1 (``job.stacks()``, on a timeout).
     """
-    die_with_parent(signal.SIGKILL)
+    die_with_parent(signal.SIGKILL, expected_parent, signal.SIGKILL + 128)  # as if the signal had come
     host = os.environ.get("SGPU_MAGIC_HOST_PID", "")
     if host.isdigit():
         allow_tracing_by(int(host))
-    if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(signal.SIGKILL + 128)  # the parent died before the death signal was armed
     try:
         os.setsid()
     except PermissionError:

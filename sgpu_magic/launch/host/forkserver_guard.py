@@ -18,6 +18,4 @@ gc.disable()
 from sgpu_magic._util.proc import die_with_parent  # noqa: E402 - after gc.disable(), first of the preload
 
 _host = os.environ.get("SGPU_MAGIC_HOST_PID")
-die_with_parent(signal.SIGKILL)
-if _host and os.getppid() != int(_host):
-    os._exit(1)  # the host is already gone
+die_with_parent(signal.SIGKILL, int(_host) if _host else None)  # exits at once when the host is already gone

@@ -34,6 +34,7 @@ import time
 
 import psutil
 
+from sgpu_magic._util.fs import touch_private
 from sgpu_magic._util.redact import RedactingFormatter
 from sgpu_magic.launch.host.cleanup import end_mlflow_run, reap_adopted
 from sgpu_magic.launch.host.job import HostJob
@@ -185,5 +186,5 @@ def serve(kernel_pid: int, pool: WarmPool | None, log_path: str | None = None, i
     host = Host(kernel_pid, pool)
     _plain_elastic_logging()
     if log_path is not None:
-        os.close(os.open(host_ready_marker(log_path), os.O_WRONLY | os.O_CREAT, 0o600))
+        touch_private(host_ready_marker(log_path))
     host.run()

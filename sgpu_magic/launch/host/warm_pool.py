@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from sgpu_magic._compat.forkserver import fork_forkserver, forkserver_pid, stop_forkserver
+from sgpu_magic._util.fs import touch_private
 from sgpu_magic._util.proc import die_with_parent
 from sgpu_magic.rundir import atomic_write_json, read_json
 
-WARM_PRELOAD = [
-    "sgpu_magic.launch.host.forkserver_guard",
+HOST_PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.nn.parallel",
@@ -29,10 +29,14 @@ WARM_PRELOAD = [
     "torch.distributed.elastic.multiprocessing",
     "sgpu_magic.rank.worker",
     "sgpu_magic._compat.elastic",  # elastic starts each warm rank through its wrap_no_wait
-    "sgpu_magic.launch.host.warm_ready",
 ]
-"""Modules the forkserver imports once, so warm ranks skip them (the first DDP imports torch._dynamo; elastic's
-per-rank wrapper is unpickled from torch.distributed.elastic.multiprocessing, ~25 ms of CPU per rank otherwise)."""
+"""Modules warm ranks find imported, so they skip them (the first DDP imports torch._dynamo; elastic's per-rank
+wrapper is unpickled from torch.distributed.elastic.multiprocessing, ~25 ms of CPU per rank otherwise). The host
+imports them itself before it forks its forkserver (:meth:`WarmPool.start_forked`)."""
+
+WARM_PRELOAD = ["sgpu_magic.launch.host.forkserver_guard", *HOST_PRELOAD, "sgpu_magic.launch.host.warm_ready"]
+"""What a forkserver the host restarts (a fresh interpreter) preloads: :data:`HOST_PRELOAD` between the module
+that makes it die with the host and the one that marks it ready (what a forked one gets from the host instead)."""
 
 PRELOAD_PER_IMPORT = 2.0
 """A restarted forkserver's preload takes about this many times the host's own ``import torch`` (torch._dynamo adds
@@ -95,8 +99,8 @@ class WarmPool:
         return True
 
     def start_forked(self, sys_path: list[str]) -> bool:
-        """Start the forkserver as a fork of the host, which has imported everything in :data:`WARM_PRELOAD` (but
-        the two marker modules) itself: ready at once, and torch imported once instead of twice on the machine's
+        """Start the forkserver as a fork of the host, which has imported everything in :data:`HOST_PRELOAD`
+        itself: ready at once, and torch imported once instead of twice on the machine's
         cores in the seconds before the first launch. Call it before the host starts any thread.
 
         Falls back to :meth:`ready` (a fresh interpreter that preloads) where this Python's forkserver is not the
@@ -111,9 +115,9 @@ class WarmPool:
         os.environ["SGPU_MAGIC_WARM_MARKER"] = self.marker
         os.environ["SGPU_MAGIC_HOST_PID"] = str(host_pid)
         self.started_s = time.time()
-        if fork_forkserver(lambda: _forkserver_child(host_pid)) is None:
+        if fork_forkserver(lambda: die_with_parent(signal.SIGKILL, host_pid)) is None:  # as forkserver_guard does
             return self.ready(sys_path)
-        os.close(os.open(self.marker, os.O_WRONLY | os.O_CREAT, 0o600))
+        touch_private(self.marker)
         self._measured = True  # ready as it started: nothing to learn about preloading
         return True
 
@@ -162,20 +166,6 @@ class WarmPool:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-HOST_PRELOAD = [
-    m for m in WARM_PRELOAD if m not in ("sgpu_magic.launch.host.forkserver_guard", "sgpu_magic.launch.host.warm_ready")
-]
-"""What the host imports itself before it forks its forkserver (:meth:`WarmPool.start_forked`): the preload without
-the two modules that only a forkserver of its own runs (the forked one does what they do in ``_forkserver_child``)."""
-
-
-def _forkserver_child(host_pid: int) -> None:
-    """In a forkserver forked from the host: die with the host, as ``forkserver_guard`` makes an exec'd one do."""
-    die_with_parent(signal.SIGKILL)
-    if os.getppid() != host_pid:
-        os._exit(1)  # the host is already gone
 
 
 def warm_wait_s(ready: bool, remaining_s: float | None, cold_s: float) -> float | None:

@@ -6,9 +6,11 @@ once that file exists, warm launches are faster than cold ones, so the host uses
 
 import os
 
+from sgpu_magic._util.fs import touch_private
+
 _marker = os.environ.get("SGPU_MAGIC_WARM_MARKER")
 if _marker:
-    os.close(os.open(_marker, os.O_WRONLY | os.O_CREAT, 0o600))  # private, like everything in the host folder
+    touch_private(_marker)  # private, like everything in the host folder
 
 # Everything preloaded so far lives as long as the forkserver: move it out of the collector's
 # sight, so a rank's gc.collect() (its teardown runs one) does not walk ~300k inherited objects.
