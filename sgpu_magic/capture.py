@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import dis
-import functools
 import inspect
 import io
 import linecache
@@ -31,10 +29,10 @@ from typing import Any
 
 import cloudpickle
 
+from sgpu_magic._util.reads import cell_reads, code_names
 from sgpu_magic.errors import CaptureError, Unpicklable, unpicklable_message  # noqa: F401 - Unpicklable: capture.Unpicklable
 
 DEFAULT_MAX_BYTES = 100 * 2**20
-_GLOBAL_OPS = {"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME", "DELETE_NAME"}
 _MAX_LINECACHE_CHARS = 2_000_000
 
 
@@ -159,10 +157,15 @@ def capture_names(
 
 
 def cell_global_names(source: str) -> set[str]:
-    """Names a cell (plain Python, after IPython's transforms) reads, at any depth."""
-    tree = ast.parse(source)
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    return names - set(dir(builtins))
+    """Names a cell (plain Python, after IPython's transforms) may read from the notebook: its compiled code's
+    global loads at any depth, less builtins and the names the cell has surely bound itself before it reads them
+    (:func:`sgpu_magic._util.reads.cell_reads`). A function's own locals, comprehension and loop variables are
+    not among them.
+
+    Raises:
+        SyntaxError: when the cell is not valid Python.
+    """
+    return cell_reads(source) - set(dir(builtins))
 
 
 def ipython_syntax_line(tree: ast.Module) -> int | None:
@@ -190,20 +193,7 @@ def ipython_syntax_line(tree: ast.Module) -> int | None:
 
 def code_global_names(code: types.CodeType) -> set[str]:
     """Global names a code object and its nested code objects load or store."""
-    return set(_code_global_names(code))
-
-
-@functools.lru_cache(maxsize=256)
-def _code_global_names(code: types.CodeType) -> frozenset[str]:
-    """:func:`code_global_names`, remembered per code object (a function launched again is not re-disassembled)."""
-    names: set[str] = set()
-    for ins in dis.get_instructions(code):
-        if ins.opname in _GLOBAL_OPS:
-            names.add(ins.argval)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _code_global_names(const)
-    return frozenset(names)
+    return set(code_names(code))
 
 
 def _importable_reference(fn: Callable) -> tuple[str, str] | None:

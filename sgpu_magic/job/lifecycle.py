@@ -132,8 +132,8 @@ class JobLifecycle:
                 self._error = ResourceError(
                     f"job {self.job_id} cannot start now: {why}. Leave out --no-wait / wait=False to queue for the GPUs"
                 )
-                self._write_final("failed", launch_error=why)
-                forget(self)  # refused before anything started: not one of the kernel's jobs
+                forget(self)  # refused before anything started: not one of the kernel's jobs (nor an ended one
+                self._write_final("failed", launch_error=why)  # that pushes the oldest ended job out of the list)
                 raise self._error
             self._set_pending(why)
             return False

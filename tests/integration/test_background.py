@@ -170,15 +170,21 @@ def test_leased_fake_gpus_reach_the_ranks_and_are_released(ip, run_cell, fake_gp
     assert fake_gpus.snapshot()["holders"] == []
 
 
-def test_no_wait_fails_naming_the_holder_and_a_queued_job_starts_when_gpus_free(ip, run_cell, go, fake_gpus):
+def test_no_wait_fails_naming_the_holder_and_a_queued_job_starts_when_gpus_free(
+    ip, run_cell, go, fake_gpus, monkeypatch
+):
     import os
 
+    from sgpu_magic.job import registry
     from sgpu_magic.job.handle import jobs
 
+    run_cell("%%distributed --gpus 1\npass")  # at least one ended job: the list is full of ended jobs below
+    # the list as full as it can be (as after 100 jobs): a refused job must not push an ended one out
+    monkeypatch.setattr(registry, "MAX_ENDED_JOBS", len([j for j in jobs() if j.ended]))
     holder = fake_gpus.acquire("other-job", 7, fake_gpus_list())
-    before = len(jobs())
+    before = jobs()
     result, out, err = run_cell("%%distributed --gpus 2 --no-wait\npass")
-    assert len(jobs()) == before  # a refused job never started: %distributed_jobs does not list it
+    assert jobs() == before  # a refused job never started: %distributed_jobs does not list it
     error = str(result.error_in_exec)
     assert type(result.error_in_exec).__name__ == "ResourceError"
     assert (

@@ -115,21 +115,35 @@ def test_a_warm_rank_imports_no_torch_module_of_its_own():
     included) comes preloaded from the forkserver: a module imported after the fork would cost the
     rank its import time at every launch (elastic's multiprocessing package was ~25 ms of CPU per rank).
 
-    Preloaded objects sit in gc's permanent generation (frozen before the forkserver was forked), so the
-    modules that ``gc.get_objects()`` sees in a rank are the ones it imported itself."""
+    Preloaded objects sit in gc's permanent generation (frozen right before the forkserver was forked), so the
+    modules that ``gc.get_objects()`` sees in a rank are the ones it imported itself; and the host's own serving
+    modules (imported after the fork) are not in a rank at all. A fresh host first: its forkserver is a fork of the
+    host (an earlier test may have left one restarted as a fresh interpreter, which preloads for itself)."""
+    from sgpu_magic.launch.client import shutdown_host
+
+    shutdown_host()
     wait_warm()
 
     @distributed(gpus=2)
     def own_modules():
         import gc
+        import sys
         import types
 
-        return sorted(m.__name__ for m in gc.get_objects() if isinstance(m, types.ModuleType))
+        unfrozen = sorted(m.__name__ for m in gc.get_objects() if isinstance(m, types.ModuleType))
+        return unfrozen, sorted(name for name in sys.modules if name.startswith("sgpu_magic.launch"))
 
     results = own_modules.distributed()
     assert start_method(own_modules) == "forkserver"
-    for names in results:
-        assert not [n for n in names if n.split(".")[0] in ("torch", "sgpu_magic")], names
+    for unfrozen, launch_modules in results:
+        assert not [n for n in unfrozen if n.split(".")[0] in ("torch", "sgpu_magic")], unfrozen
+        # what forks the forkserver (the host's entry and its pool), nothing the host serves with
+        assert launch_modules == [
+            "sgpu_magic.launch",
+            "sgpu_magic.launch.host",
+            "sgpu_magic.launch.host.boot",
+            "sgpu_magic.launch.host.warm_pool",
+        ], launch_modules
 
 
 def test_cold_start_method_can_be_forced(monkeypatch):

@@ -39,8 +39,9 @@ def _detach(log_path: str) -> None:
 def _import(warm: bool) -> float:
     """Import torch elastic's process API (and torch), and with ``warm`` the rest of what warm ranks need
     (:data:`~sgpu_magic.launch.host.warm_pool.HOST_PRELOAD`), before the host serves; seconds ``import torch``
-    took (what a cold rank pays on this machine now)."""
-    gc.disable()  # torch's ~300k objects live as long as the host: collecting them while importing is wasted CPU
+    took (what a cold rank pays on this machine now). The cyclic collector is off from here until :func:`_freeze`
+    (torch's ~300k objects live as long as the host: collecting them while importing is wasted CPU)."""
+    gc.disable()
     started = time.perf_counter()
     import torch.distributed.elastic.multiprocessing.api  # noqa: F401
 
@@ -51,9 +52,15 @@ def _import(warm: bool) -> float:
                 importlib.import_module(name)
             except ImportError as exc:  # as a forkserver's own preload: the ranks import it (or fail) themselves
                 print(f"sgpu_magic host: could not preload {name} ({exc})", file=sys.stderr, flush=True)
-    gc.freeze()  # the forkserver's ranks inherit them frozen: a rank's gc.collect() does not walk them
-    gc.enable()
     return import_s
+
+
+def _freeze() -> None:
+    """Move everything imported so far into gc's permanent generation and turn the collector on again: called
+    right before the forkserver is forked, so its ranks inherit exactly the preload frozen (a rank's gc.collect()
+    does not walk it) and the host's serving modules, imported after the fork, never reach them."""
+    gc.freeze()
+    gc.enable()
 
 
 def main(argv: list[str]) -> None:
@@ -62,11 +69,14 @@ def main(argv: list[str]) -> None:
     _detach(log_path)
     warm = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess"
     import_s = _import(warm)
-    from sgpu_magic.launch.host.process import serve
-
     pool = None
     if warm:
         pool = WarmPool(str(host_warm_marker(log_path)), Path(log_path).parent / HOST_WARM_STATS)
         pool.import_s = import_s
-        pool.start_forked(sys.path)  # before the host starts a thread
+        _freeze()
+        pool.start_forked(sys.path)  # before the host starts a thread, and before it imports what it serves with
+    else:
+        _freeze()
+    from sgpu_magic.launch.host.process import serve  # the host's own modules: after the fork, never in a rank
+
     serve(kernel_pid, pool, log_path, import_s)
