@@ -272,12 +272,16 @@ class RankFailedError(SgpuError, RuntimeError):
 class Unpicklable:
     """Stands in a rank for a notebook global that could not be sent; any use raises."""
 
-    def __init__(self, name: str, type_name: str, reason: str) -> None:
-        object.__setattr__(self, "_sgpu_info", (name, type_name, reason))
+    def __init__(self, name: str, type_name: str, reason: str, warned: bool = True) -> None:
+        """``reason``: why it was not sent (pickling's error); ``warned``: the kernel said so before the launch (a
+        global that pickled but could not be loaded in the rank was not: its error says it all)."""
+        object.__setattr__(self, "_sgpu_info", (name, type_name, reason, warned))
 
     def _fail(self, *args: Any, **kwargs: Any) -> NoReturn:
-        name, tname, reason = object.__getattribute__(self, "_sgpu_info")
-        raise UnpicklableGlobalError(unpicklable_message(name, tname, reason))
+        name, tname, reason, warned = object.__getattribute__(self, "_sgpu_info")
+        if not warned:
+            raise UnpicklableGlobalError(f"global '{name}' ({tname}) {reason}")
+        raise UnpicklableGlobalError(unpicklable_use_message(name, tname, reason))
 
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__") and attr.endswith("__"):
@@ -295,7 +299,19 @@ class Unpicklable:
 
 
 def unpicklable_message(name: str, tname: str, reason: str) -> str:
+    """The warning before a launch: the global, why it cannot be pickled, and the remedy (said once, there)."""
     return (
         f"global '{name}' ({tname}) cannot be pickled ({reason}), so it is not sent to the ranks. "
         f"Create it inside the cell or function that runs on the ranks instead."
+    )
+
+
+def unpicklable_use_message(name: str, tname: str, reason: str) -> str:
+    """The error a rank raises when it uses such a global: which one and why, pointing at the warning that gave the
+    remedy before the launch (:func:`unpicklable_message`) rather than saying it again."""
+    first_line = reason.splitlines()[0] if reason else ""
+    why = first_line if len(first_line) <= 80 else first_line[:77] + "..."
+    return (
+        f"global '{name}' ({tname}) was not sent to the ranks: it cannot be pickled ({why}; see the warning before "
+        f"the launch)"
     )

@@ -255,6 +255,13 @@ class Session:
 
         return bool(self._core.jobs) and self._core.jobs[-1].state is JobState.FAILED
 
+    def last_failed_cell(self) -> Job | None:
+        """The session's last cell if it failed, else ``None``."""
+        from sgpu_magic.job.state import JobState
+
+        last = self._core.jobs[-1] if self._core.jobs else None
+        return last if last is not None and last.state is JobState.FAILED else None
+
     def last_failure_rank(self) -> int:
         """The root-cause rank of the session's last cell if it failed.
 
@@ -262,10 +269,9 @@ class Session:
             SessionError: the last cell did not fail (or no cell ran).
         """
         from sgpu_magic.errors import RankFailedError
-        from sgpu_magic.job.state import JobState
 
-        last = self._core.jobs[-1] if self._core.jobs else None
-        if last is None or last.state is not JobState.FAILED:
+        last = self.last_failed_cell()
+        if last is None:
             raise SessionError(
                 f"the last cell of session {self.name} did not fail: there is nothing to debug "
                 f"(%distributed_debug opens pdb where a failed cell raised)"
@@ -276,15 +282,29 @@ class Session:
     def debug(self, rank: int | None = None) -> None:
         """pdb in one rank at the frame where the session's last cell failed (default: its root-cause rank), with
         its prompt in the notebook (``input()``, as IPython's ``%debug``) and the rank's namespace; the other ranks
-        stay idle. ``q``, ``c`` or an interrupt leave it.
+        stay idle. ``q``, ``c`` or an interrupt leave it. The line that says so comes once the rank has opened pdb.
 
         Raises:
             SessionError: the last cell did not fail, ``rank`` is outside the world or its last cell did not fail,
                 or the session is stopped, broken or busy.
         """
-        chosen = self.last_failure_rank() if rank is None else self._core.check_ranks([rank])[0]
-        print(f"sgpu_magic: pdb in rank {chosen} of session {self.name}, where its last cell failed (q leaves it)")
-        self._core.debug(chosen, *self._core.debug_io)
+        chosen = self.last_failure_rank() if rank is None else self._core.check_ranks([rank], example="--rank 0")[0]
+        write, read_line = self._core.debug_io
+        banner = [f"sgpu_magic: pdb in rank {chosen} of session {self.name}, where its last cell failed (q leaves it)"]
+
+        def say_first() -> None:
+            if banner:
+                print(banner.pop())
+
+        def shown(text: str) -> None:
+            say_first()
+            write(text)
+
+        def asked(prompt: str) -> str:
+            say_first()
+            return read_line(prompt)
+
+        self._core.debug(chosen, shown, asked)
 
     # -- values
 
@@ -317,7 +337,7 @@ class Session:
                 rank or rebuilt in the kernel (a DDP model: pull its ``module.state_dict()``), a rank outside the
                 world, or the session is stopped, broken or busy.
         """
-        ranks = self._core.check_ranks(None if rank is None else [rank])
+        ranks = self._core.check_ranks(None if rank is None else [rank], example="--rank 0")
         request = self._core.request({"op": "pull", "name": name}, ranks)
         for r in ranks:
             reply = request.replies[r]

@@ -212,8 +212,8 @@ class SessionMagics(Magics):
             show_saved_failure(args.job, args.rank)
             return
         try:
-            session = find_session(args.session) if args.session else current_session()
-            if session is not None:  # a live session: its last cell (--job NAME for a failed job)
+            session = find_session(args.session) if args.session else _session_to_debug()
+            if session is not None:
                 session.debug(args.rank)
                 return
         except SessionError as exc:
@@ -274,21 +274,42 @@ class SessionMagics(Magics):
         return value
 
 
-def _failed_job(job_id: str | None):
-    """The job ``%distributed_debug --job`` names, else the kernel's latest failed job (none: a UsageError)."""
-    from sgpu_magic.front.job_table import find_job
+def _latest_failed_job():
+    """The kernel's latest failed job (not a session cell), or ``None``."""
     from sgpu_magic.job.handle import jobs
     from sgpu_magic.job.state import JobState
 
+    failed = [job for job in jobs() if job.state is JobState.FAILED and job.title.startswith("job ")]
+    return failed[-1] if failed else None
+
+
+def _session_to_debug():
+    """The live session whose last cell failed, when that failure is the kernel's latest (a job that failed after
+    it is what ``%distributed_debug`` looks at then); ``None``: debug the latest failed job."""
+    session = current_session()
+    cell = session.last_failed_cell() if session is not None else None
+    if cell is None:
+        job = _latest_failed_job()
+        return session if job is None else None  # no failed job either: the session says there is nothing
+    job = _latest_failed_job()
+    if job is not None and (job.status.ended_s or 0.0) > (cell.status.ended_s or 0.0):
+        return None
+    return session
+
+
+def _failed_job(job_id: str | None):
+    """The job ``%distributed_debug --job`` names, else the kernel's latest failed job (none: a UsageError)."""
+    from sgpu_magic.front.job_table import find_job
+
     if job_id:
         return find_job(job_id)
-    failed = [job for job in jobs() if job.state is JobState.FAILED and job.title.startswith("job ")]
-    if not failed:
+    job = _latest_failed_job()
+    if job is None:
         raise UsageError(
             "no failed cell or job to debug in this kernel; %distributed_debug opens pdb in a live session's rank "
-            "after one of its cells failed, or shows what a failed job's ranks saved"
+            "after one of its cells failed (--session NAME), or shows what a failed job's ranks saved (--job ID)"
         )
-    return failed[-1]
+    return job
 
 
 def show_saved_failure(job_id: str | None, rank: int | None) -> None:
@@ -305,7 +326,7 @@ def show_saved_failure(job_id: str | None, rank: int | None) -> None:
         raise UsageError(str(exc)) from None
     print(
         f"sgpu_magic: the ranks of {job.title} are gone (it was not a live session), so no debugger can attach; "
-        f"what rank {rank} saved when it failed:"
+        f"what rank {rank} saved when it failed (--job ID for another job, --session NAME for a session's cell):"
     )
     if isinstance(error, RankFailedError):
         failure = next((f for f in [error.root_cause, *error.others] if f.rank == rank), None)

@@ -116,6 +116,17 @@ class Job(JobLifecycle):
         return elapsed_s
 
     @property
+    def wall_s(self) -> float | None:
+        """Seconds the user waited: from the call (or the cell) to the job's end, or to now while it runs, less the
+        time it queued for its GPUs (:attr:`waited_s`); ``None`` before the ranks started. Beside
+        :attr:`elapsed_s` it shows what a launch spent before its ranks ran (a first launch's launch host)."""
+        status = self._status()
+        if "started_s" not in status:
+            return None
+        wall_s: float = status.get("ended_s", time.time()) - self.submitted_s - self.waited_s
+        return wall_s
+
+    @property
     def log_paths(self) -> list[Path]:
         """One log file per rank, in rank order."""
         return [self._rd.log_file(r) for r in range(self.world_size)]

@@ -31,6 +31,9 @@ from sgpu_magic.status import StatusWriter
 HOST_CHECK_S = 0.5
 """How often a followed job checks that its launch host process still runs."""
 
+PREPARING_NOTE_S = 1.0
+"""A launch whose ranks have not started after this many seconds says what its launcher is still getting ready."""
+
 CANCEL_WAIT_S = 15.0
 """How long cancelling a job waits for its launcher to report the ranks gone."""
 
@@ -69,6 +72,8 @@ class JobLifecycle:
         self._stamp: tuple[Any, ...] | None = None
         self._last_pump = 0.0
         self._host_checked = 0.0
+        self._launched_at = 0.0  # time.monotonic() of the hand-over to the launcher
+        self._said_preparing = False
         self._logs = LogPump([run_dir.log_file(r) for r in range(plan.world_size)], self._sinks, self._emit)
         self._metrics = MetricsPump([run_dir.metrics_file(r) for r in range(plan.world_size)])
         self._cwd: str = ""  # the caller's working directory and sys.path, taken by Job.start
@@ -227,7 +232,7 @@ class JobLifecycle:
             except LauncherError:
                 host = self._get_host()
                 host.launch(rd)
-            self._host = host
+            self._host, self._launched_at = host, time.monotonic()
             if self._lease is not None:
                 self._lease.add_process(host.pid)
         except BaseException as exc:
@@ -282,6 +287,8 @@ class JobLifecycle:
         self._pump()
         status = self._status(stamp)
         state = state_from_status(status)
+        if not self._said_preparing and "started_s" not in status:
+            self._say_preparing(now)
         waiting = status.get("waiting")  # a Ray job waiting for the cluster's resources (sgpu_magic.launch.ray.cluster)
         if waiting and waiting != self.pending_reason and not state.final:
             self._set_pending(waiting)
@@ -309,6 +316,16 @@ class JobLifecycle:
             self._end({**status, "state": "failed", "host_lost": message, "ended_s": time.time()})
             raise LauncherError(message)
         return False
+
+    def _say_preparing(self, now: float) -> None:
+        """Once a launch has waited :data:`PREPARING_NOTE_S` for its ranks to start, say what the launcher is still
+        getting ready (the first launch of a kernel waits for its launch host), once."""
+        if self._host is None or now - self._launched_at < PREPARING_NOTE_S:
+            return
+        self._said_preparing = True
+        why = self._host.preparing()
+        if why and hasattr(self._sinks[-1], "note"):
+            self._sinks[-1].note(f"sgpu_magic: {why} ...")
 
     def _host_alive(self, now: float) -> bool:
         self._host_checked = now

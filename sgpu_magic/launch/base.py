@@ -40,6 +40,10 @@ class Launcher(Protocol):
     def where(self) -> str:
         """Where the launcher's own diagnostics are, for error messages (a log file's path)."""
 
+    def preparing(self) -> str | None:
+        """What the launcher is still getting ready before it can start ranks (said to the user when a launch has
+        waited for it a second), or ``None`` when nothing holds a launch up."""
+
 
 def finish_job(writer: StatusWriter, state: str, world_size: int, **change: Any) -> bool:
     """The end every launcher gives a job once its ranks are gone: the payload (a pickle: code) is deleted,

@@ -83,6 +83,13 @@ class LaunchHost:
         """The host's log file (its own diagnostics), for error messages."""
         return str(self.log_path)
 
+    def preparing(self) -> str | None:
+        """``starting the launch host (the first launch of this kernel waits while it imports torch)``
+        until the host's ready markers exist (:attr:`ready_markers`); ``None`` after."""
+        if all(path.exists() for path in self.ready_markers):
+            return None
+        return "starting the launch host (the first launch of this kernel waits while it imports torch)"
+
     def alive(self) -> bool:
         """Whether the host process still runs and its command pipe is open."""
         if self._stdin.closed:

@@ -102,7 +102,10 @@ def load_globals(payload: dict, ns: dict, keep: bool = False) -> None:
         try:
             ns[name] = _load_global(entry)
         except Exception as exc:  # noqa: BLE001 - reported on use, like an unpicklable global
-            ns[name] = Unpicklable(name, str(entry[0]), f"could not be loaded in the rank: {type(exc).__name__}: {exc}")
+            reason = (
+                f"could not be loaded in the rank ({type(exc).__name__}: {exc}); load or create it in the rank instead"
+            )
+            ns[name] = Unpicklable(name, str(entry[0]), reason, warned=False)
 
 
 def _build_namespace(payload: dict) -> dict:

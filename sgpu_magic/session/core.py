@@ -208,8 +208,9 @@ class SessionCore:
                 f"(or sess.restart()): fresh ranks, empty namespaces"
             )
 
-    def check_ranks(self, ranks: Sequence[int] | None) -> tuple[int, ...]:
-        """The ranks a cell runs on (all by default); :class:`SessionError` naming a rank outside the world."""
+    def check_ranks(self, ranks: Sequence[int] | None, example: str = "--ranks 0,1") -> tuple[int, ...]:
+        """The ranks a cell runs on (all by default); :class:`SessionError` naming a rank outside the world, with
+        ``example`` as the option to give (``--rank 1`` where one rank is asked for)."""
         if ranks is None:
             return tuple(range(self.world_size))
         chosen = tuple(sorted(set(ranks)))
@@ -217,7 +218,7 @@ class SessionCore:
         if bad or not chosen:
             raise SessionError(
                 f"ranks {list(ranks)} are not in session {self.name} (world_size={self.world_size}); give ranks "
-                f"from 0 to {self.world_size - 1}, e.g. --ranks 0,1"
+                f"from 0 to {self.world_size - 1}, e.g. {example}"
             )
         return chosen
 
@@ -240,7 +241,7 @@ class SessionCore:
         """pdb in rank ``rank`` at the frame where its last cell failed: ``write(text)`` shows its output,
         ``read_line(prompt)`` asks the user for each line (``q`` on an interrupt or end of input). The other
         ranks stay idle. Raises :class:`SessionError` when the rank's last cell did not fail."""
-        ranks = self.check_ranks([rank])
+        ranks = self.check_ranks([rank], example="--rank 0")
         self.check_usable()
         request = self._new_request(ranks)
         self.state = SessionState.BUSY

@@ -34,3 +34,6 @@ class CellLauncher:
 
     def where(self) -> str:
         return str(self.core.job.run_dir) if self.core.job is not None else "(not started)"
+
+    def preparing(self) -> str | None:
+        return None  # the session's ranks are running

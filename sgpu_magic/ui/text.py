@@ -14,10 +14,25 @@ from sgpu_magic.rundir import RunDir, is_attempt_marker, is_traceback_marker
 from sgpu_magic.status import RankUsage
 from sgpu_magic.ui.terminal import terminal_line
 
+WALL_NOTE_S = 1.0
+"""The summary says the ranks' own time beside the user's wait when the two differ by this many seconds or more."""
+
+
+def _duration(job: Job) -> str:
+    """`` in 3.2 s`` (the user's wait); `` in 9.0 s (0.3 s in the ranks)`` when the launch itself took a while (a
+    first launch waiting for its launch host); ``""`` when the ranks never started."""
+    elapsed, wall = job.elapsed_s, job.wall_s
+    if elapsed is None:
+        return ""
+    if wall is None or wall - elapsed < WALL_NOTE_S:
+        return f" in {elapsed:.1f} s"
+    return f" in {wall:.1f} s ({elapsed:.1f} s in the ranks)"
+
 
 def summary_line(job: Job) -> str:
-    """``sgpu_magic: job <id> succeeded in 3.2 s on 2 x cpu (gloo); logs: <dir>[; MLflow run: <url>]``."""
-    elapsed = f" in {job.elapsed_s:.1f} s" if job.elapsed_s is not None else ""
+    """``sgpu_magic: job <id> succeeded in 3.2 s on 2 x cpu (gloo); logs: <dir>[; MLflow run: <url>]`` (``in 9.0 s
+    (0.3 s in the ranks)`` where the launch took a second or more before the ranks ran)."""
+    elapsed = _duration(job)
     link = f"; MLflow run: {job.run_url}" if getattr(job, "run_url", None) else ""
     return (
         f"sgpu_magic: {job.title} {job.state.label}{elapsed} on {job.plan.device_kind}; "

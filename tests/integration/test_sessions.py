@@ -279,7 +279,11 @@ def test_debugging_needs_a_failed_cell_a_rank_in_the_world_or_a_known_job(sess, 
     sess.run_cell("1")
     with pytest.raises(SessionError, match=r"the last cell of session shared did not fail: there is nothing to debug"):
         sess.debug()
-    with pytest.raises(SessionError, match=r"ranks \[5\] are not in session shared"):
+    with pytest.raises(
+        SessionError,
+        match=r"ranks \[5\] are not in session shared \(world_size=2\); give ranks from "
+        r"0 to 1, e.g. --rank 0$",
+    ):
         sess.debug(rank=5)
     with pytest.raises(SessionError, match=r"rank 0's last cell did not fail: there is nothing to debug"):
         sess.debug(rank=0)

@@ -177,3 +177,36 @@ def test_the_forkserver_is_a_fork_of_the_host_that_imported_torch_once():
     assert host.nice() == 0 and forkserver.nice() == 0
     assert re.search(r"^imported torch in [0-9.]+ s$", get_host().log_path.read_text(), re.M)
     assert all(path.exists() for path in get_host().ready_markers)  # what the kernel's mlflow import waits for
+
+
+def test_a_launch_held_up_by_a_starting_host_says_so_and_its_summary_gives_the_wait(capsys):
+    """The first launch of a kernel waits while its new launch host imports torch: after a second it says so, and
+    the summary gives the user's wait beside the ranks' own time. The host is held stopped (SIGSTOP) right after
+    its handshake, before it has imported anything, so the launch waits however fast the machine is."""
+    import signal
+
+    from sgpu_magic.launch.client import shutdown_host
+
+    shutdown_host()
+    host = get_host()  # answered "ready <pid>": it imports torch from now on
+    os.kill(host.pid, signal.SIGSTOP)
+    seen = []
+    try:
+        job = probe.submit("X")
+
+        def said():
+            seen.append(capsys.readouterr().out)
+            return "starting the launch host" in "".join(seen)
+
+        wait_for(said, 60, "the note that the launch waits for the launch host")
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+    job.wait(timeout_s=120)
+    seen.append(capsys.readouterr().out)
+    out = "".join(seen)
+    assert (
+        "sgpu_magic: starting the launch host (the first launch of this kernel waits while it imports torch) ...\n"
+        in out
+    )
+    wall, ranks = map(float, re.search(r"succeeded in ([\d.]+) s \(([\d.]+) s in the ranks\) on ", out).groups())
+    assert wall >= ranks + 1.0, out

@@ -137,11 +137,15 @@ def test_post_mortem_debugger_in_a_session_rank_and_a_jobs_saved_locals(kernel):
     out = execute(kc, "%distributed_debug")
     assert "UsageError: the last cell of session s1 did not fail: there is nothing to debug" in out.stderr, out
     out = execute(kc, "%distributed_debug --rank 7")
-    assert "UsageError: ranks [7] are not in session s1 (world_size=2)" in out.stderr, out
+    assert "UsageError: ranks [7] are not in session s1 (world_size=2); give ranks from 0 to 1, e.g. --rank 0" in (
+        out.stderr
+    ), out
     assert "pdb in rank" not in out.stdout
     out = execute(kc, "%distributed_debug --rank 1")
     assert "UsageError: rank 1's last cell did not fail: there is nothing to debug" in out.stderr, out
-    execute(kc, "%distributed_session stop")
+    assert "pdb in rank" not in out.stdout  # the banner comes once pdb has opened, not before a refusal
+    out = execute(kc, "%%distributed --session\n1 / 0")  # the session's last cell fails; a job fails after it
+    assert out.error is not None and out.error["ename"] == "RankFailedError"
 
     out = execute(
         kc,
@@ -151,9 +155,11 @@ def test_post_mortem_debugger_in_a_session_rank_and_a_jobs_saved_locals(kernel):
     )
     assert "RankFailedError" in out.stdout, out
     assert value(kc, "g.last_job.failure_locals(0)") == "{'n': '4', 'items': '[0, 1, 2, 3]'}"
-    out = execute(kc, "%distributed_debug")
+    out = execute(kc, "%distributed_debug")  # the latest failure is the job's, not the live session's cell
     assert "the ranks of job" in out.stdout and "are gone" in out.stdout, out
+    assert "(--job ID for another job, --session NAME for a session's cell)" in out.stdout, out
     assert "  items = [0, 1, 2, 3]" in out.stdout and "KeyError: 'missing'" in out.stdout, out
+    execute(kc, "%distributed_session stop")
 
 
 def test_a_breakpoint_in_rank_1_stops_it_and_c_or_q_let_the_all_reduce_finish(kernel):

@@ -52,7 +52,10 @@ def test_unpicklable_global_warns_and_becomes_a_placeholder():
     assert "global 'stats_lock' (_thread.lock) cannot be pickled" in warning
     assert "not sent to the ranks" in warning and "Create it inside the cell" in warning
     placeholder = capture.Unpicklable(*out.entries["stats_lock"][1:])
-    with pytest.raises(UnpicklableGlobalError, match=r"global 'stats_lock' \(_thread.lock\) cannot be pickled"):
+    with pytest.raises(
+        UnpicklableGlobalError,
+        match=r"global 'stats_lock' \(_thread.lock\) was not sent to the ranks: it cannot be pickled",
+    ):
         with placeholder:
             pass
     with pytest.raises(UnpicklableGlobalError, match="stats_lock"):

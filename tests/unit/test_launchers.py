@@ -13,7 +13,7 @@ from sgpu_magic.launch.ray.launcher import RayLauncher
 
 
 def _methods(cls) -> dict[str, inspect.Signature]:
-    return {name: inspect.signature(getattr(cls, name)) for name in ("launch", "cancel", "alive", "where")}
+    return {name: inspect.signature(getattr(cls, name)) for name in ("launch", "cancel", "alive", "where", "preparing")}
 
 
 def test_the_ray_launcher_is_a_launcher_and_says_where_its_diagnostics_are():

@@ -43,6 +43,9 @@ class RayLauncher:
     def where(self) -> str:
         return "the kernel's Ray driver"
 
+    def preparing(self) -> str | None:
+        return None  # a job waiting for the cluster's resources says so itself (its status' "waiting")
+
     def launch(self, run_dir: RunDir) -> None:
         sup = _Supervisor(run_dir, self.cluster, self.gpu_type)
         self._jobs[run_dir.job_id] = sup
