@@ -181,27 +181,43 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
+def _same_error(f: RankFailure, root: RankFailure) -> bool:
+    """Whether rank ``f`` raised what the root cause raised (the same type and first line)."""
+    return bool(f.exc_type) and f.what() == root.what()
+
+
 def _secondary(f: RankFailure, root: RankFailure) -> str:
-    """What a rank that failed after the root cause did, without its rank: ``failed with the same ...``."""
-    same = bool(f.exc_type) and f.what() == root.what()
+    """What a rank that failed after the root cause, with another error or none, did, without its rank."""
     if f.exitcode is not None and f.exitcode < 0:  # ended by a signal: sgpu_magic (or elastic) stopped it
-        raised = f" (after raising {'the same ' if same else ''}{f.what()})" if f.exc_type else ""
+        raised = f" (after raising {f.what()})" if f.exc_type else ""
         return f"stopped by sgpu_magic because rank {root.rank} failed{raised}"
-    if same:
-        return f"failed with the same {f.what()}{_ended(f.exitcode)}"
     return f"stopped because rank {root.rank} failed: {f.what()}{_ended(f.exitcode)}"
+
+
+def _same_line(same: list[RankFailure], root: RankFailure) -> str:
+    """``failed with the same ValueError: bad batch (exit code 1)`` for every rank that raised the root cause's error,
+    however it ended: those sgpu_magic then stopped in their teardown grace (a signal) are named in brackets."""
+    ended = {f.exitcode for f in same}
+    signalled = [f.rank for f in same if f.exitcode is not None and f.exitcode < 0]
+    if not signalled:
+        how = _ended(ended.pop()) if len(ended) == 1 else ""
+    else:
+        how = f" ({'ranks' if len(signalled) > 1 else 'rank'} {rank_ranges(signalled)} then stopped by sgpu_magic)"
+    return f"failed with the same {root.what()}{how}"
 
 
 def grouped_failures(root: RankFailure, others: list[RankFailure], stopped_ranks: list[int]) -> list[str]:
     """One line per kind of secondary failure, its ranks folded and the lines in rank order.
 
     ``ranks 1-6 failed with the same AttributeError: ... (exit code 1)``, ``rank 7 stopped by sgpu_magic
-    because rank 0 failed``: ranks that failed the same way as the root cause say so; ranks that
-    sgpu_magic stopped (a signal, or still running when the job was stopped) are named as such.
+    because rank 0 failed``: every rank that raised the root cause's error is on one line, however it ended; ranks
+    that sgpu_magic stopped (a signal, or still running when the job was stopped) are named as such.
     """
-    groups: dict[str, list[int]] = {}
+    same = [f for f in others if _same_error(f, root)]
+    groups: dict[str, list[int]] = {_same_line(same, root): [f.rank for f in same]} if same else {}
     for f in others:
-        groups.setdefault(_secondary(f, root), []).append(f.rank)
+        if not _same_error(f, root):
+            groups.setdefault(_secondary(f, root), []).append(f.rank)
     for rank in stopped_ranks:
         groups.setdefault(f"stopped by sgpu_magic because rank {root.rank} failed", []).append(rank)
     ordered = sorted(groups.items(), key=lambda item: min(item[1]))

@@ -61,7 +61,7 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
         seen = observed.get(rank, {})
         failures.append(
             RankFailure(
-                last_lines=log_tail(rd.log_file(rank)) if err is None else (),
+                last_lines=log_tail(rd.log_file(rank)) if err is None or not err.get("traceback") else (),
                 oom=seen.get("oom", ""),
                 oom_killed=seen.get("oom_killed"),
                 peak_rss_bytes=usage[rank].peak_rss_bytes if rank in usage else None,

@@ -294,10 +294,18 @@ def teardown(ns: dict) -> None:
 
 
 def _system_exit(run_dir: RunDir, rank: int, exc: SystemExit, payload: dict) -> int:
-    """A rank that raised ``SystemExit``: non-zero fails it, as under torchrun; zero returns nothing, noted where."""
+    """A rank that raised ``SystemExit``: non-zero fails it, as under torchrun; zero returns nothing, noted where.
+
+    As Python ends a program on ``SystemExit``, no traceback is printed or recorded (``sys.exit("message")`` prints
+    the message on stderr and exits 1): the rank's last lines (argparse's usage and error) tell what happened."""
     code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     if code:
-        _write_error(run_dir, rank, exc, payload.get("display_names"))
+        if not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr, flush=True)
+        atomic_write_json(
+            run_dir.error_file(rank),
+            {"rank": rank, "exc_type": "SystemExit", "message": str(code), "traceback": "", "time_s": time.time()},
+        )
         return code
     atomic_write_json(
         run_dir.exit_file(rank),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import textwrap
 
@@ -152,6 +153,31 @@ def test_exit_status_is_the_result_and_sys_exit_3_fails_with_code_3(tmp_path):
     with pytest.raises(RankFailedError, match=r"^rank 1 failed \(root cause\): SystemExit: 3 \(exit code 3\)") as info:
         run_script(str(three), gpus=2, mlflow=False, widgets=False)
     assert info.value.root_cause.rank == 1 and info.value.root_cause.exitcode == 3
+
+
+def test_an_argparse_refusal_shows_its_usage_and_exit_code_not_a_traceback(tmp_path):
+    """Python and torchrun print no traceback for ``SystemExit``: the error is argparse's own lines and the exit
+    code, and ``sys.exit("message")`` prints its message as Python does (exit code 1)."""
+    script = write(
+        tmp_path / "train.py",
+        "import argparse\np = argparse.ArgumentParser()\np.add_argument('save_every', type=int)\np.parse_args()\n",
+    )
+    with pytest.raises(RankFailedError) as info:
+        run_script(str(script), gpus=2, mlflow=False, widgets=False)
+    lines = str(info.value).splitlines()
+    assert re.fullmatch(r"rank [01] failed \(root cause\): SystemExit: 2 \(exit code 2\)", lines[0]), lines
+    assert lines[1:4] == [
+        "  the end of its log:",
+        "    | usage: train.py [-h] save_every",
+        "    | train.py: error: the following arguments are required: save_every",
+    ], lines
+    assert info.value.root_cause.traceback == ""
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "Traceback" not in rendered and "argparse.py" not in rendered, rendered
+
+    says = write(tmp_path / "says.py", "import sys\nsys.exit('no data in /nowhere')\n")
+    with pytest.raises(RankFailedError, match=r"SystemExit: 1 \(exit code 1\)\n  the end of its log:\n    \| no data"):
+        run_script(str(says), gpus=1, mlflow=False, widgets=False)
 
 
 def test_background_returns_the_job(ip, tmp_path):
