@@ -68,7 +68,13 @@ def check_output_name(name: str | None) -> None:
 
 
 CELL_FILENAME = "<%%distributed cell>"
-"""File name of the cell's code in rank tracebacks; line numbers are those of the notebook cell."""
+"""File name of the cell's code in the ranks (its frames are shown as ``Cell In[N]``, the cell's label, through the
+payload's ``display_names``); line numbers are those of the notebook cell."""
+
+
+def cell_label(shell) -> str:
+    """``Cell In[4]``: the running cell as IPython names it in tracebacks (its execution count)."""
+    return f"Cell In[{shell.displayhook.prompt_count}]"
 
 
 def _aligned_source(cell: str, transformed: str) -> str:
@@ -91,15 +97,16 @@ _OUTSIDE_FUNCTION_HINTS = {
 }
 
 
-def _compile_cell(source: str) -> ast.Module:
-    """Parse and compile the cell as the ranks will; a SyntaxError names the notebook line (and a remedy).
+def _compile_cell(source: str, label: str = CELL_FILENAME) -> ast.Module:
+    """Parse and compile the cell as the ranks will; a SyntaxError names the notebook line (and a remedy), the cell
+    named ``label`` (``Cell In[4]``, as IPython names it).
 
     Raises:
         CellSyntaxError: (a ``SyntaxError``) the cell is not Python, or not Python the ranks can run.
     """
     try:
-        tree = ast.parse(source, CELL_FILENAME)
-        compile(tree, CELL_FILENAME, "exec")  # 'return' / 'yield' outside a function are found here, not by parse
+        tree = ast.parse(source, label)
+        compile(tree, label, "exec")  # 'return' / 'yield' outside a function are found here, not by parse
     except SyntaxError as exc:
         hint = _OUTSIDE_FUNCTION_HINTS.get(exc.msg)
         lines = source.splitlines()
@@ -112,7 +119,7 @@ def _compile_cell(source: str) -> ast.Module:
     except (RecursionError, MemoryError):  # CPython's parser and compiler give up on very deep nesting this way
         raise CellSyntaxError(
             "the cell is nested too deeply for Python's compiler; split the expression into several statements",
-            (CELL_FILENAME, None, None, None),
+            (label, None, None, None),
         ) from None
     return tree
 
@@ -134,8 +141,9 @@ def ends_quiet(source: str) -> bool:
     return False
 
 
-def checked_source(cell: str, transformed: str) -> str:
-    """The cell as the ranks run it, refused before launch when it cannot run there.
+def checked_source(cell: str, transformed: str, label: str = CELL_FILENAME) -> str:
+    """The cell as the ranks run it, refused before launch when it cannot run there; ``label`` names the cell in a
+    syntax error (``Cell In[4]``, as IPython names it).
 
     Raises:
         CellSyntaxError: (a ``SyntaxError``) the cell is not Python, or a line is IPython syntax (``%magic``,
@@ -143,7 +151,7 @@ def checked_source(cell: str, transformed: str) -> str:
         UsageError: the cell has no code.
     """
     source = _aligned_source(cell, transformed)
-    tree = _compile_cell(source)
+    tree = _compile_cell(source, label)
     if not tree.body:
         raise UsageError(
             "the %%distributed cell has no code to run; write the code for the ranks in the cell, "
@@ -158,7 +166,7 @@ def checked_source(cell: str, transformed: str) -> str:
             f"command or ? help), but ranks run plain Python without IPython; run it in a cell of "
             f"its own before the %%distributed cell, or use Python (e.g. subprocess.run([...]) for a "
             f"shell command)",
-            (CELL_FILENAME, lineno, 1, text, lineno, len(text) + 1),
+            (label, lineno, 1, text, lineno, len(text) + 1),
         )
     return source
 

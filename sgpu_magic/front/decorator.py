@@ -78,6 +78,8 @@ def start(
     def build(warn: Callable[[str], None]) -> dict[str, Any]:
         payload = build_payload(warn)
         payload["display_names"] = _cell_labels(payload.get("sources", {}))
+        if payload.get("cell_label"):  # a %%distributed cell's own frames, as IPython names the cell
+            payload["display_names"][payload["filename"]] = payload["cell_label"]
         return payload
 
     return start_job(

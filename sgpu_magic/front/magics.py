@@ -16,6 +16,7 @@ from sgpu_magic.errors import SpecError
 from sgpu_magic.front import script
 from sgpu_magic.front.cell import (
     CELL_FILENAME,
+    cell_label,
     check_output_name,
     checked_source,
     ends_quiet,
@@ -176,12 +177,13 @@ class DistributedMagics(Magics):
         spec = self._job_spec(args, "%%distributed cell")
         shell = self.shell
         assert shell is not None  # a magic runs in the shell it is registered with
-        source = checked_source(cell, shell.transform_cell(cell))  # stops bad cells before anything starts
+        label = cell_label(shell)
+        source = checked_source(cell, shell.transform_cell(cell), label)  # stops bad cells before anything starts
 
         def payload(warn) -> dict:
             part = capture.capture_cell(source, shell.user_ns, self.max_capture_bytes, warn, ranks=spec.gpus)
             part.update(filename=CELL_FILENAME, quiet=ends_quiet(source))
-            part.update(cell_label=f"Cell In[{shell.displayhook.prompt_count}]")  # as Out[N]; for stacks
+            part.update(cell_label=label)  # as Out[N]: its frames in tracebacks and stacks
             return part
 
         job = start(spec, payload, background=args.background)

@@ -11,6 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from sgpu_magic.errors import SessionError, SpecError
 from sgpu_magic.front.cell import (
+    cell_label,
     check_output_name,
     checked_source,
     ends_quiet,
@@ -75,7 +76,8 @@ def run_session_cell(shell, line: str, cell: str):
         session.check_usable()
     except SessionError as exc:
         raise UsageError(str(exc)) from None
-    source = checked_source(cell, shell.transform_cell(cell))
+    label = cell_label(shell)
+    source = checked_source(cell, shell.transform_cell(cell), label)
     try:
         timeout_s = parse_timeout(args.timeout, None)
         job = session.submit_cell(
@@ -83,8 +85,8 @@ def run_session_cell(shell, line: str, cell: str):
             shell.user_ns,
             parse_ranks(args.ranks),
             timeout_s,
-            filename=f"<Cell In[{shell.displayhook.prompt_count}]>",  # the cell's In[N] while it runs (IPython 9)
-            display_name=f"Cell In[{shell.displayhook.prompt_count}]",
+            filename=f"<{label}>",  # the cell's In[N] while it runs (IPython 9)
+            display_name=label,
             quiet=ends_quiet(source),
         )
     except (SessionError, SpecError) as exc:

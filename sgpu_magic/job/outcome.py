@@ -8,6 +8,7 @@ from typing import Any
 from sgpu_magic.errors import (
     LAST_LINES,
     NO_GPU_HINT,
+    CellInterruptedError,
     JobCancelledError,
     JobTimeoutError,
     LauncherError,
@@ -111,8 +112,19 @@ def stopped_error(rd: RunDir, how: str, status: dict | None = None) -> JobCancel
     """``job <id> was interrupted; every rank was stopped. Logs: <dir>`` (``how``: ``interrupted`` or
     ``cancelled``), the error of a job stopped once its ranks ran; with its final ``status``, also where the ranks
     still running then were (``Where the ranks still running were: rank 0: ...``)."""
+    if status is not None and "rank_outcomes" in status:  # a live session's cell: its ranks live on
+        return CellInterruptedError(cell_stopped_message(rd, f"was {how}", status))
     where = _still_running(rd, status) if status is not None else ""
     return JobCancelledError(f"job {rd.job_id} was {how}; every rank was stopped. Logs: {rd.logs_dir}.{where}")
+
+
+def cell_stopped_message(rd: RunDir, what: str, status: dict) -> str:
+    """A live session's cell that was stopped (``what``: ``was interrupted``, ``ran longer than its timeout of
+    60 s``): the session's ranks live on with their state, unless the session broke on the way (a rank that did not
+    return from the interrupt: ``status["host_lost"]`` says so)."""
+    if status.get("host_lost"):
+        return f"the cell {what}, but {status['host_lost']}"
+    return f"the cell {what}; the session's ranks stopped running it and keep their state. Logs: {rd.logs_dir}."
 
 
 def load_result(rd: RunDir, rank: int) -> Any:
@@ -149,6 +161,8 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
     """The error of a job that ended without succeeding, from its final ``status``: a timeout, a cancel (or
     interrupt), a lost launcher, a launch that failed, or the :class:`RankFailedError` naming the root cause."""
     state, job_id = state_from_status(status), rd.job_id
+    if state is JobState.TIMED_OUT and "rank_outcomes" in status:
+        return JobTimeoutError(cell_stopped_message(rd, f"ran longer than its timeout of {spec.timeout_s:g} s", status))
     if state is JobState.TIMED_OUT:
         return JobTimeoutError(
             f"job {job_id} ran longer than its timeout of {spec.timeout_s:g} s; every rank was stopped."

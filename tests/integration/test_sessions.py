@@ -120,6 +120,10 @@ def test_an_interrupted_cell_leaves_torchs_grad_mode_as_it_found_it(sess, tmp_pa
         f"pathlib.Path({str(marker)!r} + str(rank)).touch()\nthreading.Event().wait()"
     )
     assert isinstance(interrupt_session_cell(sess, code, marker), CellInterruptedError)
+    # what the cell's panel and record say: its ranks live on (not "every rank was stopped", as for a job)
+    assert str(sess.jobs[-1].exception()).startswith(
+        "the cell was interrupted; the session's ranks stopped running it and keep their state. Logs: "
+    )
     assert sess.run_cell("torch.is_grad_enabled()") == [True, True]
 
 
@@ -146,6 +150,9 @@ def test_a_cell_timeout_interrupts_the_cell_and_keeps_the_state(sess, capsys):
         JobTimeoutError, match=r"ran longer than its timeout of 0.5 s and was interrupted; the ranks kept"
     ):
         sess.run_cell("import time\nwhile True:\n    time.sleep(0.01)", timeout=0.5)
+    assert str(sess.jobs[-1].exception()).startswith(
+        "the cell ran longer than its timeout of 0.5 s; the session's ranks stopped running it and keep their state."
+    )
     out = capsys.readouterr().out  # the error shows no traceback, so the text view does not promise one
     for rank in (0, 1):
         assert (
