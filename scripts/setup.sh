@@ -70,9 +70,11 @@ if [ "${SGPU_SKIP_CHROMIUM:-0}" = 1 ]; then
 elif [ -x /usr/bin/chromium ]; then
     echo "setup: chromium for the browser tests: /usr/bin/chromium is there"
 elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    # another apt-get or an unattended upgrade may hold dpkg's lock: wait for it (up to 5 minutes) instead of failing
+    apt=(apt-get -o DPkg::Lock::Timeout=300)
     apt_install() {
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ||
-            { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+        DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -q chromium ||
+            { "${apt[@]}" update -q && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -q chromium; }
     }
     step "installing chromium for the browser tests (apt-get)" "$logs/chromium.log" apt_install ||
         echo "setup: Debian's chromium could not be installed; the browser tests will be skipped"

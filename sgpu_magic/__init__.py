@@ -143,6 +143,11 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
     ipython.register_magics(DistributedMagics)
     ipython.register_magics(SessionMagics)
     magics = ipython.magics_manager.registry.get("DistributedMagics")
+    import os
+
+    from sgpu_magic.tracking.uri import pin_default_store
+
+    pin_default_store(os.getcwd())  # MLflow's default store stays in the notebook's folder after a %cd
     if magics is None or magics.mlflow:
         from sgpu_magic.tracking.run import warm_up
 

@@ -52,6 +52,16 @@ def torchrun_env(
     }
 
 
+def cpu_framework_env(backend: str, env: dict) -> dict[str, str]:
+    """What libraries need to see a world of CPU ranks (``backend`` gloo): Accelerate's ``Accelerator()`` counts
+    only GPUs under torchrun's environment and reports ``DistributedType.NO`` with one process on every rank (each
+    rank then trains alone) unless ``ACCELERATE_USE_CPU`` is set, when it reports ``MULTI_CPU`` over the world. A
+    variable the kernel's environment ``env`` already sets is left as it is."""
+    if backend != "gloo" or "ACCELERATE_USE_CPU" in env:
+        return {}
+    return {"ACCELERATE_USE_CPU": "true"}
+
+
 def rank_env(launch: dict, rank: int, port: int, env: dict, restart_count: int = 0) -> dict[str, str]:
     world = launch["world_size"]
     out = dict(env)
@@ -78,6 +88,7 @@ def rank_env(launch: dict, rank: int, port: int, env: dict, restart_count: int =
     if loopback:  # one machine: collectives' sockets listen on loopback only, unless the kernel says otherwise
         out.setdefault("GLOO_SOCKET_IFNAME", loopback)
         out.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    out.update(cpu_framework_env(launch["backend"], env))
     if "OMP_NUM_THREADS" not in env:  # in a rank it is read at torch start-up (a warm rank applies it by hand)
         if launch["backend"] == "gloo":  # CPU ranks share the cores (torchrun's 1 left 2 ranks on 2 cores 4x slower)
             out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))

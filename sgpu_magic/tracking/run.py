@@ -56,7 +56,7 @@ from sgpu_magic.job.state import JobState
 from sgpu_magic.rank.mlflow_guard import RANK_TAG, RUN_ID_ENV
 from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.tracking.server import run_link, start_ui
-from sgpu_magic.tracking.uri import absolute_tracking_uri, http_base, notebook_path, sqlite_dir
+from sgpu_magic.tracking.uri import http_base, kernel_tracking_uri, notebook_path, sqlite_dir
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -100,7 +100,7 @@ def warm_up(after: Sequence[Path] = (), max_wait_s: float = 30.0) -> None:
             try:
                 import mlflow
 
-                import_store_module(mlflow.get_tracking_uri())
+                import_store_module(kernel_tracking_uri(mlflow))
             except Exception:  # noqa: BLE001 - the job reports it when it needs mlflow
                 pass
 
@@ -240,7 +240,7 @@ class MlflowTracking(JobSink):
         from mlflow.entities import Param
 
         divert_info(*STORE_LOGGERS)  # a new store's "Creating initial MLflow database tables" is not for the cell
-        uri = absolute_tracking_uri(mlflow.get_tracking_uri())
+        uri = kernel_tracking_uri(mlflow)
         client = MlflowClient(uri)
         parent = self._parent_run
         experiment_id, name = self._experiment(client, uri, parent)

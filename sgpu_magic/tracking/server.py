@@ -17,7 +17,7 @@ from pathlib import Path
 from sgpu_magic._util.redact import redact
 from sgpu_magic.errors import SgpuError
 from sgpu_magic.rundir import default_root, make_private_dir
-from sgpu_magic.tracking.uri import absolute_tracking_uri, http_base, sqlite_dir
+from sgpu_magic.tracking.uri import http_base, kernel_tracking_uri, sqlite_dir
 
 UI_READY_TIMEOUT_S = 120.0
 
@@ -162,7 +162,7 @@ def start_ui(
     if tracking_uri is None:
         import mlflow
 
-        tracking_uri = absolute_tracking_uri(mlflow.get_tracking_uri())
+        tracking_uri = kernel_tracking_uri(mlflow)
     if http_base(tracking_uri) is not None:
         raise MlflowUIError(f"the tracking URI {redact(tracking_uri)} is already an MLflow server; open it directly")
     with _ui_lock:

@@ -27,6 +27,33 @@ def absolute_tracking_uri(uri: str) -> str:
     return uri
 
 
+_default_store_dir: str | None = None
+"""The folder whose store MLflow's default URI names for this kernel (:func:`pin_default_store`), or ``None``."""
+
+
+def pin_default_store(folder: str) -> None:
+    """Keep MLflow's default store (``sqlite:///mlflow.db`` when nothing sets a URI) in ``folder`` for this kernel:
+    the notebook's folder when the extension loads, so a ``%cd`` later does not start a new store there (each job's
+    run then went to the ``mlflow.db`` of the cwd of the moment, and the first one paid its creation)."""
+    global _default_store_dir
+    _default_store_dir = os.path.abspath(folder)
+
+
+def kernel_tracking_uri(mlflow) -> str:
+    """The kernel's tracking URI (``mlflow.get_tracking_uri()``), absolute; when neither ``mlflow.set_tracking_uri``
+    nor ``MLFLOW_TRACKING_URI`` sets one, MLflow's default store as named in the folder
+    :func:`pin_default_store` pinned (MLflow names it in the current directory)."""
+    uri = absolute_tracking_uri(mlflow.get_tracking_uri())
+    if _default_store_dir is None or mlflow.is_tracking_uri_set():
+        return uri
+    here = os.getcwd()
+    for scheme in ("sqlite:///", "file://"):
+        prefix = scheme + quote(here)
+        if uri.startswith(prefix + "/"):
+            return scheme + quote(_default_store_dir) + uri[len(prefix) :]
+    return uri
+
+
 def sqlite_dir(uri: str) -> Path | None:
     """The directory of a local sqlite store's database file, else ``None``."""
     if not uri.startswith("sqlite:////"):

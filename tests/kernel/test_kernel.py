@@ -428,3 +428,27 @@ def test_stop_button_clicked_on_a_kernel_subshell_cancels_a_blocking_job():
         assert error["ename"] == "JobCancelledError", error
     finally:
         stop_kernel(km, kc)
+
+
+def test_the_default_mlflow_store_stays_in_the_notebooks_folder_after_a_cd(tmp_path):
+    """With no tracking URI set, MLflow names a store in the current directory: after ``%cd sub`` every run went to
+    a new ``sub/mlflow.db``. The store is the one of the folder the extension was loaded in."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    (tmp_path / "sub").mkdir()
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=90, cwd=str(tmp_path), env=env)
+    try:
+        assert execute(kc, "%load_ext sgpu_magic").error is None
+        assert execute(kc, "%cd sub").error is None
+        out = execute(kc, "%%distributed --gpus 1 -o job\n'tracked'")
+        assert out.error is None, out.error
+        assert kernel_eval(kc, "__import__('os').getcwd()") == str(tmp_path / "sub")
+        run_id = kernel_eval(kc, "job.mlflow_run_id")
+    finally:
+        stop_kernel(km, kc)
+    from mlflow import MlflowClient
+
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.artifact_uri.startswith((tmp_path / "mlruns").as_uri())
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == []  # no mlflow.db, no mlruns/ there

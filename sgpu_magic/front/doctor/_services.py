@@ -121,9 +121,9 @@ def mlflow_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
         import mlflow
     except ImportError as exc:
         return [warning("mlflow", f"cannot be imported ({exc}): jobs run untracked", "pip install mlflow")]
-    from sgpu_magic.tracking.uri import absolute_tracking_uri
+    from sgpu_magic.tracking.uri import kernel_tracking_uri
 
-    uri = absolute_tracking_uri(mlflow.get_tracking_uri())
+    uri = kernel_tracking_uri(mlflow)
     shown = f"mlflow {mlflow.__version__}, tracking URI {redact(uri)}"
     scheme = urlsplit(uri).scheme
     if uri.startswith("sqlite:///"):

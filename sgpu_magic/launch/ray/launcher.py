@@ -236,7 +236,7 @@ class _Supervisor(threading.Thread):
     def _rank_env(self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int) -> dict[str, str]:
         """torchrun's contract for ``rank``; ``nodes[r]`` = (node id, IP, Ray's GPU ids) of rank ``r``'s actor."""
         from sgpu_magic.launch.client import rank_base_env
-        from sgpu_magic.launch.env import torchrun_env
+        from sgpu_magic.launch.env import cpu_framework_env, torchrun_env
 
         order: list[str] = []
         for node_id, _, _ in nodes:
@@ -261,6 +261,7 @@ class _Supervisor(threading.Thread):
             )
         )
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(cpu_framework_env(str(self.launch.get("backend")), env))
         gpus = [g for r in local for g in nodes[r][2]]
         if gpus:  # as torchrun on one node: every local rank sees the node's job GPUs, and takes cuda:LOCAL_RANK
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
