@@ -47,6 +47,7 @@ class Job(JobLifecycle):
         run_dir: path of its run directory (logs stay there after the job).
         background: whether a background thread follows the job (``submit``), else the caller does.
         mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked.
+        mlflow_tracking_uri: the store (or server) that run is in, absolute, or ``None`` when it is not tracked.
         title: how messages name it: ``job <id>``, or ``session s1 cell 3`` for a session's cell.
         activity: what a running job's ranks do that its state does not say (``rank 0 in debugger``), or ``""``;
             the panel's header shows it.
@@ -75,6 +76,7 @@ class Job(JobLifecycle):
         self.activity = ""
         self._results: list[Any] | None = None
         self.mlflow_run_id: str | None = None
+        self.mlflow_tracking_uri: str | None = None
         self._notes: list[str] | None = None
         register(self)
 

@@ -314,7 +314,7 @@ class MlflowTracking(JobSink):
         """Name the run on the job (``job.mlflow_run_id``); start the system metrics monitor."""
         if self.run_id is None:
             return
-        job.mlflow_run_id = self.run_id
+        job.mlflow_run_id, job.mlflow_tracking_uri = self.run_id, self.tracking_uri
         assert self.tracking_uri is not None  # set with run_id (_create)
         if self.ui and http_base(self.tracking_uri) is None:
             try:
