@@ -172,7 +172,7 @@ def test_quickstart_panel_tabs_tqdm_and_mlflow_link(jupyter, page, screenshots):
         lines = tail.locator("pre").inner_text().splitlines()
         assert not any(line.startswith(f"rank {1 - rank}") for line in lines), lines  # only this rank's lines
         assert [line for line in lines if line.startswith(f"rank {rank}: epoch ")] == [
-            line for line in lines if re.match(rf"rank {rank}: epoch \d/3 total loss", line)
+            line for line in lines if re.match(rf"rank {rank}: epoch \d/3 mean loss", line)
         ] and len([line for line in lines if line.startswith(f"rank {rank}: epoch ")]) == 3, lines
         bars = [line for line in lines if line.startswith(f"rank {rank} epochs:")]
         assert len(bars) == 1 and "100%" in bars[0] and "3/3" in bars[0], lines  # the bar is one updating line
