@@ -19,9 +19,8 @@ from .common import Context, Section, Table, Target, fmt, fmt_ratio, measure, me
 
 SGPU_CELL = """\
 import threading, pickle, tempfile, pathlib
-for _t in threading.enumerate():  # the extension imports mlflow in the background once the host is warm: not timed
-    if _t.name == "sgpu_magic-mlflow-import":
-        _t.join(300)
+from sgpu_magic.testing import wait_for_tracking
+wait_for_tracking(300)  # the extension imports mlflow in the background after its cell: not timed
 from sgpu_magic import Session, CellInterruptedError
 _ip = get_ipython()
 _res = {"trivial": [], "pull": [], "allreduce": [], "interrupt": [], "pull100": [], "raw100": [], "start": [], "warm_job": []}

@@ -44,6 +44,8 @@ _LAZY = {
 _SUBMODULES = {"runtime", "errors", "data", "checkpoint"}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
+    from collections.abc import Callable
+
     from IPython.core.interactiveshell import InteractiveShell
 
     from sgpu_magic import checkpoint, data, errors, runtime  # noqa: F401 - what type checkers see
@@ -130,12 +132,26 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__) | {"__version__"})
 
 
+def _after_this_cell(ipython: InteractiveShell, task: Callable[[], None]) -> None:
+    """Run ``task`` once the running cell has ended (IPython's ``post_run_cell`` event), or now outside a cell."""
+    events = getattr(ipython, "events", None)
+    if events is None or not getattr(ipython, "execution_count", 0):
+        task()
+        return
+
+    def once(*_: object) -> None:
+        events.unregister("post_run_cell", once)
+        task()
+
+    events.register("post_run_cell", once)
+
+
 def load_ipython_extension(ipython: InteractiveShell) -> None:
     """``%load_ext sgpu_magic``: register ``%%distributed``, ``%distributed_run`` and ``%mlflow_ui``, start the
     launch host and import mlflow in the background."""
     from sgpu_magic.launch.client import get_host
 
-    host = get_host()  # first: its forkserver preloads torch while the rest loads (the first launch waits for it)
+    get_host()  # first: its forkserver preloads torch while the rest loads (the first launch waits for it)
 
     from sgpu_magic.front.magics import DistributedMagics
     from sgpu_magic.front.session_magics import SessionMagics
@@ -148,9 +164,13 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
     from sgpu_magic.tracking.uri import pin_default_store
 
     pin_default_store(os.getcwd())  # MLflow's default store stays in the notebook's folder after a %cd
+    from sgpu_magic.tracking.worker import settle_ended_runs
+
+    if settle_ended_runs not in ipython.events.callbacks["pre_run_cell"]:  # a cell reads earlier jobs' runs ended
+        ipython.events.register("pre_run_cell", settle_ended_runs)
     if magics is None or magics.mlflow:
         from sgpu_magic.tracking.run import warm_up
 
-        # import mlflow (~2 s) in the background, before the first tracked job needs it, once the host's
-        # forkserver is warm (the first launch waits for it; on few cores the import would slow it down)
-        warm_up(after=host.ready_markers)
+        # import mlflow (~2 s) on the tracking worker once this cell has ended, before the first tracked job's run
+        # is made there (no launch waits for it)
+        _after_this_cell(ipython, warm_up)

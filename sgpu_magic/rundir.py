@@ -336,6 +336,12 @@ class RunDir:
     logs_dir = _entry("logs", "One ``rank_<r>.log`` per rank (stdout and stderr), kept after the job.")
     results_dir = _entry("results", "Each rank's pickled value (``rank_<r>.pkl``) and ``sys.exit`` note.")
     errors_dir = _entry("errors", "Each failed rank's error (``rank_<r>.json``); ``attempt_<k>/`` of earlier attempts.")
+    mlflow_file = _entry(
+        "mlflow.json",
+        "The job's MLflow run once the kernel has made it (``run_id``, ``tracking_uri``, ``experiment_id``, ...; "
+        "``run_id`` null when tracking could not start): ranks adopt it when they first need it, and the launch "
+        "host ends it if the kernel could not (see :mod:`sgpu_magic.rank.mlflow_guard`).",
+    )
     mlflow_ended_file = _entry(
         "mlflow_ended",
         "Left by the kernel once it has ended the job's MLflow run (else the launch host ends it on its way out).",

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from sgpu_magic.job.handle import Job
     from sgpu_magic.ui.text import TextView
 
-__all__ = ["mlflow_ui_pid", "start_job"]
+__all__ = ["mlflow_ui_pid", "start_job", "wait_for_tracking"]
 
 
 def start_job(
@@ -79,3 +79,12 @@ def mlflow_ui_pid() -> int | None:
 
     ui = running_ui()
     return None if ui is None else ui.pid
+
+
+def wait_for_tracking(timeout_s: float | None = 120.0) -> bool:
+    """Wait until every MLflow write the kernel has queued so far is done (mlflow's background import, runs made,
+    parameterised and ended: :mod:`sgpu_magic.tracking.worker`); whether they were within ``timeout_s`` seconds.
+    A benchmark calls it before it times a launch, so the import's CPU is not in the measurement."""
+    from sgpu_magic.tracking.worker import worker
+
+    return worker().flush(timeout_s)

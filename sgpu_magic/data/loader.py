@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
+from sgpu_magic._util.mlflow_run import job_run_id
 from sgpu_magic.data.dataset import rank_and_world
 
 
@@ -74,9 +75,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self.passes += 1
 
     def _report(self, start: int) -> None:
-        run_id = os.environ.get("MLFLOW_RUN_ID")
         times = self.fetch_times_s[start:]
-        if not (self.log_to_mlflow and run_id and times):
+        if not (self.log_to_mlflow and times):
+            return
+        run_id = job_run_id() or os.environ.get("MLFLOW_RUN_ID")  # the job's run (adopted now if need be), or one
+        if not run_id:  # the code's own environment names (outside sgpu_magic)
             return
         from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient

@@ -45,9 +45,9 @@ from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES
 from sgpu_magic.ui.text import TextView
 
 
-def make_sinks(spec: LaunchSpec, view: JobSink | None, parent_run: tuple[str, str] | None = None) -> list[JobSink]:
+def make_sinks(spec: LaunchSpec, view: JobSink | None, parent_run: JobSink | None = None) -> list[JobSink]:
     """Who follows the job: MLflow tracking first (it names the run the view links to), then the view.
-    ``parent_run``: the MLflow run to nest the job's run under (a session cell's: the session's run)."""
+    ``parent_run``: the tracking of the MLflow run to nest the job's run under (a session cell's: the session's)."""
     sinks: list[JobSink] = []
     if spec.mlflow:
         from sgpu_magic.tracking.run import DEFAULT_EXPERIMENT, MlflowTracking
@@ -56,7 +56,7 @@ def make_sinks(spec: LaunchSpec, view: JobSink | None, parent_run: tuple[str, st
             MlflowTracking(
                 default_experiment=resolve_config(FromConfig("mlflow_experiment", DEFAULT_EXPERIMENT)),
                 ui=resolve_config(FromConfig("mlflow_ui", False)),
-                parent_run=parent_run,
+                parent=parent_run if isinstance(parent_run, MlflowTracking) else None,
             )
         )
     sinks.append(view or make_view(spec.widgets, resolve_config(FromConfig("max_log_lines", DEFAULT_MAX_LINES))))

@@ -66,6 +66,11 @@ class DistributedMagics(Magics):
     mlflow = Bool(
         True, help="Track each job as one MLflow run (--no-mlflow / mlflow=False turn it off for one job)."
     ).tag(config=True)
+    mlflow_per_cell = Bool(
+        False,
+        help="A live session is one MLflow run; True also gives each of its cells a child run (with the cell's "
+        "params and logs; made and ended off the cell's path). --mlflow-per-cell turns it on for one session.",
+    ).tag(config=True)
     mlflow_ui = Bool(
         False,
         help="Start the local MLflow UI server (as %mlflow_ui does) with the first tracked job, so run links work.",

@@ -54,7 +54,9 @@ class Session:
         idle_timeout: stop the session after this many seconds without a cell (its GPUs are released);
             ``None``: never. Default: ``%config DistributedMagics.session_idle_timeout_s`` (``None``).
         widgets: the panel (True), plain text (False) or decide (None), as for ``@distributed``.
-        mlflow: track the session as one MLflow run and each cell as a child run. Default True.
+        mlflow: track the session as one MLflow run (the ranks' metrics land in it, from every cell). Default True.
+        mlflow_per_cell: also a child run per cell, with the cell's params and logs (made and ended off the cell's
+            path). Default: ``%config DistributedMagics.mlflow_per_cell`` (False): a cell costs no MLflow write.
         name: the session's name (``%%distributed --session NAME``). Default ``s1``, ``s2``, ...
 
     The ranks start at once (from the launch host's warm forkserver, or in Ray actors with ``cluster``), hold their
@@ -74,6 +76,7 @@ class Session:
         widgets: bool | None = FromConfig("widgets", None),  # type: ignore[assignment]
         mlflow: bool = FromConfig("mlflow", True),  # type: ignore[assignment]
         name: str | None = None,
+        mlflow_per_cell: bool = FromConfig("mlflow_per_cell", False),  # type: ignore[assignment]
     ) -> None:
         spec = job_spec(
             "session",
@@ -90,6 +93,7 @@ class Session:
         self.name = self._unique_name(name)
         lease_dir = resolve_config(FromConfig("lease_dir", "")) or None
         self._core = SessionCore(spec, self._sinks, self.name, idle_timeout_s, lease_dir)
+        self._core.mlflow_per_cell = bool(resolve_config(mlflow_per_cell))
         self._core.on_idle_stop = self._announce
         self._max_capture_bytes = int(resolve_config(FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES)))
         register(self)
@@ -149,7 +153,7 @@ class Session:
 
     # -- cells
 
-    def _sinks(self, spec: LaunchSpec, parent_run: tuple[str, str] | None) -> list[JobSink]:
+    def _sinks(self, spec: LaunchSpec, parent_run: JobSink | None) -> list[JobSink]:
         return make_sinks(spec, None, parent_run)
 
     def _announce(self, message: str) -> None:

@@ -123,7 +123,12 @@ class SessionMagics(Magics):
         "(default: DistributedMagics.session_idle_timeout_s, None = never).",
     )
     @argument("--no-widgets", action="store_true", help="start: plain [rank N] text instead of the panel.")
-    @argument("--no-mlflow", action="store_true", help="start: no MLflow runs (one per session, a child per cell).")
+    @argument("--no-mlflow", action="store_true", help="start: no MLflow run (by default one for the session).")
+    @argument(
+        "--mlflow-per-cell",
+        action="store_true",
+        help="start: also a child MLflow run per cell, with its params and logs (DistributedMagics.mlflow_per_cell).",
+    )
     @argument("--all", action="store_true", help="stop: every session of this kernel.")
     @argument("-o", "--output", default=None, metavar="NAME", help="start: store the Session in this variable.")
     @magic_help(
@@ -175,6 +180,7 @@ class SessionMagics(Magics):
             idle_timeout=idle if args.idle_timeout is not None else FromConfig("session_idle_timeout_s", None),  # type: ignore[arg-type]
             widgets=False if args.no_widgets else FromConfig("widgets", None),  # type: ignore[arg-type]
             mlflow=False if args.no_mlflow else FromConfig("mlflow", True),  # type: ignore[arg-type]
+            mlflow_per_cell=True if args.mlflow_per_cell else FromConfig("mlflow_per_cell", False),  # type: ignore[arg-type]
             name=args.name,
         )
         if args.output:

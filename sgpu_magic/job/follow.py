@@ -194,6 +194,10 @@ class JobSink:
         """The launch failed after ``prepare`` (no ``started`` or ``finished`` follows): release what
         ``prepare`` set up."""
 
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Wait (at most ``timeout_s``) until what the sink records for the job elsewhere has been written (MLflow
+        tracking writes off the job's path); ``Job.mlflow_run_id`` calls it."""
+
     def run_url(self) -> str | None:
         """A link to the page of what the sink records for the job, if a server shows it now (``Job.run_url``)."""
         return None

@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 __all__ = ["CANCEL_WAIT_S", "Job", "jobs"]
 
 
+SETTLE_S = 60.0
+"""The longest ``Job.mlflow_run_id`` waits for the run's queued MLflow writes (a first job may wait for mlflow's import
+and a new store)."""
+
+
 class Job(JobLifecycle):
     """A pending, running or finished distributed job (future-like).
 
@@ -46,7 +51,9 @@ class Job(JobLifecycle):
         plan: where its ranks run (:class:`~sgpu_magic.launch.resources.DevicePlan`; its ``gpus`` once leased).
         run_dir: path of its run directory (logs stay there after the job).
         background: whether a background thread follows the job (``submit``), else the caller does.
-        mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked.
+        mlflow_run_id: the job's MLflow run, or ``None`` when it is not tracked. The run is made while the ranks
+            start and ended after the job (off its path): reading this waits for what is queued for the run, so
+            once the job has ended the run read through it is in its final state.
         mlflow_tracking_uri: the store (or server) that run is in, absolute, or ``None`` when it is not tracked.
         title: how messages name it: ``job <id>``, or ``session s1 cell 3`` for a session's cell.
         activity: what a running job's ranks do that its state does not say (``rank 0 in debugger``), or ``""``;
@@ -75,14 +82,38 @@ class Job(JobLifecycle):
         self.summary_on_success = True
         self.activity = ""
         self._results: list[Any] | None = None
-        self.mlflow_run_id: str | None = None
-        self.mlflow_tracking_uri: str | None = None
+        self._mlflow_run_id: str | None = None
+        self._mlflow_tracking_uri: str | None = None
         self._notes: list[str] | None = None
         register(self)
 
     job_id = property(lambda self: self._rd.job_id)
     run_dir = property(lambda self: self._rd.path)
     launcher = property(lambda self: self._host, doc="The launcher that runs the job (``None`` before its launch).")
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """See the class docstring (waits at most :data:`SETTLE_S` for the run's queued writes)."""
+        self._settle()
+        return self._mlflow_run_id
+
+    @mlflow_run_id.setter
+    def mlflow_run_id(self, run_id: str | None) -> None:
+        self._mlflow_run_id = run_id
+
+    @property
+    def mlflow_tracking_uri(self) -> str | None:
+        """See the class docstring."""
+        self._settle()
+        return self._mlflow_tracking_uri
+
+    @mlflow_tracking_uri.setter
+    def mlflow_tracking_uri(self, uri: str | None) -> None:
+        self._mlflow_tracking_uri = uri
+
+    def _settle(self) -> None:
+        for sink in self._sinks:
+            sink.settle(SETTLE_S)
 
     @property
     def run_url(self) -> str | None:

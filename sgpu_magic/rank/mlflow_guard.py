@@ -1,7 +1,12 @@
 """Rank side of MLflow tracking: a rank never ends the job's MLflow run, and flushes its async logging.
 
-The kernel creates the job's run and passes it to the ranks as ``MLFLOW_RUN_ID`` (and
-``SGPU_MAGIC_MLFLOW_RUN_ID``, which MLflow does not consume). A rank that calls ``mlflow.log_metric``
+The kernel creates the job's run while the ranks start (never on the launch's path) and writes its identity into
+the run directory (``mlflow.json``, whose path the ranks get as ``SGPU_MAGIC_MLFLOW_RUN_FILE``). A rank adopts it
+when it first needs it: once its code imports mlflow, or its first :func:`sgpu_magic.runtime.log_metric` point goes
+to MLflow (waiting for the file, at most :data:`RUN_WAIT_S`, if the run is not made yet). It then sets
+``MLFLOW_TRACKING_URI``, ``MLFLOW_RUN_ID``, ``MLFLOW_EXPERIMENT_ID``, ``MLFLOW_EXPERIMENT_NAME`` (and
+``MLFLOW_REGISTRY_URI``) in its environment, as the ranks' environment had them when the kernel made the run before
+the launch, and ``SGPU_MAGIC_MLFLOW_RUN_ID`` (which MLflow does not consume). A rank that calls ``mlflow.log_metric``
 adopts that run, and one that runs ``with mlflow.start_run(): ...`` or ``mlflow.end_run()`` would
 mark it FINISHED while the other ranks still run (or FAILED for one rank's error). So, once
 ``mlflow.tracking.client`` is imported in a rank, ``MlflowClient.set_terminated`` skips that one
@@ -33,8 +38,8 @@ import time
 from sgpu_magic._compat.mlflow import tracking_store_built
 from sgpu_magic._util.imports import AfterImport
 from sgpu_magic._util.metrics import WRITER, Point
+from sgpu_magic._util.mlflow_run import RUN_FILE_ENV, RUN_ID_ENV, job_run_id, run_env  # noqa: F401 - run_env: for Ray
 
-RUN_ID_ENV = "SGPU_MAGIC_MLFLOW_RUN_ID"
 _CLIENT_MODULE = "mlflow.tracking.client"
 _FLUENT_MODULE = "mlflow"
 RANK_TAG = "sgpu_magic.rank"
@@ -70,17 +75,29 @@ def _after_import(name: str, callback) -> None:
 
 
 def guard_job_run() -> None:
-    """In a tracked rank (``SGPU_MAGIC_MLFLOW_RUN_ID`` set), now or once mlflow is imported: keep this process
-    from ending the job's run, record ``mlflow.log_metric(s)`` points in the metrics file, turn
-    ``mlflow.start_run()`` into the rank's child run; and send :func:`sgpu_magic.runtime.log_metric` points to
-    MLflow."""
-    run_id = os.environ.get(RUN_ID_ENV)
-    if not run_id:
+    """In a tracked rank (``SGPU_MAGIC_MLFLOW_RUN_FILE`` or ``SGPU_MAGIC_MLFLOW_RUN_ID`` set), once mlflow is
+    imported: adopt the job's run (:func:`job_run_id`), keep this process from ending it, record
+    ``mlflow.log_metric(s)`` points in the metrics file, turn ``mlflow.start_run()`` into the rank's child run; and
+    send :func:`sgpu_magic.runtime.log_metric` points to MLflow."""
+    job_run_id.cache_clear()  # a warm rank forked from a process that resolved one already (never: but cheap)
+    if not os.environ.get(RUN_ID_ENV) and not os.environ.get(RUN_FILE_ENV):
         WRITER.forward = None
         return
-    WRITER.forward = functools.partial(forward_metrics, run_id)
-    _after_import(_CLIENT_MODULE, functools.partial(_patch, run_id=run_id))
-    _after_import(_FLUENT_MODULE, functools.partial(_patch_fluent, job_run=run_id))
+    WRITER.forward = forward_metrics
+    _after_import(_CLIENT_MODULE, _patch_once_known)
+    _after_import(_FLUENT_MODULE, _patch_fluent_once_known)
+
+
+def _patch_once_known(module) -> None:
+    run_id = job_run_id()
+    if run_id is not None:
+        _patch(module, run_id)
+
+
+def _patch_fluent_once_known(mlflow) -> None:
+    run_id = job_run_id()
+    if run_id is not None:
+        _patch_fluent(mlflow, run_id)
 
 
 def _record(metrics: dict, step, timestamp) -> None:
@@ -168,17 +185,21 @@ def _client(mlflow):
     return mlflow.MlflowClient()
 
 
-def forward_metrics(job_run_id: str, batch: list[tuple[str | None, Point]]) -> None:
+def forward_metrics(batch: list[tuple[str | None, Point]]) -> None:
     """Log a batch of :func:`sgpu_magic.runtime.log_metric` points to MLflow (to each point's run, else the job's),
-    synchronously, from the metrics writer's thread; imports mlflow on the first batch. A failure is written to
-    the rank's log, never raised."""
+    synchronously, from the metrics writer's thread; imports mlflow on the first batch (adopting the job's run:
+    :func:`job_run_id`). Without a run (tracking could not start) the points stay in the metrics file only. A
+    failure is written to the rank's log, never raised."""
+    job_run = job_run_id()
+    if job_run is None:
+        return
     try:
         mlflow = importlib.import_module("mlflow")  # dynamic: the rank imports mlflow only once a point is logged
         metric = importlib.import_module("mlflow.entities").Metric
         client = _client(mlflow)
         by_run: dict[str, list] = {}
         for run_id, (name, value, step, time_ms) in batch:
-            by_run.setdefault(run_id or job_run_id, []).append(metric(name, value, time_ms, step))
+            by_run.setdefault(run_id or job_run, []).append(metric(name, value, time_ms, step))
         for run_id, metrics in by_run.items():
             for start in range(0, len(metrics), 1000):  # MLflow's limit per batch
                 client.log_batch(run_id, metrics=metrics[start : start + 1000], synchronous=True)

@@ -52,8 +52,8 @@ class SessionState(enum.Enum):
     STOPPED = "stopped"
 
 
-SinkFactory = Callable[[LaunchSpec, "tuple[str, str] | None"], list[JobSink]]
-"""``(spec, parent MLflow run as (run id, experiment id) or None) -> sinks`` for the session and for each cell."""
+SinkFactory = Callable[[LaunchSpec, "JobSink | None"], list[JobSink]]
+"""``(spec, the session's MLflow tracking sink or None) -> sinks`` for the session and for each cell."""
 
 
 class SessionCore:
@@ -95,7 +95,9 @@ class SessionCore:
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._last_active = time.monotonic()
-        self._parent_run: tuple[str, str] | None = None
+        self._parent_run: JobSink | None = None
+        self.mlflow_per_cell = False
+        """Whether each cell gets a child MLflow run of the session's (else a cell makes no MLflow write)."""
 
     @property
     def stopped(self) -> bool:
@@ -270,7 +272,7 @@ class SessionCore:
         cell's view."""
         self.check_usable()
         assert self.job is not None  # usable: started
-        spec = replace(self.spec, timeout_s=timeout_s, name=label)
+        spec = replace(self.spec, timeout_s=timeout_s, name=label, mlflow=self.spec.mlflow and self.mlflow_per_cell)
         sinks = self.make_sinks(spec, self._parent_run)
         payload = build_payload(self.names_everywhere(ranks), getattr(sinks[-1], "warn", _no_warning))
         assert self._channel is not None  # usable: started

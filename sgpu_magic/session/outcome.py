@@ -13,13 +13,9 @@ from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.session.channel import Request
 
 
-def mlflow_run(sinks: list[JobSink]) -> tuple[str, str] | None:
-    """The session job's MLflow run as ``(run id, experiment id)``: the parent of each cell's run."""
-    for sink in sinks:
-        run_id, experiment_id = getattr(sink, "run_id", None), getattr(sink, "experiment_id", None)
-        if run_id and experiment_id:
-            return str(run_id), str(experiment_id)
-    return None
+def mlflow_run(sinks: list[JobSink]) -> JobSink | None:
+    """The session job's MLflow tracking (the sink that names its run): the parent of each cell's run, if any."""
+    return next((sink for sink in sinks if hasattr(sink, "identity")), None)
 
 
 def cell_status(request: Request, broken: str | None) -> dict[str, Any]:

@@ -1,10 +1,14 @@
-"""MLflow tracking: one run per job, created and ended by the kernel.
+"""MLflow tracking: one run per job, created and ended by the kernel, off the job's path.
 
-:class:`MlflowTracking` is a :class:`~sgpu_magic.job.follow.JobSink`. Before the ranks start it creates
-one MLflow run (nested under the kernel's active run, if any) and hands the ranks its identity
-through their environment (``MLFLOW_TRACKING_URI``, ``MLFLOW_RUN_ID``, ``MLFLOW_EXPERIMENT_ID``,
-``MLFLOW_EXPERIMENT_NAME``), so plain ``mlflow.log_metric(...)`` in rank code lands in the job's
-run. Rank metrics are logged with MLflow's async logging by default (:data:`ASYNC_LOGGING_ENV`),
+:class:`MlflowTracking` is a :class:`~sgpu_magic.job.follow.JobSink`. When the job is handed to its launcher it
+queues the creation of one MLflow run (nested under the kernel's active run, if any) on the kernel's tracking
+worker (:mod:`sgpu_magic.tracking.worker`), so neither the launch nor a kernel's first job waits for the store
+(or for ``import mlflow``). The run's identity goes into the run directory (``mlflow.json``) as soon as it exists,
+and a rank adopts it when it first needs it (``MLFLOW_TRACKING_URI``, ``MLFLOW_RUN_ID``, ``MLFLOW_EXPERIMENT_ID``,
+``MLFLOW_EXPERIMENT_NAME`` in its environment once its code imports mlflow: see
+:mod:`sgpu_magic.rank.mlflow_guard`), so plain ``mlflow.log_metric(...)`` in rank code lands in the job's run.
+The run is ended on the worker too, after the result is handed back; ``job.mlflow_run_id`` waits for what is
+queued for the run, so a run read through it is in its final state once the job has ended. Rank metrics are logged with MLflow's async logging by default (:data:`ASYNC_LOGGING_ENV`),
 flushed before each rank reports (:func:`sgpu_magic.rank.mlflow_guard.flush_async_logging`).
 Ranks never end the run (the worker makes MLflow skip ``set_terminated`` for it); the kernel
 sets the final status when the job ends: FINISHED on success, FAILED when a rank fails, KILLED on
@@ -36,6 +40,7 @@ URI, tied to the kernel's life by a small watchdog process; from then on run lin
 
 from __future__ import annotations
 
+import concurrent.futures
 import getpass
 import logging
 import os
@@ -43,7 +48,6 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,10 +57,11 @@ from sgpu_magic._util.redact import redact
 from sgpu_magic.errors import SgpuError
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.state import JobState
-from sgpu_magic.rank.mlflow_guard import RANK_TAG, RUN_ID_ENV
-from sgpu_magic.rundir import RunDir, atomic_write_bytes
+from sgpu_magic.rank.mlflow_guard import RANK_TAG, RUN_FILE_ENV
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json
 from sgpu_magic.tracking.server import run_link, start_ui
 from sgpu_magic.tracking.uri import http_base, kernel_tracking_uri, notebook_path, sqlite_dir
+from sgpu_magic.tracking.worker import worker
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -78,34 +83,29 @@ STORE_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration")
 _STATUS = {JobState.SUCCEEDED: "FINISHED", JobState.FAILED: "FAILED"}  # every other final state: KILLED
 
 
-_warm_thread: threading.Thread | None = None
+_warming = threading.Event()
+"""Set while :func:`warm_up`'s import of mlflow runs on the tracking worker (not the user's own import)."""
 
 
-def warm_up(after: Sequence[Path] = (), max_wait_s: float = 30.0) -> None:
-    """Import mlflow in a background thread (about 2 s of CPU), so the first tracked job does not wait for it, and
-    the module of the tracking URI's store (:func:`import_store_module`).
+def warm_up() -> None:
+    """Import mlflow (about 2 s of CPU) and the module of the tracking URI's store (:func:`import_store_module`) on
+    the kernel's tracking worker, so they are done before the first tracked job's run is made there. Nothing waits
+    for it: a job's launch never does, and its run is queued after it. Does nothing once mlflow is imported."""
+    if "mlflow" in sys.modules:
+        return
 
-    ``after``: start only once these files exist (the launch host's markers: it has imported torch and its
-    forkserver has preloaded it) or ``max_wait_s`` have passed, so that on a machine with few cores the
-    import does not slow down the host and the forkserver the first launch waits for, nor hold the GIL while
-    the notebook's first cell imports torch. A tracked job that comes earlier imports mlflow itself.
-    """
-    global _warm_thread
-    if _warm_thread is None and "mlflow" not in sys.modules:
+    def _import() -> None:
+        try:
+            import mlflow
 
-        def _import() -> None:
-            deadline = time.monotonic() + max_wait_s
-            while not all(path.exists() for path in after) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            try:
-                import mlflow
+            import_store_module(kernel_tracking_uri(mlflow))
+        except Exception:  # noqa: BLE001 - the job says so when its run cannot be made
+            pass
+        finally:
+            _warming.clear()
 
-                import_store_module(kernel_tracking_uri(mlflow))
-            except Exception:  # noqa: BLE001 - the job reports it when it needs mlflow
-                pass
-
-        _warm_thread = threading.Thread(target=_import, name="sgpu_magic-mlflow-import", daemon=True)
-        _warm_thread.start()
+    _warming.set()
+    worker().submit(_import)
 
 
 def import_store_module(uri: str) -> bool:
@@ -132,8 +132,10 @@ def _warn(text: str) -> None:
 def _fluent_context() -> tuple[tuple[str, str] | None, str | None]:
     """``((run id, experiment id) of the active run or None, experiment set by mlflow.set_experiment)``.
 
-    Nothing is active when mlflow has not been imported by the user."""
-    if "mlflow" not in sys.modules:
+    Nothing is active when mlflow has not been imported by the user (while :func:`warm_up` imports it, a user's
+    own ``import mlflow`` would wait for that import to finish: so nobody can have started a run meanwhile, and
+    this never waits for the import either)."""
+    if "mlflow" not in sys.modules or _warming.is_set():
         return None, None
     import mlflow
 
@@ -161,17 +163,17 @@ class MlflowTracking(JobSink):
         default_experiment: experiment when nothing else names one (``DistributedMagics.mlflow_experiment``).
         ui: start the ``%mlflow_ui`` server for a local store when the job starts
             (``DistributedMagics.mlflow_ui``), so the job's run link works.
-        parent_run: ``(run id, experiment id)`` of the run to nest this one under (a session cell's run under the
-            session's); default: the kernel's active run, if any.
+        parent: the run to nest this one under (a session cell's run under the session's: its
+            :class:`MlflowTracking`); default: the kernel's active run, if any.
 
-    Attributes (after ``prepare``): ``tracking_uri``, ``experiment_id``, ``run_id``; ``None`` when
-    tracking could not start, in which case the job runs untracked after a warning.
+    Attributes (once the run exists, on the tracking worker): ``tracking_uri``, ``experiment_id``, ``run_id``;
+    ``run_id`` stays ``None`` when tracking could not start, in which case the job runs untracked after a warning.
     """
 
     needs_every_line = False  # it reads no output (logs are attached from the files at the end)
 
     def __init__(
-        self, default_experiment: str = DEFAULT_EXPERIMENT, ui: bool = False, parent_run: tuple[str, str] | None = None
+        self, default_experiment: str = DEFAULT_EXPERIMENT, ui: bool = False, parent: MlflowTracking | None = None
     ) -> None:
         self.default_experiment = default_experiment or DEFAULT_EXPERIMENT
         self.ui = ui
@@ -181,44 +183,74 @@ class MlflowTracking(JobSink):
         self._experiment_name: str | None = None
         self._client: MlflowClient | None = None  # these three are set together, with run_id (_create)
         self._monitor: SystemMetricsMonitor | None = None
+        self._job: Job | None = None
+        self._last: concurrent.futures.Future | None = None  # the last task queued for this run
+        self._started_ms = 0
         # read here, in the thread that starts the job: MLflow's active run is thread-local, and a
         # background job prepares its run on another thread
         self._parent_run, self._chosen_experiment_id = _fluent_context()
-        if parent_run is not None:  # a session cell: a child of the session's run
-            self._parent_run = parent_run
+        self._parent = parent
+
+    def _queue(self, task, ends_a_run: bool = False) -> None:
+        self._last = worker().submit(task, ends_a_run)
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Wait (at most ``timeout_s``) until what is queued for this run has been written: the run made (while the
+        job runs), or ended (once it has ended)."""
+        if self._last is not None:
+            concurrent.futures.wait([self._last], timeout_s)
+
+    def identity(self) -> tuple[str, str] | None:
+        """``(run id, experiment id)`` once the run exists, else ``None``. A child run's creation calls it on the
+        worker, which made the parent's run before (tasks run in order): it must not wait there."""
+        return (self.run_id, self.experiment_id) if self.run_id and self.experiment_id else None
 
     # -- before launch
 
+    def created(self, job: Job) -> None:
+        self._job = job
+
     def prepare(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> dict:
-        """Create the run; return the ranks' MLflow environment and the host's ``mlflow`` entry."""
+        """Queue the run's creation; return the ranks' MLflow environment (where to find the run once it exists)."""
+        assert self._job is not None  # created() came first, in the starting thread
+        run_file = RunDir(self._job.run_dir).mlflow_file
+        self._started_ms = int(time.time() * 1000)
+        self._queue(lambda: self._create(job_id, spec, plan, run_file))
+        env = {
+            RUN_FILE_ENV: str(run_file),
+            # the kernel records system metrics for the job; a rank adopting the run must not too
+            "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+            **rank_logging_env(os.environ),
+        }
+        return {"env": env}
+
+    def _create(self, job_id: str, spec: LaunchSpec, plan: DevicePlan, run_file: Path) -> None:
+        """On the worker: make the run, then name it where the ranks and the launch host read it (``mlflow.json``:
+        a ``null`` run id when it could not be made, so no rank waits for it)."""
+        record: dict[str, str | None] = {"run_id": None}
         try:
             self._create_run(job_id, spec, plan)
+            record = {
+                "run_id": self.run_id,
+                "tracking_uri": self.tracking_uri,
+                "experiment_id": self.experiment_id,
+                "experiment_name": self._experiment_name,
+                **self._registry_env(),
+            }
         except Exception as exc:  # noqa: BLE001 - tracking must never stop a job
             self._terminate("FAILED", time.time())
             self.run_id = None
             _warn(f"MLflow tracking is off for job {job_id}: {type(exc).__name__}: {exc}")
-            return {}
-        except BaseException:  # interrupted while the run was being set up: the job does not start
-            self._terminate("KILLED", time.time())
-            raise
-        env = {
-            "MLFLOW_TRACKING_URI": self.tracking_uri,
-            "MLFLOW_RUN_ID": self.run_id,
-            "MLFLOW_EXPERIMENT_ID": self.experiment_id,
-            "MLFLOW_EXPERIMENT_NAME": self._experiment_name,
-            RUN_ID_ENV: self.run_id,
-            # the kernel records system metrics for the job; a rank adopting the run must not too
-            "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
-            **rank_logging_env(os.environ),
-            **self._registry_env(),
-        }
-        return {
-            "env": env,
-            "mlflow": {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "experiment_id": self.experiment_id},
-        }
+        finally:
+            atomic_write_json(run_file, {**record, "error": None if record["run_id"] else "tracking could not start"})
+        job = self._job
+        if self.run_id is not None and job is not None:
+            job.mlflow_run_id, job.mlflow_tracking_uri = self.run_id, self.tracking_uri
+            if not job.ended:
+                self._start_watching()
 
     def _registry_env(self) -> dict[str, str | None]:
-        """``MLFLOW_REGISTRY_URI`` for the ranks: the kernel's registry URI (MLflow's default: the tracking URI).
+        """``registry_uri`` for the ranks: the kernel's registry URI (MLflow's default: the tracking URI).
 
         Where it is not set, every ``MlflowClient()`` MLflow makes (two per fluent ``log_metric``) looks
         for a Spark session, a failed ``import pyspark`` each time: 1.3 ms of a 1.5 ms ``log_metric`` here.
@@ -232,7 +264,7 @@ class MlflowTracking(JobSink):
             same = registry == mlflow.get_tracking_uri()
         except Exception:  # noqa: BLE001 - only a speed-up: the ranks then resolve it themselves
             return {}
-        return {"MLFLOW_REGISTRY_URI": self.tracking_uri if same else registry} if registry else {}
+        return {"registry_uri": self.tracking_uri if same else registry} if registry else {}
 
     def _create_run(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> None:
         import mlflow
@@ -242,7 +274,7 @@ class MlflowTracking(JobSink):
         divert_info(*STORE_LOGGERS)  # a new store's "Creating initial MLflow database tables" is not for the cell
         uri = kernel_tracking_uri(mlflow)
         client = MlflowClient(uri)
-        parent = self._parent_run
+        parent = self._parent.identity() if self._parent is not None else self._parent_run
         experiment_id, name = self._experiment(client, uri, parent)
         notebook = notebook_path()
         tags = {"sgpu_magic.job_id": job_id, "mlflow.source.type": "NOTEBOOK" if notebook else "LOCAL"}
@@ -254,7 +286,7 @@ class MlflowTracking(JobSink):
             tags["mlflow.user"] = getpass.getuser()
         except Exception:  # noqa: BLE001 - no user name in some containers
             pass
-        run = client.create_run(experiment_id, run_name=spec.name, tags=tags)
+        run = client.create_run(experiment_id, start_time=self._started_ms or None, run_name=spec.name, tags=tags)
         self._client, self.tracking_uri, self.run_id = client, uri, run.info.run_id
         self.experiment_id, self._experiment_name = experiment_id, name
         params = {
@@ -310,12 +342,10 @@ class MlflowTracking(JobSink):
 
     # -- while the job runs
 
-    def started(self, job: Job) -> None:
-        """Name the run on the job (``job.mlflow_run_id``); start the system metrics monitor."""
-        if self.run_id is None:
-            return
-        job.mlflow_run_id, job.mlflow_tracking_uri = self.run_id, self.tracking_uri
-        assert self.tracking_uri is not None  # set with run_id (_create)
+    def _start_watching(self) -> None:
+        """On the worker, once the run exists and the job still runs: the ``%mlflow_ui`` server (if configured) and
+        the system metrics monitor."""
+        assert self.tracking_uri is not None and self.run_id is not None  # set with run_id (_create)
         if self.ui and http_base(self.tracking_uri) is None:
             try:
                 start_ui(self.tracking_uri, wait=False)
@@ -332,7 +362,11 @@ class MlflowTracking(JobSink):
             self._monitor = None
 
     def finished(self, job: Job) -> None:
-        """Stop the monitor, attach logs and error files, then set the final status and end time."""
+        """Queue the run's end: stop the monitor, attach logs and error files, then set the final status and end
+        time (after ``result()`` has handed the values back)."""
+        self._queue(lambda: self._finish(job), ends_a_run=True)
+
+    def _finish(self, job: Job) -> None:
         if self.run_id is None:
             return
         status = _STATUS.get(job.state, "KILLED")
@@ -358,15 +392,20 @@ class MlflowTracking(JobSink):
     def run_url(self) -> str | None:
         """The run's page (``job.run_url``): on the tracking server, or on the ``%mlflow_ui`` server running
         for the store now; ``None`` when there is neither, or the job is not tracked."""
-        if self.run_id is None:
+        run_id, uri, experiment_id = self.run_id, self.tracking_uri, self.experiment_id
+        if run_id is None or uri is None or experiment_id is None:  # not tracked, or not made yet
             return None
-        assert self.tracking_uri is not None and self.experiment_id is not None  # set with run_id (_create)
-        return run_link(self.tracking_uri, self.experiment_id, self.run_id)
+        return run_link(uri, experiment_id, run_id)
 
     def launch_failed(self, job_id: str, error: BaseException) -> None:
-        """The job never started: end its run FAILED (KILLED when the launch was interrupted)."""
-        self._stop_monitor()
-        self._terminate("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", time.time())
+        """The job never started: end its run FAILED (KILLED when the launch was interrupted), once it exists."""
+        status, ended_s = ("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"), time.time()
+
+        def end() -> None:
+            self._stop_monitor()
+            self._terminate(status, ended_s)
+
+        self._queue(end, ends_a_run=True)
 
     def _terminate(self, status: str, ended_s: float) -> None:
         if self.run_id is None or self._client is None:

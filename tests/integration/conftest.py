@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 
 import psutil
 import pytest
 
 from sgpu_magic.launch.client import get_host
+from sgpu_magic.testing import wait_for_tracking
 
 from helpers import run_dirs, wait_for
 
@@ -62,9 +62,7 @@ def settled(ip, sgpu_home):
     kernel, host = os.getpid(), get_host().pid
     if os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess":
         wait_for(lambda: _pool_started(host), 120.0, "the launch host's forkserver to start")
-    for thread in threading.enumerate():
-        if thread.name == "sgpu_magic-mlflow-import":
-            thread.join(120.0)
+    wait_for_tracking(120.0)  # the kernel's background import of mlflow
 
     @contextlib.contextmanager
     def nothing_starts():

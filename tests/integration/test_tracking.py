@@ -27,7 +27,7 @@ import pytest
 from sgpu_magic import JobState, distributed
 from sgpu_magic.errors import JobTimeoutError, LauncherError, RankFailedError
 from sgpu_magic.launch.client import get_host
-from sgpu_magic.testing import start_job
+from sgpu_magic.testing import start_job, wait_for_tracking
 from sgpu_magic.tracking.server import MlflowUIError, run_link, start_ui, stop_ui
 from sgpu_magic.tracking.uri import absolute_tracking_uri
 
@@ -52,6 +52,9 @@ def experiment(monkeypatch):
 
 
 def runs_of(client, name: str) -> list:
+    """The experiment's runs, once the kernel's queued MLflow writes are done (runs are made and ended off the
+    jobs' path: ``job.mlflow_run_id`` waits for them likewise)."""
+    assert wait_for_tracking(120.0)
     experiment = client.get_experiment_by_name(name)
     return [] if experiment is None else client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
 
@@ -167,7 +170,10 @@ def test_job_names_its_run_and_ranks_get_the_run_identity(experiment):
     def identity():
         import os
 
-        return {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID")}
+        before = os.environ.get("MLFLOW_RUN_ID")  # the run is made while the ranks start: adopted on import
+        import mlflow  # noqa: F401
+
+        return before, {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID")}
 
     seen = identity.distributed()
     (run,) = runs_of(client, name)
@@ -177,11 +183,14 @@ def test_job_names_its_run_and_ranks_get_the_run_identity(experiment):
     assert (
         seen
         == [
-            {
-                "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"],
-                "MLFLOW_RUN_ID": run.info.run_id,
-                "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
-            }
+            (
+                None,
+                {
+                    "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"],
+                    "MLFLOW_RUN_ID": run.info.run_id,
+                    "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
+                },
+            )
         ]
         * 2
     )
@@ -812,3 +821,51 @@ def test_each_rank_s_cpu_and_memory_are_sampled_and_its_peak_rss_reported(experi
     assert [metrics[f"system/rank_{r}_peak_rss_megabytes"] for r in (0, 1)] == [
         round(peaks[r] / 1e6, 1) for r in (0, 1)
     ]
+
+
+@pytest.mark.slow  # ~60 s: 200 cells and 50 jobs, every write of theirs checked in the store
+@pytest.mark.timeout(600)
+def test_nothing_tracked_is_lost_off_the_path_200_session_cells_and_50_jobs(experiment):
+    """Runs are made, parameterised and ended on the kernel's tracking worker, off every launch's and cell's path:
+    once the session stops (and the jobs have returned), every param, tag, metric and artifact is in the store."""
+    from sgpu_magic import Session
+
+    client, name = experiment
+    session = Session(gpus=2, widgets=False, mlflow_per_cell=True, name="tracked")
+    try:
+        session.run_cell("from sgpu_magic import runtime\nimport mlflow")
+        for i in range(200):
+            assert session.run_cell(f"runtime.log_metric('cell_rank' + str(runtime.get_global_rank()), {i}, step={i})\n{i}") == [i, i]
+    finally:
+        session.stop()
+
+    @distributed(gpus=2, widgets=False)
+    def job(i):
+        if i % 10 == 0:  # a rank's first MLflow call imports mlflow there (2 s of CPU): every tenth job logs
+            import mlflow
+
+            mlflow.log_metric("job_value", i)
+        return i
+
+    ids = []
+    for i in range(50):
+        assert job.distributed(i) == [i, i]
+        ids.append(job.last_job.mlflow_run_id)
+    assert wait_for_tracking(120.0)
+    session_run = client.get_run(session.job.mlflow_run_id)
+    assert session_run.info.status == "FINISHED"
+    for rank in (0, 1):
+        history = client.get_metric_history(session_run.info.run_id, f"cell_rank{rank}")
+        assert sorted(m.step for m in history) == list(range(200)), rank
+    cells = client.search_runs(
+        [session_run.info.experiment_id], f"tags.mlflow.parentRunId = '{session_run.info.run_id}'", max_results=1000
+    )
+    assert len(cells) == 201 and {c.info.status for c in cells} == {"FINISHED"}
+    assert all(c.data.params["world_size"] == "2" and c.data.tags["sgpu_magic.state"] == "succeeded" for c in cells)
+    assert all(artifact_paths(client, c.info.run_id, "logs") == ["logs/rank_0.log", "logs/rank_1.log"] for c in cells)
+    for i, run_id in enumerate(ids):
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED" and run.data.params["gpus"] == "2", i
+        assert [m.value for m in client.get_metric_history(run_id, "job_value")] == [float(i)] * 2 * (i % 10 == 0), i
+        assert run.data.tags["sgpu_magic.state"] == "succeeded" and run.info.end_time is not None
+        assert artifact_paths(client, run_id, "logs") == ["logs/rank_0.log", "logs/rank_1.log"]

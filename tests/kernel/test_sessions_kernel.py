@@ -87,7 +87,39 @@ def test_kernel_sigkill_leaves_no_session_rank(tmp_path):
     wait_for(lambda: client.get_run(run_id).info.status != "RUNNING", 30, "the session's MLflow run to end")
     assert client.get_run(run_id).info.status == "KILLED"
     children = client.search_runs([client.get_run(run_id).info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
-    assert [c.info.status for c in children] == ["FINISHED"]
+    assert children == []  # a session is one run: its cells make none by default
+
+
+def test_kernel_sigkill_mid_cell_leaves_no_mlflow_run_of_the_session_running(tmp_path):
+    """With a child run per cell (``--mlflow-per-cell``), a kernel SIGKILLed while a cell runs leaves the session's
+    run and the running cell's child run KILLED (the launch host ends them on its way out), the ended cell's
+    FINISHED: none RUNNING."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    km, kc = start_kernel()
+    try:
+        out = execute(kc, "%distributed_session start --gpus 2 --mlflow-per-cell -o sess")
+        assert out.error is None, out.error
+        pids = [int(p) for p in value(kc, "sorted(sess.pids.values())").strip("[]").split(", ")]
+        run_id = value(kc, "sess.job.mlflow_run_id").strip("'")
+        experiment = client.get_run(run_id).info.experiment_id
+        out = execute(kc, "%%distributed --session\nx = 1\nx")
+        assert out.error is None and out.results == ["1"], out
+        kc.execute("%%distributed --session\nimport time\ntime.sleep(600)")
+
+        def cells() -> list[str]:
+            found = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run_id}'")
+            return sorted(c.info.status for c in found)
+
+        wait_for(lambda: cells() == ["FINISHED", "RUNNING"], 60, "the running cell's child run")
+        os.kill(km.provisioner.pid, signal.SIGKILL)
+        assert wait_gone(pids, 10.0) == []
+    finally:
+        stop_kernel(km, kc)
+    wait_for(lambda: client.get_run(run_id).info.status != "RUNNING", 30, "the session's MLflow run to end")
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert cells() == ["FINISHED", "KILLED"]
 
 
 def _debug(kc, code: str, answers: list[str], timeout_s: float = 120):

@@ -12,14 +12,19 @@ fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 os.dup2(fd, 2)  # as the host's _detach does: stderr is the log file
 from sgpu_magic.launch.host.process import host_logging
 from sgpu_magic.launch.host.cleanup import end_mlflow_run
+from sgpu_magic.rundir import RunDir, atomic_write_json
 host_logging()
-end_mlflow_run({"mlflow": {"run_id": "r1", "tracking_uri": "bogus://user:hunter22@host/db"}}, "failed")
+rd = RunDir.create(__import__("pathlib").Path(sys.argv[2]))
+atomic_write_json(rd.mlflow_file, {"run_id": "r1", "tracking_uri": "bogus://user:hunter22@host/db"})
+end_mlflow_run(rd, "failed")
 """
 
 
 def test_a_host_diagnostic_is_one_redacted_line_of_the_host_log(tmp_path):
     log = tmp_path / "host.log"
-    run = subprocess.run([sys.executable, "-c", HOST_LIKE, str(log)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", HOST_LIKE, str(log), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     lines = log.read_text().splitlines()
     assert len(lines) == 1, lines

@@ -9,6 +9,8 @@ import threading
 
 import psutil
 
+from sgpu_magic.rundir import RunDir, read_json
+
 log = logging.getLogger(__name__)
 
 
@@ -67,13 +69,18 @@ def import_mlflow_in_background() -> None:
         _mlflow_import.start()
 
 
-def end_mlflow_run(launch: dict, state: str) -> None:
-    """End the job's MLflow run if it is still RUNNING: the host is exiting, so the kernel is gone (or let
-    go of the host) and may have died before it ended the run; a job stopped now ends KILLED.
+def end_mlflow_run(run_dir: RunDir, state: str) -> None:
+    """End the job's MLflow run if it is still RUNNING, and its child runs still RUNNING (a session's cells', the
+    ranks' own): the host is exiting, so the kernel is gone (or let go of the host) and may have died before it
+    ended them; a job stopped now ends KILLED. The run is the one the kernel named in ``mlflow.json`` once it made
+    it (read through the private-read check); none there (not made yet, or untracked): nothing to end.
 
     mlflow is imported only here; a failure is logged, never raised.
     """
-    info = launch.get("mlflow") or {}
+    try:
+        info = read_json(run_dir.mlflow_file, private=True) or {}
+    except OSError:
+        return
     if not info.get("run_id"):
         return
     status = _RUN_STATUS.get(state, "KILLED")
@@ -81,8 +88,13 @@ def end_mlflow_run(launch: dict, state: str) -> None:
         from mlflow import MlflowClient
 
         client = MlflowClient(info["tracking_uri"])
-        if client.get_run(info["run_id"]).info.status == "RUNNING":
-            client.set_terminated(info["run_id"], status)
+        run = client.get_run(info["run_id"])
+        children = client.search_runs(
+            [run.info.experiment_id],
+            f"tags.mlflow.parentRunId = '{info['run_id']}' and attributes.status = 'RUNNING'",
+        )
+        for left in [*children, *([run] if run.info.status == "RUNNING" else [])]:
+            client.set_terminated(left.info.run_id, status)
     except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
         log.warning(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}")
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 from sgpu_magic.launch.base import finish_job
 from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
+from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
 from sgpu_magic.status import StatusWriter
 
@@ -77,6 +78,7 @@ class _Supervisor(threading.Thread):
         )
         self.status = self.writer.status  # changed in place, written by _write
         self._stop_reason: str | None = None
+        self._mlflow: dict[str, str] | None = None
         self.finished = False
         self.offsets = [0] * self.world
         self.metric_offsets = [(0, 0)] * self.world  # (metrics file, name table) of each rank, copied so far
@@ -233,6 +235,15 @@ class _Supervisor(threading.Thread):
         # a live session's run directory has its session folder (made by its channel): the agents make the FIFOs
         return {**{k: self.launch.get(k) for k in keep}, "session": self.rd.session_dir.is_dir()}
 
+    def _mlflow_env(self) -> dict[str, str]:
+        """The job's MLflow run as the ranks' environment gives it (the kernel makes it while the actors start; the
+        ranks on the nodes cannot read the run directory's ``mlflow.json``, so the supervisor waits for it here,
+        once)."""
+        if self._mlflow is None:
+            run_file = self.launch.get("env", {}).get(RUN_FILE_ENV)
+            self._mlflow = run_env(run_file) if run_file else {}
+        return self._mlflow
+
     def _rank_env(self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int) -> dict[str, str]:
         """torchrun's contract for ``rank``; ``nodes[r]`` = (node id, IP, Ray's GPU ids) of rank ``r``'s actor."""
         from sgpu_magic.launch.client import rank_base_env
@@ -244,7 +255,8 @@ class _Supervisor(threading.Thread):
                 order.append(node_id)
         node_id = nodes[rank][0]
         local = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
-        env = {**rank_base_env(), **self.launch.get("env", {})}
+        env = {**rank_base_env(), **self.launch.get("env", {}), **self._mlflow_env()}
+        env.pop(RUN_FILE_ENV, None)  # the kernel's run directory is not on the nodes: the run's identity is given
         # rank 0 hosts the rendezvous store (no launcher process on the cluster serves one)
         env.update(
             torchrun_env(
