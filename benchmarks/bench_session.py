@@ -2,7 +2,9 @@
 
 In one kernel per system and world size (2 and 8; 2 with --quick), in-kernel medians of ``session_reps`` (30):
 
-- a trivial cell: ``%%distributed --session`` vs ipyparallel's ``%%px`` (both through ``run_cell_magic``);
+- a trivial cell: ``%%distributed --session`` vs ipyparallel's ``%%px`` (both through ``run_cell_magic``), with
+  MLflow on (the default: one run for the session, no MLflow write per cell) and off, interleaved; and
+  ``sess.run_cell`` of the same, on and off;
 - that cell plus pulling one value from every rank: ``sess.pull`` vs ``rc[:].pull``;
 - a cell with one gloo ``all_reduce`` of a 1-element tensor on a process group made once;
 - sgpu_magic only: interrupt to idle (``sess.interrupt()`` until the cell has raised, state kept), a pull of a
@@ -23,7 +25,8 @@ from sgpu_magic.testing import wait_for_tracking
 wait_for_tracking(300)  # the extension imports mlflow in the background after its cell: not timed
 from sgpu_magic import Session, CellInterruptedError
 _ip = get_ipython()
-_res = {"trivial": [], "pull": [], "allreduce": [], "interrupt": [], "pull100": [], "raw100": [], "start": [], "warm_job": []}
+_res = {"trivial": [], "pull": [], "allreduce": [], "interrupt": [], "pull100": [], "raw100": [], "start": [], "warm_job": [],
+        "trivial_tracked": [], "run_cell": [], "run_cell_tracked": []}
 
 @distributed(gpus=__N__, mlflow=False, widgets=False)
 def _trivial():
@@ -33,13 +36,20 @@ _trivial.distributed()
 for _ in range(3):
     _t0 = time.perf_counter(); _trivial.distributed(); _res["warm_job"].append(time.perf_counter() - _t0)
 _t0 = time.perf_counter()
-sess = Session(gpus=__N__, mlflow=False, widgets=False)
+sess_t = Session(gpus=__N__, widgets=False, name="tracked")  # the default: MLflow on (one run for the session)
+sess = Session(gpus=__N__, mlflow=False, widgets=False, name="untracked")
 _res["start"].append(time.perf_counter() - _t0)
+sess_t.run_cell("x = 0"); wait_for_tracking(300)
 sess.run_cell("import torch, torch.distributed as dist\\nfrom sgpu_magic import runtime\\ndist.init_process_group('gloo')\\nt = torch.ones(1)")
+for _ in range(__REPS__):  # tracked and untracked interleaved, through the magic and through run_cell
+    _t0 = time.perf_counter(); _ip.run_cell_magic("distributed", "--session tracked", "x = 1"); _res["trivial_tracked"].append(time.perf_counter() - _t0)
+    _t0 = time.perf_counter(); _ip.run_cell_magic("distributed", "--session untracked", "x = 1"); _res["trivial"].append(time.perf_counter() - _t0)
+    _t0 = time.perf_counter(); sess_t.run_cell("x"); _res["run_cell_tracked"].append(time.perf_counter() - _t0)
+    _t0 = time.perf_counter(); sess.run_cell("x"); _res["run_cell"].append(time.perf_counter() - _t0)
+sess_t.stop()
 for _ in range(__REPS__):
-    _t0 = time.perf_counter(); _ip.run_cell_magic("distributed", "--session", "x = 1"); _res["trivial"].append(time.perf_counter() - _t0)
-    _t0 = time.perf_counter(); _ip.run_cell_magic("distributed", "--session", "x = 2"); sess.pull("x"); _res["pull"].append(time.perf_counter() - _t0)
-    _t0 = time.perf_counter(); _ip.run_cell_magic("distributed", "--session", "dist.all_reduce(t)"); _res["allreduce"].append(time.perf_counter() - _t0)
+    _t0 = time.perf_counter(); _ip.run_cell_magic("distributed", "--session untracked", "x = 2"); sess.pull("x"); _res["pull"].append(time.perf_counter() - _t0)
+    _t0 = time.perf_counter(); _ip.run_cell_magic("distributed", "--session untracked", "dist.all_reduce(t)"); _res["allreduce"].append(time.perf_counter() - _t0)
 _dir = pathlib.Path(tempfile.mkdtemp())
 for _i in range(min(__REPS__, 10)):
     _m = _dir / f"in{_i}"
@@ -99,7 +109,8 @@ else:
 """
 
 ROWS = [
-    ("trivial", "trivial cell (%%distributed --session vs %%px)"),
+    ("trivial_tracked", "trivial cell, MLflow on (default; %%distributed --session vs %%px)"),
+    ("trivial", "trivial cell, --no-mlflow (%%distributed --session vs %%px)"),
     ("pull", "cell + pull one value per rank"),
     ("allreduce", "cell with one gloo all_reduce"),
 ]
@@ -139,12 +150,34 @@ def _tables(sec: Section, n: int, ours: dict, peer: dict, reps: int) -> None:
         ["what", "sgpu_magic", f"ipyparallel {peer.get('version', '')}".strip(), "ratio"],
     )
     for key, label in ROWS:
-        a, b = _ms(ours.get(key)), _ms(peer.get(key))
+        a, b = _ms(ours.get(key)), _ms(peer.get("trivial" if key == "trivial_tracked" else key))
         t.rows.append([label, fmt(a, 1, " ms"), fmt(b, 1, " ms"), fmt_ratio(ratio(a, b))])
         r = ratio(a, b)
         sec.targets.append(
             Target(
                 f"sessions: {label}, {n} ranks", "<= 0.5x ipyparallel", fmt_ratio(r), None if r is None else r <= 0.5
+            )
+        )
+    tracked, plain = _ms(ours.get("run_cell_tracked")), _ms(ours.get("run_cell"))
+    t.rows.append(
+        [
+            "sess.run_cell('x'), MLflow on vs off",
+            fmt(tracked, 1, " ms"),
+            f"off: {fmt(plain, 1, ' ms')}",
+            fmt_ratio(ratio(tracked, plain)),
+        ]
+    )
+    for what, a, b in (
+        ("%%distributed --session", _ms(ours.get("trivial_tracked")), _ms(ours.get("trivial"))),
+        ("sess.run_cell", tracked, plain),
+    ):
+        r = ratio(a, b)
+        sec.targets.append(
+            Target(
+                f"sessions: {what} cell, MLflow on vs off, {n} ranks (issue 31)",
+                "<= 1.2x",
+                fmt_ratio(r),
+                None if r is None else r <= 1.2,
             )
         )
     interrupt = _ms(ours.get("interrupt"))

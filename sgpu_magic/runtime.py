@@ -29,6 +29,7 @@ import time
 from typing import TYPE_CHECKING
 
 from sgpu_magic._util.metrics import WRITER
+from sgpu_magic._util.mlflow_run import job_run_id
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +45,7 @@ __all__ = [
     "backend",
     "device",
     "log_metric",
+    "get_mlflow_run_id",
     "breakpoint",
 ]
 
@@ -149,6 +151,26 @@ def _active_run_id() -> str | None:
     mlflow = sys.modules.get("mlflow")
     run = getattr(mlflow, "active_run", lambda: None)() if mlflow is not None else None
     return run.info.run_id if run is not None else None
+
+
+def get_mlflow_run_id() -> str | None:
+    """The MLflow run id of this rank's job, or ``None`` when the job is not tracked (or outside an sgpu_magic job).
+
+    The kernel makes the job's run while the ranks start (off the launch's path): this waits for it if it is not
+    made yet (at most two minutes), then sets ``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_ID``
+    (and ``MLFLOW_EXPERIMENT_NAME``, ``MLFLOW_REGISTRY_URI``) in this process's environment, as importing mlflow
+    in a rank does. Call it before reading those variables in code that does not import mlflow first (handing the
+    run to a library's logger, a subprocess).
+
+    Returns:
+        The run id (a hex string), or ``None``.
+
+    Example::
+
+        from sgpu_magic import runtime
+        run_id = runtime.get_mlflow_run_id()   # e.g. MLFlowLogger(run_id=run_id) in Lightning
+    """
+    return job_run_id()
 
 
 def log_metric(name: str, value: float, step: int | None = None) -> None:

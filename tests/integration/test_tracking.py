@@ -196,6 +196,25 @@ def test_job_names_its_run_and_ranks_get_the_run_identity(experiment):
     )
 
 
+def test_a_rank_that_does_not_import_mlflow_gets_the_run_through_the_runtime(experiment):
+    """``runtime.get_mlflow_run_id()`` adopts the job's run (made while the ranks started) and sets the variables in
+    the rank's environment, for code that reads them without importing mlflow; an untracked job has none."""
+    client, name = experiment
+
+    def adopted():
+        import os
+        import sys
+
+        from sgpu_magic import runtime
+
+        return runtime.get_mlflow_run_id(), os.environ.get("MLFLOW_RUN_ID"), "mlflow" in sys.modules
+
+    seen = distributed(gpus=2)(adopted).distributed()
+    (run,) = runs_of(client, name)
+    assert seen == [(run.info.run_id, run.info.run_id, False)] * 2
+    assert distributed(gpus=1, mlflow=False)(adopted).distributed() == [(None, None, False)]
+
+
 def test_ranks_never_end_the_run_even_with_start_run_end_run_or_a_with_block(experiment, tmp_path):
     """Rank 0 resumes the run with ``with mlflow.start_run():`` and calls ``mlflow.end_run()``, then returns
     and exits as a Python program does (its atexit handlers run, MLflow's ``end_run`` among them); rank 1
@@ -835,7 +854,9 @@ def test_nothing_tracked_is_lost_off_the_path_200_session_cells_and_50_jobs(expe
     try:
         session.run_cell("from sgpu_magic import runtime\nimport mlflow")
         for i in range(200):
-            assert session.run_cell(f"runtime.log_metric('cell_rank' + str(runtime.get_global_rank()), {i}, step={i})\n{i}") == [i, i]
+            assert session.run_cell(
+                f"runtime.log_metric('cell_rank' + str(runtime.get_global_rank()), {i}, step={i})\n{i}"
+            ) == [i, i]
     finally:
         session.stop()
 

@@ -77,6 +77,7 @@ def test_a_rank_imports_no_front_door_nor_kernel_side_library():
         "sgpu_magic._util.fs",
         "sgpu_magic._util.imports",
         "sgpu_magic._util.metrics",
+        "sgpu_magic._util.mlflow_run",
         "sgpu_magic._util.proc",
         "sgpu_magic.errors",
         "sgpu_magic.rank",

@@ -22,7 +22,8 @@ NAMES = ["a", "b", "c", "d", "e"]
 
 
 class Recording(dict):
-    """A cell's globals: the notebook's values, recording each read of one the cell has not bound itself."""
+    """A cell's globals: the notebook's values, recording each read of one the cell has not bound itself (once
+    bound, the notebook's value is gone for the rest of the cell, a ``del`` of the name included)."""
 
     def __init__(self, values: dict) -> None:
         super().__init__(values)
@@ -42,8 +43,9 @@ class Recording(dict):
         super().__setitem__(key, value)
 
     def __delitem__(self, key) -> None:
+        # a del needs the name to exist; it does not bring the notebook's value back once the cell has bound the
+        # name (a second del of it raises NameError in the notebook as in a rank)
         self.note(key)
-        self.bound.discard(key)
         super().__delitem__(key)
 
 
@@ -191,6 +193,8 @@ def test_cells_with_branches_capture_every_notebook_name_they_read(block):
         ("if flag:\n    X = 1\nelse:\n    X = 2\nX\n", {"flag"}),
         ("for i in range(2):\n    X = i\nX\n", {"X"}),
         ("X = 1\ndel X\nX\n", {"X"}),
+        # a del after the cell bound the name does not need the notebook's value (found by hypothesis)
+        ("b = a\nfor a in range(2):\n    del b\n", {"a"}),
         # functions read at their definition; a recursive one reads itself; classes and methods
         ("def f():\n    return g(X)\n", {"g", "X"}),
         ("X = 1\ndef f():\n    return X\nf()\n", set()),
