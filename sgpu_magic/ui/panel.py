@@ -1,8 +1,8 @@
 """What the user sees while a job runs: the ipywidgets panel, or plain ``[rank N]`` lines.
 
-Both views treat carriage returns as a terminal does (a tqdm bar is one updating line),
-follow the job from the thread that waits on it, and batch what they send: the panel
-flushes at most ``MAX_FLUSHES_PER_S`` times a second, and refreshes the tabs not on screen
+Both views follow what progress bars send to a terminal (:mod:`sgpu_magic.ui.terminal`: a tqdm bar is one
+updating line, a Rich display its last frame), follow the job from the thread that waits on it, and batch what
+they send: the panel flushes at most ``MAX_FLUSHES_PER_S`` times a second, and refreshes the tabs not on screen
 at most ``HIDDEN_TAB_FLUSHES_PER_S`` times a second. Once a job logs a metric the panel gets a
 Metrics tab (:class:`~sgpu_magic.ui.charts.MetricsChart`), redrawn at most ``CHART_REDRAWS_PER_S`` times a second
 while it is on screen. When the job ends the panel replaces

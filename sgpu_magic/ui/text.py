@@ -12,7 +12,7 @@ from sgpu_magic.job.state import JobState
 from sgpu_magic.launch.stacks import summary
 from sgpu_magic.rundir import RunDir, is_attempt_marker, is_traceback_marker
 from sgpu_magic.status import RankUsage
-from sgpu_magic.ui.terminal import terminal_line
+from sgpu_magic.ui.terminal import TerminalBuffer, has_controls, terminal_line
 
 WALL_NOTE_S = 1.0
 """The summary says the ranks' own time beside the user's wait when the two differ by this many seconds or more."""
@@ -108,8 +108,19 @@ _TRACEBACK_IN_LOG = "its traceback is in its log file"
 ``CellInterruptedError`` or a timeout), or a job that restarts its ranks after a failure (``max_restarts``)."""
 
 
+HELD_LINES = 50
+"""The text view holds back at most this many lines of a rank whose output moves the cursor up (see
+:class:`TextView`)."""
+
+
 class TextView(JobSink):
     """Streams each rank's lines to the cell's output, prefixed ``[rank N]``; notes and warnings to stderr.
+
+    A stream cannot be rewritten, so once a rank's output has escape sequences other than colours (a Rich progress
+    display, tqdm bars with ``position=``), its lines go through a :class:`~sgpu_magic.ui.terminal.TerminalBuffer`
+    and those the cursor could still come back to (as far up as it has gone so far, at most ``HELD_LINES``) are
+    held back until it cannot, or the job ends: a progress display is printed as its last frame. Other output
+    streams as it comes, line by line.
 
     A rank's traceback is not streamed; the line announcing it says where it is: the kernel
     shows the root-cause traceback once, in the error it raises (below, or from ``job.result()``
@@ -120,6 +131,7 @@ class TextView(JobSink):
         self._out = out
         self._err = err
         self._partial: dict[int, str] = {}
+        self._held: dict[int, TerminalBuffer] = {}  # the ranks whose output drives a terminal
         self._failed_ranks: set[int] = set()
         self._traceback_shown = _TRACEBACK_SHOWN[False]
         self._restarts = False
@@ -130,6 +142,14 @@ class TextView(JobSink):
         self._restarts = bool(job.spec.max_restarts)
 
     def output(self, rank: int, text: str) -> None:
+        held = self._held.get(rank)
+        if held is None and has_controls(text):  # from now on this rank's lines go through a terminal
+            held = self._held[rank] = TerminalBuffer(max_lines=None)
+            text = self._partial.pop(rank, "") + text
+        if held is not None:
+            held.write(text)
+            self.lines(rank, held.take_settled(HELD_LINES))
+            return
         *lines, self._partial[rank] = (self._partial.get(rank, "") + text).split("\n")
         self.lines(rank, lines)
 
@@ -186,6 +206,9 @@ class TextView(JobSink):
             if rest:
                 self.lines(rank, [rest])
         self._partial.clear()
+        for rank, held in sorted(self._held.items()):  # what the ranks' terminals show at the end
+            self.lines(rank, list(held.lines) + ([held.current] if held.current else []))
+        self._held.clear()
         if job.summary_on_success or job.state is not JobState.SUCCEEDED or job.notes:
             for line in summary_lines(job):
                 self.note(line)

@@ -178,6 +178,70 @@ def test_panel_shows_the_bar_as_one_line():
         assert lines[-1] == f"done {rank}"
 
 
+@distributed(gpus=2, mlflow=False)
+def rich_progress(steps):
+    import os
+    import time
+
+    os.environ["FORCE_COLOR"] = "1"  # what ranks inherit from ipykernel: Rich animates as in a terminal
+    from rich.console import Console
+    from rich.progress import Progress
+
+    rank = int(os.environ["RANK"])
+    with Progress(console=Console()) as progress:  # refreshed 10 times a second, and at every step below
+        tasks = [progress.add_task(f"rank {rank} task {i}", total=steps) for i in range(3)]
+        for step in range(steps):
+            for task in tasks:
+                progress.advance(task)
+            if step % 50 == 0:
+                print(f"rank {rank} step {step}")  # Rich prints it above its display
+            progress.refresh()
+            time.sleep(0.005)
+    print(f"rank {rank} done")
+    return rank
+
+
+def final_rich_frame(rank: int, lines: list[str]) -> None:
+    """``lines`` (colours left out) are what ``rich_progress(200)`` printed, its display as its final frame only."""
+    assert lines[:4] == [f"rank {rank} step {step}" for step in (0, 50, 100, 150)], lines
+    frame = lines[4:7]
+    assert [line.split()[:4] for line in frame] == [["rank", str(rank), "task", str(i)] for i in range(3)], lines
+    assert all("100%" in line for line in frame) and lines[7:] == [f"rank {rank} done"], lines
+
+
+def test_the_text_view_prints_a_rich_progress_display_as_its_final_frame():
+    import io
+    import re
+
+    out = io.StringIO()
+    job = start_job(rich_progress, (200,), view=TextView(out=out, err=out))
+    job.follow()
+    assert job.result() == [0, 1]
+    text = out.getvalue()
+    assert "\x1b[1A" not in text and "\x1b[2K" not in text and "\x1b[?25" not in text
+    assert "\x1b[35m100%\x1b[0m" in text  # colours stay
+    assert job.logs(0).count("\x1b[1A") > 200  # the rank redrew its display over and over
+    for rank in (0, 1):
+        prefix = f"[rank {rank}] "
+        final_rich_frame(
+            rank,
+            [
+                re.sub(r"\x1b\[[0-9;]*m", "", line[len(prefix) :])
+                for line in text.splitlines()
+                if line.startswith(prefix)
+            ],
+        )
+
+
+def test_the_panel_shows_a_rich_progress_display_as_its_final_frame():
+    panel, job, _ = run_with_panel(rich_progress, 200)
+    _, buffers = panel.live
+    for rank in (0, 1):
+        footer, lines = snapshot_rank(panel, rank)
+        final_rich_frame(rank, lines)
+        assert "earlier lines" not in footer and buffers[rank].hidden_lines == 0
+
+
 def test_failure_selects_the_root_cause_tab_and_names_it_in_the_header():
     @distributed(gpus=2)
     def fails_on_rank_1():
