@@ -137,6 +137,11 @@ def _loop(var, count, body) -> str:
     return f"for {var} in range({count}):\n{indented(body)}"
 
 
+def _while(test, body) -> str:
+    """A ``while`` whose body runs at most once (the values are the cell's: an unbounded loop could run forever)."""
+    return f"while {test} > 9:\n{indented([*body, 'break'])}"
+
+
 def _try(body, handler) -> str:
     return f"try:\n{indented(body)}\nexcept ZeroDivisionError:\n{indented(handler)}"
 
@@ -152,7 +157,7 @@ branching = st.recursive(
             simple,
             st.builds(_if, expr, inner, st.one_of(st.just([]), inner)),
             st.builds(_loop, name, st.integers(0, 2), inner),
-            st.builds("while {} > 9:\n{}".format, expr, inner.map(indented)),
+            st.builds(_while, expr, inner),
             st.builds(_try, inner, inner),
             inner.map(with_block),
         ),

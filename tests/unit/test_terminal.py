@@ -263,5 +263,10 @@ def test_take_settled_keeps_what_the_cursor_can_still_reach():
     assert buf.reach == 3 and buf.take_settled(50) == ["c 100%"] and list(buf.lines) == ["d 100%", "e 100%", "f 100%"]
 
 
-def test_the_module_examples_hold():
+def test_the_module_examples_hold(monkeypatch):
+    import builtins
+
+    # doctest shows results through sys.displayhook, which leaves the last one in builtins._; IPython's displayhook
+    # then stops updating the shared shell's _ (it leaves a builtin _ to gettext): undone after the test
+    monkeypatch.setattr(builtins, "_", None, raising=False)
     assert doctest.testmod(sgpu_magic.ui.terminal).failed == 0
