@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if tracking:
         print(
-            f"MLflow tracking: {'off for every job (mlflow=False / --no-mlflow)' if tracking.get('mlflow_kw') else 'no option to turn it off at this commit: measured with the default'}"
+            f"MLflow tracking: {'on (the default) in the rows marked MLflow on and in the tracking table, off (mlflow=False / --no-mlflow) elsewhere' if tracking.get('mlflow_kw') else 'no option to turn it off at this commit: measured with the default'}"
             f"{'' if tracking.get('mlflow_kw') or not tracking.get('tracking_sink_does_something') else ' (tracking is ON)'}. "
             f"Kernels run with SGPU_MAGIC_WIDGETS=0 except the panel row of the logging table."
         )

@@ -124,6 +124,11 @@ def import_store_module(uri: str) -> bool:
     return True
 
 
+_EXPERIMENTS: dict[tuple[str, str], str] = {}
+"""The experiment id of each ``(tracking URI, experiment name)`` a run was made in (used on the tracking worker only):
+a job's run is made without looking its experiment up again (one store round trip less per job)."""
+
+
 def _warn(text: str) -> None:
     sys.stderr.write(f"sgpu_magic warning: {redact(text)}\n")
     sys.stderr.flush()
@@ -286,7 +291,16 @@ class MlflowTracking(JobSink):
             tags["mlflow.user"] = getpass.getuser()
         except Exception:  # noqa: BLE001 - no user name in some containers
             pass
-        run = client.create_run(experiment_id, start_time=self._started_ms or None, run_name=spec.name, tags=tags)
+        try:
+            run = client.create_run(experiment_id, start_time=self._started_ms or None, run_name=spec.name, tags=tags)
+        except Exception:
+            if _EXPERIMENTS.get((uri, name)) != experiment_id:
+                raise
+            # the experiment known from an earlier run was deleted since (or its store replaced): look it up again
+            # (a deleted one is refused with the remedy)
+            _EXPERIMENTS.pop((uri, name), None)
+            experiment_id, name = self._experiment(client, uri, parent)
+            run = client.create_run(experiment_id, start_time=self._started_ms or None, run_name=spec.name, tags=tags)
         self._client, self.tracking_uri, self.run_id = client, uri, run.info.run_id
         self.experiment_id, self._experiment_name = experiment_id, name
         params = {
@@ -320,6 +334,9 @@ class MlflowTracking(JobSink):
     def _get_or_create(client, uri: str, name: str) -> str:
         from mlflow.exceptions import MlflowException
 
+        known = _EXPERIMENTS.get((uri, name))
+        if known is not None:
+            return known
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
             db_dir = sqlite_dir(uri)
@@ -327,7 +344,8 @@ class MlflowTracking(JobSink):
             if db_dir is not None:
                 location = (db_dir / "mlruns" / (re.sub(r"[^\w.-]+", "_", name).strip("._") or "experiment")).as_uri()
             try:
-                return client.create_experiment(name, artifact_location=location)
+                _EXPERIMENTS[(uri, name)] = client.create_experiment(name, artifact_location=location)
+                return _EXPERIMENTS[(uri, name)]
             except MlflowException:
                 experiment = client.get_experiment_by_name(name)  # created meanwhile by another kernel
                 if experiment is None:
@@ -338,6 +356,7 @@ class MlflowTracking(JobSink):
                 f"MlflowClient().restore_experiment({experiment.experiment_id!r}) or pick another "
                 f"with mlflow.set_experiment(...)"
             )
+        _EXPERIMENTS[(uri, name)] = experiment.experiment_id
         return experiment.experiment_id
 
     # -- while the job runs

@@ -17,7 +17,9 @@ import atexit
 import concurrent.futures
 import contextvars
 import logging
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +30,11 @@ EXIT_DRAIN_S = 30.0
 """How long the interpreter's exit waits for queued MLflow writes."""
 SETTLE_BEFORE_CELL_S = 30.0
 """How long a cell waits, before it runs, for the runs of the jobs that ended before it to be ended."""
+WORKER_NICENESS = 10
+"""How much lower than the kernel's the worker thread's CPU priority is, on Linux (``setpriority`` on its thread
+id, as ``renice`` does): its store writes (about 30 ms of CPU to make a run in a sqlite store) give way to the
+ranks and the launch host, which a short job on a machine with few cores would otherwise wait for (measured on 2
+cores: a warm 1-rank job tracked 1.27x untracked, 1.13x with it)."""
 
 
 class TrackingWorker:
@@ -75,6 +82,12 @@ class TrackingWorker:
         return True
 
     def _run(self) -> None:
+        if sys.platform == "linux":  # elsewhere PRIO_PROCESS takes a process id, not a thread's
+            try:
+                me = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + WORKER_NICENESS))
+            except OSError:  # a sandbox without the call: the writes just compete as any thread does
+                pass
         while True:
             context, task, future = self._tasks.get()
             if not future.set_running_or_notify_cancel():

@@ -441,6 +441,25 @@ def test_tracking_that_cannot_start_warns_and_the_job_still_runs(experiment, cap
     assert fine.last_job.mlflow_run_id is None
 
 
+def test_an_experiment_deleted_after_a_run_is_refused_with_the_remedy(experiment, capsys):
+    """The kernel remembers the experiment of its runs (no lookup per job): one deleted since is still noticed."""
+    client, name = experiment
+
+    @distributed(gpus=1)
+    def fine():
+        return "ran"
+
+    assert fine.distributed() == ["ran"]
+    assert fine.last_job.mlflow_run_id is not None
+    client.delete_experiment(client.get_experiment_by_name(name).experiment_id)
+    assert fine.distributed() == ["ran"]
+    assert fine.last_job.mlflow_run_id is None  # waits for the run's creation (and its warning)
+    err = capsys.readouterr().err
+    assert re.search(
+        rf"MLflow tracking is off for job \S+: SgpuError: the MLflow experiment '{name}' is deleted", err
+    ), err
+
+
 # ----------------------------------------------------------------------------- rank-side async logging
 
 
