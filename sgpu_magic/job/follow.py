@@ -202,6 +202,12 @@ class JobSink:
         """A link to the page of what the sink records for the job, if a server shows it now (``Job.run_url``)."""
         return None
 
+    def after_recorded(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` (from another thread) once what the sink records elsewhere for the job exists (its
+        MLflow run, made off the job's path), if it is still being made; whether it was (``False``: nothing is
+        called). The panel's snapshot of a job that ended first gets its run link so."""
+        return False
+
 
 class StatusFeed:
     """A job's ``status.json`` as its launcher last wrote it, re-read only when the file was replaced; and the

@@ -120,6 +120,11 @@ class Job(JobLifecycle):
         """The run page of the job's MLflow run where a server shows it now (see the class docstring)."""
         return next((url for sink in self._sinks if (url := sink.run_url()) is not None), None)
 
+    def after_run_made(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` (from the tracking worker) once the job's MLflow run, still being made, exists (or
+        could not be made); ``False`` when there is no such run in the making (then nothing is called)."""
+        return any(sink.after_recorded(callback) for sink in self._sinks)
+
     @property
     def world_size(self) -> int:
         return self.plan.world_size

@@ -64,6 +64,8 @@ from sgpu_magic.tracking.uri import http_base, kernel_tracking_uri, notebook_pat
 from sgpu_magic.tracking.worker import worker
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mlflow import MlflowClient
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -98,11 +100,20 @@ def warm_up() -> None:
         try:
             import mlflow
 
-            import_store_module(kernel_tracking_uri(mlflow))
+            uri = kernel_tracking_uri(mlflow)
+            import_store_module(uri)
         except Exception:  # noqa: BLE001 - the job says so when its run cannot be made
-            pass
+            return
         finally:
             _warming.clear()
+        if sqlite_dir(uri) is not None:
+            try:  # a new local store creates its tables here (3.5 s of CPU on 2 cores), not under the first job
+                from mlflow import MlflowClient
+
+                divert_info(*STORE_LOGGERS)
+                MlflowClient(uri).search_experiments(max_results=1)
+            except Exception:  # noqa: BLE001 - as above
+                pass
 
     _warming.set()
     worker().submit(_import)
@@ -190,6 +201,7 @@ class MlflowTracking(JobSink):
         self._monitor: SystemMetricsMonitor | None = None
         self._job: Job | None = None
         self._last: concurrent.futures.Future | None = None  # the last task queued for this run
+        self._made: concurrent.futures.Future | None = None  # its creation
         self._started_ms = 0
         # read here, in the thread that starts the job: MLflow's active run is thread-local, and a
         # background job prepares its run on another thread
@@ -221,6 +233,7 @@ class MlflowTracking(JobSink):
         run_file = RunDir(self._job.run_dir).mlflow_file
         self._started_ms = int(time.time() * 1000)
         self._queue(lambda: self._create(job_id, spec, plan, run_file))
+        self._made = self._last
         env = {
             RUN_FILE_ENV: str(run_file),
             # the kernel records system metrics for the job; a rank adopting the run must not too
@@ -251,8 +264,9 @@ class MlflowTracking(JobSink):
         job = self._job
         if self.run_id is not None and job is not None:
             job.mlflow_run_id, job.mlflow_tracking_uri = self.run_id, self.tracking_uri
+            self._start_ui()  # also for a job that ended first: its panel's snapshot links the run once it can
             if not job.ended:
-                self._start_watching()
+                self._start_monitor()
 
     def _registry_env(self) -> dict[str, str | None]:
         """``registry_uri`` for the ranks: the kernel's registry URI (MLflow's default: the tracking URI).
@@ -361,15 +375,26 @@ class MlflowTracking(JobSink):
 
     # -- while the job runs
 
-    def _start_watching(self) -> None:
-        """On the worker, once the run exists and the job still runs: the ``%mlflow_ui`` server (if configured) and
-        the system metrics monitor."""
-        assert self.tracking_uri is not None and self.run_id is not None  # set with run_id (_create)
+    def _start_ui(self) -> None:
+        """On the worker, once the run exists: the ``%mlflow_ui`` server, if configured (not waited for)."""
+        assert self.tracking_uri is not None  # set with run_id (_create)
         if self.ui and http_base(self.tracking_uri) is None:
             try:
                 start_ui(self.tracking_uri, wait=False)
             except Exception as exc:  # noqa: BLE001 - the link is a convenience
                 _warn(f"the MLflow UI did not start: {exc}")
+
+    def after_recorded(self, callback: Callable[[], None]) -> bool:
+        """Run ``callback`` on the tracking worker once the run's creation, queued before, is done (whether it made
+        the run or not); ``False`` (and nothing queued) when it is done already or was never queued."""
+        if self._made is None or self._made.done():
+            return False
+        worker().submit(callback)  # tasks run in order: after the creation, in this thread's context
+        return True
+
+    def _start_monitor(self) -> None:
+        """On the worker, once the run exists and the job still runs: the system metrics monitor."""
+        assert self.tracking_uri is not None and self.run_id is not None  # set with run_id (_create)
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 

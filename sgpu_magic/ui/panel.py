@@ -273,12 +273,25 @@ class Panel(TextView):
                 footer = self._render_footer(rank, text.count("\n"))
                 tails.append(RankTail(rank, footer, text, open=rank == focus or len(self.buffers) <= 2))
             self.buffers, self._dirty = [], set()
-        self.snapshot = snapshot_bundle(self.header.value, tails, job.metrics(), summary)
+        metrics = job.metrics()
+        self.snapshot = snapshot_bundle(self.header.value, tails, metrics, summary)
         if self._display is not None:
             self._display.update(self.snapshot, raw=True)
+        if job.run_url is None:  # a run made after the job ended (the first in a new store): linked once made
+            job.after_run_made(lambda: self._relink(job, tails, metrics, summary))
         close_tree(self.widget)
         self.outputs, self.footers, self._chart = [], [], None
         self.tabs.children = ()
+
+    def _relink(self, job: Job, tails: list[RankTail], metrics, summary: str) -> None:
+        """The snapshot again, its header (and summary line) with the run's link, now that the run exists."""
+        if job.run_url is None:
+            return
+        error = job.exception() if job.state is not JobState.SUCCEEDED else None
+        summary = summary_line(job) if summary else ""
+        self.snapshot = snapshot_bundle(header_html(job, job.state, error), tails, metrics, summary)
+        if self._display is not None:
+            self._display.update(self.snapshot, raw=True)
 
     def _flush(self, job: Job) -> None:
         now = time.monotonic()

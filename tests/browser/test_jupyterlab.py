@@ -185,25 +185,29 @@ def test_quickstart_panel_tabs_tqdm_and_mlflow_link(jupyter, page, screenshots):
     parts = re.match(r"(http://127\.0\.0\.1:\d+)/#/experiments/(\w+)/runs/(\w+)$", href or "")
     assert parts, href
     base, experiment_id, run_id = parts.groups()
-    run = _get_run(base, run_id)
+    # the run is ended off the job's path, after the result came back: the server shows it ended once it is
+    run = _get_run(base, run_id, until=lambda run: run["info"]["status"] != "RUNNING")
     assert run["info"]["run_id"] == run_id and run["info"]["experiment_id"] == experiment_id
     assert run["info"]["status"] == "FINISHED"
     with urllib.request.urlopen(href.split("#")[0], timeout=30) as response:  # the page the link opens
         assert response.status == 200 and b"<html" in response.read(2000).lower()
 
 
-def _get_run(base: str, run_id: str, timeout_s: float = 90) -> dict:
-    """The run from the MLflow server behind the link (it may still be starting: retried until it answers)."""
+def _get_run(base: str, run_id: str, timeout_s: float = 90, until=lambda run: True) -> dict:
+    """The run from the MLflow server behind the link, once ``until(run)`` holds (the server may still be starting,
+    and the run still being ended: asked again until then)."""
     url = f"{base}/api/2.0/mlflow/runs/get?{urllib.parse.urlencode({'run_id': run_id})}"
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with urllib.request.urlopen(url, timeout=10) as response:
-                return json.loads(response.read())["run"]
+                run = json.loads(response.read())["run"]
+            if until(run) or time.monotonic() > deadline:
+                return run
         except (urllib.error.URLError, ConnectionError) as exc:
             if time.monotonic() > deadline:
                 raise AssertionError(f"the MLflow server at {base} did not answer for run {run_id}: {exc}") from None
-            time.sleep(0.5)  # another process's server, not listening yet: ask again shortly
+        time.sleep(0.5)  # another process's server, not listening yet, or a run not ended yet: ask again shortly
 
 
 SLEEPER = """\

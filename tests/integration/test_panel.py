@@ -462,3 +462,34 @@ def test_the_header_shows_each_rank_s_cpu_and_rss_live_and_its_peak_at_the_end(t
     peaks = [f"<td {cell}>{job.status.usage[r].peak_rss_bytes / 2**20:.0f}</td>" for r in (0, 1)]
     assert f'<td style="padding:0 8px"><i>peak RSS MiB</i></td>{"".join(peaks)}</tr>' in header
     assert "<i>cpu %</i>" not in header
+
+
+@distributed(gpus=1)
+def tracked_quick():
+    return 1
+
+
+@pytest.mark.slow  # ~15 s: starts a real MLflow UI server
+def test_a_run_made_after_its_job_ended_is_linked_in_the_snapshot():
+    """The run is made off the job's path; when that takes longer than the job (the first run in a new store),
+    the snapshot gets the run's link once the run exists."""
+    import html as html_lib
+    import threading
+
+    from sgpu_magic.testing import wait_for_tracking
+    from sgpu_magic.tracking.server import start_ui, stop_ui
+    from sgpu_magic.tracking.worker import worker
+
+    assert wait_for_tracking(120.0)
+    start_ui()  # the kernel's store, served: runs have a page to link to
+    gate = threading.Event()
+    try:
+        worker().submit(gate.wait)  # the tracking worker is busy: the job's run is made after the job ends
+        panel, job, _ = run_with_panel(tracked_quick)
+        assert job.result() == [1] and "MLflow run" not in panel.snapshot["text/html"]
+        gate.set()
+        assert wait_for_tracking(60.0)
+        assert job.run_url and f'href="{html_lib.escape(job.run_url)}"' in panel.snapshot["text/html"]
+    finally:
+        gate.set()
+        stop_ui()
