@@ -18,6 +18,7 @@ import pytest
 from sgpu_magic import JobState, distributed
 from sgpu_magic._util.redact import redact, secret_values
 from sgpu_magic.rundir import RunDir, default_root, read_json, read_private
+from sgpu_magic.tracking.worker import worker
 
 LOOPBACK = {"127.0.0.1", "::1"}
 
@@ -311,6 +312,8 @@ def test_a_tracking_failure_warning_hides_the_uri_password(monkeypatch, capfd):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     assert tracked.distributed() == [1]
+    # the run is made off the launch path: its failure is told once the tracking worker has tried
+    assert worker().flush(60)
     out, err = capfd.readouterr()
     assert "MLflow tracking is off for job" in err
     assert "s3cr3t-pw" not in out + err
