@@ -56,6 +56,9 @@ def context_class(base: type[Any], close_timeout_s: float) -> type[Any]:
       failed before it stopped the rest (``SubprocessContext``'s private ``_failures``; the stopped ranks are
       added to it by the close). Missing: ``first_failures`` is ``{}`` and the caller uses the result's failures.
 
+    - A ``SubprocessContext`` starts each process with exactly the environment it is given
+      (:func:`_with_exact_env`), not that merged over the starting process's ``os.environ``.
+
     ``close_timeout_s``: seconds ``close()`` waits by default after SIGTERM before SIGKILL.
     """
 
@@ -67,8 +70,10 @@ def context_class(base: type[Any], close_timeout_s: float) -> type[Any]:
 
         def _start(self) -> None:
             api: Any = sys.modules[_API]
+            if not hasattr(self, "_worker_finished_event"):  # a SubprocessContext
+                return _with_exact_env(api, super()._start)
             original = getattr(api, "_wrap", None)
-            if original is None or not hasattr(self, "_worker_finished_event"):
+            if original is None:
                 return super()._start()
             api._wrap = wrap_no_wait  # read by MultiprocessContext._start, pickled by name
             try:
@@ -82,6 +87,37 @@ def context_class(base: type[Any], close_timeout_s: float) -> type[Any]:
             super().close(death_sig, timeout)
 
     return Context
+
+
+def _with_exact_env(api: Any, start: Any) -> None:
+    """Call ``start`` (a ``SubprocessContext``'s ``_start``) with the private ``api.get_subprocess_handler`` that it
+    reads swapped for one whose processes get exactly the ``env`` they are given. elastic's ``SubprocessHandler``
+    starts a process with its ``os.environ`` updated by that ``env``; in the launch host, which serves several jobs
+    of one kernel, each job's environment is its own (a variable that only another job has must not reach this
+    one's ranks). Its ``_popen(args, env)`` receives the merged environment: the subclass hands ``Popen`` the given
+    one instead. Missing (no ``get_subprocess_handler`` there, or no ``_popen``): elastic's own handler, so a
+    process also sees the launch host's environment (the kernel's as the host started) where its own does not
+    set a variable."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
+
+    original = getattr(api, "get_subprocess_handler", None)
+    base = getattr(sh, "SubprocessHandler", None)
+    if original is None or base is None or not hasattr(base, "_popen"):
+        return start()
+
+    class ExactEnvHandler(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._exact_env = dict(kwargs["env"] if "env" in kwargs else args[2])
+            super().__init__(*args, **kwargs)
+
+        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+            return super()._popen(args, self._exact_env)
+
+    api.get_subprocess_handler = lambda *args, **kwargs: ExactEnvHandler(*args, **kwargs)
+    try:
+        return start()
+    finally:
+        api.get_subprocess_handler = original
 
 
 def exitcodes(ctx: Any) -> dict[int, int | None]:

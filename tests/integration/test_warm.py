@@ -159,6 +159,58 @@ def test_cold_start_method_can_be_forced(monkeypatch):
         shutdown_host()
 
 
+@distributed(gpus=1, max_restarts=1, mlflow=False, widgets=False, timeout=120)
+def env_after_a_restart(go: str):
+    """Fails its first attempt once ``go`` exists (the test makes it after another job started), then says what its
+    environment holds."""
+    import os
+    import time
+
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        deadline = time.monotonic() + 60
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        raise ValueError("the first attempt fails")
+    return os.environ.get("SGPU_TEST_JOB"), "SGPU_TEST_ONLY_B" in os.environ
+
+
+@distributed(gpus=1, mlflow=False, widgets=False, timeout=120)
+def env_now():
+    import os
+
+    return os.environ.get("SGPU_TEST_JOB"), "SGPU_TEST_ONLY_B" in os.environ
+
+
+@pytest.mark.parametrize("method", ["forkserver", "subprocess"])
+def test_concurrent_jobs_keep_their_own_environment_when_one_restarts(method, monkeypatch, tmp_path):
+    """Two background jobs of one kernel launched with different environments: the one that restarts after the
+    other started gets its own environment again, on both start paths (forked warm ranks, fresh interpreters)
+    (issue 32: the host rewrote its own os.environ per job, and cold ranks inherited the last job's)."""
+    from sgpu_magic.launch.client import shutdown_host
+
+    if method == "subprocess":
+        shutdown_host()
+        monkeypatch.setenv("SGPU_MAGIC_START_METHOD", "subprocess")
+    else:
+        wait_warm()
+    go = tmp_path / "go"
+    try:
+        monkeypatch.setenv("SGPU_TEST_JOB", "a")
+        a = env_after_a_restart.submit(str(go))
+        wait_for(lambda: a.state.value == "running", 60, "job a to run")
+        monkeypatch.setenv("SGPU_TEST_JOB", "b")
+        monkeypatch.setenv("SGPU_TEST_ONLY_B", "1")
+        b = env_now.submit()
+        assert b.result(timeout_s=60) == [("b", True)]
+        go.touch()
+        assert a.result(timeout_s=60) == [("a", False)]
+        assert a.attempt == 2 and start_method(env_after_a_restart) == method == start_method(env_now)
+    finally:
+        go.touch()
+        if method == "subprocess":
+            shutdown_host()
+
+
 def test_the_forkserver_is_a_fork_of_the_host_that_imported_torch_once():
     """The host imports torch (and the rest warm ranks need) once, then forks its forkserver from itself: no second
     interpreter imports torch in the seconds before the first launch. A warm rank's parent is that fork (the host's

@@ -3,9 +3,11 @@ end its MLflow run when the kernel could not."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 
 import psutil
 
@@ -69,7 +71,25 @@ def import_mlflow_in_background() -> None:
         _mlflow_import.start()
 
 
-def end_mlflow_run(run_dir: RunDir, state: str) -> None:
+@contextlib.contextmanager
+def _environ(env: dict[str, str] | None) -> Iterator[None]:
+    """``os.environ`` is ``env`` inside the block (``None``: as it is), and as before after it. Only for the host's
+    way out, when no job runs any more: MLflow reads a store's credentials (``MLFLOW_TRACKING_TOKEN``, ...) from
+    ``os.environ`` at each request, and a job's are in its own environment, not the host's."""
+    if env is None:
+        yield
+        return
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def end_mlflow_run(run_dir: RunDir, state: str, env: dict[str, str] | None = None) -> None:
     """End the job's MLflow run if it is still RUNNING, and its child runs still RUNNING (a session's cells', the
     ranks' own): the host is exiting, so the kernel is gone (or let go of the host) and may have died before it
     ended them; a job stopped now ends KILLED. The run is the one the kernel named in ``mlflow.json`` once it made
@@ -85,16 +105,17 @@ def end_mlflow_run(run_dir: RunDir, state: str) -> None:
         return
     status = _RUN_STATUS.get(state, "KILLED")
     try:
-        from mlflow import MlflowClient
+        with _environ(env):
+            from mlflow import MlflowClient
 
-        client = MlflowClient(info["tracking_uri"])
-        run = client.get_run(info["run_id"])
-        children = client.search_runs(
-            [run.info.experiment_id],
-            f"tags.mlflow.parentRunId = '{info['run_id']}' and attributes.status = 'RUNNING'",
-        )
-        for left in [*children, *([run] if run.info.status == "RUNNING" else [])]:
-            client.set_terminated(left.info.run_id, status)
+            client = MlflowClient(info["tracking_uri"])
+            run = client.get_run(info["run_id"])
+            children = client.search_runs(
+                [run.info.experiment_id],
+                f"tags.mlflow.parentRunId = '{info['run_id']}' and attributes.status = 'RUNNING'",
+            )
+            for left in [*children, *([run] if run.info.status == "RUNNING" else [])]:
+                client.set_terminated(left.info.run_id, status)
     except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
         log.warning(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}")
 

@@ -141,9 +141,9 @@ class HostJob:
         )
         self.status = self.writer.status  # changed in place, written by write()
         self.write()
+        # this job's environment is its own value (its ranks get exactly it, warm or cold): never the host's
+        # os.environ, which every job of the kernel shares
         env = {**env, **self.launch.get("env", {})}
-        os.environ.clear()
-        os.environ.update(env)
         if self.launch.get("mlflow"):
             import_mlflow_in_background()  # so that ending its run on the way down takes no import time
         self.env, self.pool = env, pool

@@ -144,7 +144,7 @@ class Host:
                 self.pool.stop()
             for job in [*self.ended, *self.jobs.values()]:
                 if not job.run_dir.mlflow_ended_file.exists():  # the kernel did not get to end it
-                    end_mlflow_run(job.run_dir, job.status.get("state", "cancelled"))
+                    end_mlflow_run(job.run_dir, job.status.get("state", "cancelled"), job.env)
 
 
 def host_logging() -> None:
