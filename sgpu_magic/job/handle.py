@@ -21,7 +21,6 @@ from sgpu_magic.job.outcome import build_error, ending_notes, load_result, stopp
 from sgpu_magic.job.registry import jobs, register
 from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.base import Launcher
-from sgpu_magic.launch.client import LaunchHost
 from sgpu_magic.launch.leases import LeaseRegistry
 from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.rundir import RunDir, read_json
@@ -200,14 +199,11 @@ class Job(JobLifecycle):
 
             print(job.stacks()[0])
         """
+        if self._host is not None:  # where the launcher may trace its ranks (the launch host: it is their tracer)
+            return self._host.stacks(self._rd, lambda: self.status, native)
         from sgpu_magic.launch.stacks import live_stacks
 
-        host = self._host
-        if isinstance(host, LaunchHost):  # the ranks' tracer (PR_SET_PTRACER): may trace them where the kernel may not
-            return live_stacks(
-                self._rd, lambda: self.status, native, lambda t: host.request_stacks(self._rd, t, native)
-            )
-        return live_stacks(self._rd, lambda: self.status, native)
+        return live_stacks(self._rd, lambda: self.status, native)  # not launched yet: says so
 
     def metrics(self, name: str | None = None) -> dict[str, dict[int, list[tuple[int, float]]]]:
         """The metric points the ranks logged so far (``sgpu_magic.runtime.log_metric``, and ``mlflow.log_metric`` /

@@ -13,10 +13,10 @@ from typing import Protocol, cast
 
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
+from sgpu_magic.launch import launcher_for
 from sgpu_magic.launch.base import Launcher
-from sgpu_magic.launch.client import get_host
 from sgpu_magic.launch.leases import LeaseRegistry
-from sgpu_magic.launch.resources import DevicePlan, check_port_free, plan_devices
+from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.launch.stacks import CodeMap
 from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.spec import LaunchSpec
@@ -37,7 +37,7 @@ def start(
     lease_dir: str | None = None,
     before_launch: Callable[[RunDir], None] | None = None,
 ) -> Job:
-    """Plan the devices (locally, or on the Ray cluster ``spec.cluster``), build the payload (its warnings go to
+    """Plan the devices (locally, or on the Ray cluster ``spec.cluster``: :func:`sgpu_magic.launch.launcher_for`), build the payload (its warnings go to
     the last sink, the view, as capture finds them), say the plan's note, then lease GPUs (in ``lease_dir``,
     default :func:`sgpu_magic.launch.leases.default_lease_dir`) and hand the job to its launcher.
 
@@ -47,20 +47,7 @@ def start(
     session makes its channel there).
     """
     view = cast(_View, sinks[-1])  # the last sink is the job's view (front.decorator._sinks)
-    if spec.cluster is not None:  # Ray places the ranks: no local GPUs, no leases, no local port
-        from sgpu_magic.launch.ray.cluster import is_connected, plan_on_cluster
-        from sgpu_magic.launch.ray.launcher import RayLauncher
-
-        if not is_connected():
-            view.note(f"sgpu_magic: connecting to the Ray cluster {spec.cluster} ...")
-        plan = plan_on_cluster(spec)
-        launcher = RayLauncher(spec.cluster, spec.gpu_type)
-        host_factory: Callable[[], Launcher] = lambda: launcher  # noqa: E731
-    else:
-        plan = plan_devices(spec)
-        if spec.port is not None:
-            check_port_free(spec.port)
-        host_factory = get_host
+    plan, host_factory = launcher_for(spec, view.note)
     payload = build_payload(view.warn)  # warnings are shown as capture finds them
     payload.setdefault("argv", [spec.name])  # the ranks' sys.argv: a script run without arguments
     _say_note(view, plan, spec)

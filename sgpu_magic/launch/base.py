@@ -9,11 +9,12 @@ Two launchers implement it: the kernel's client of its local launch host
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from sgpu_magic._util.fs import count_lines
 from sgpu_magic.rundir import RunDir
-from sgpu_magic.status import StatusWriter
+from sgpu_magic.status import HostStatus, StatusWriter
 
 
 @runtime_checkable
@@ -43,6 +44,14 @@ class Launcher(Protocol):
     def preparing(self) -> str | None:
         """What the launcher is still getting ready before it can start ranks (said to the user when a launch has
         waited for it a second), or ``None`` when nothing holds a launch up."""
+
+    def stacks(self, run_dir: RunDir, status: Callable[[], HostStatus], native: bool) -> dict[int, str]:
+        """Each running rank's stack of the job of ``run_dir`` (:meth:`sgpu_magic.job.handle.Job.stacks`), taken by
+        py-spy where the launcher may trace the ranks; ``status`` gives the job's status now.
+
+        Raises:
+            SgpuError: the job has ended or its ranks have not started (:func:`sgpu_magic.launch.stacks.live_stacks`).
+        """
 
 
 def finish_job(writer: StatusWriter, state: str, world_size: int, **change: Any) -> bool:

@@ -14,12 +14,17 @@ import select
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from sgpu_magic.errors import LauncherError
 from sgpu_magic.rundir import RunDir, default_root, host_ready_marker, host_warm_marker, make_private_dir
+
+if TYPE_CHECKING:
+    from sgpu_magic.status import HostStatus
 
 _HANDSHAKE_TIMEOUT_S = 30.0
 _HOST_MAIN = "import sys; from sgpu_magic.launch.host.boot import main; main(sys.argv)"
@@ -131,6 +136,13 @@ class LaunchHost:
         """Ask the host for the stacks of the job's running ranks, answered in ``run_dir.stacks_reply_file(token)``
         (:func:`sgpu_magic.launch.stacks.live_stacks` waits for it)."""
         self.send({"op": "stacks", "run_dir": str(run_dir.path), "token": token, "native": native})
+
+    def stacks(self, run_dir: RunDir, status: Callable[[], HostStatus], native: bool) -> dict[int, str]:
+        """The ranks' stacks, taken by the host: each rank names it its tracer (``PR_SET_PTRACER``), so it may trace
+        them where Yama's ``ptrace_scope`` 1 forbids the kernel to."""
+        from sgpu_magic.launch.stacks import live_stacks
+
+        return live_stacks(run_dir, status, native, lambda token: self.request_stacks(run_dir, token, native))
 
     def close(self) -> None:
         """Close the command pipe: the host stops its jobs and exits."""

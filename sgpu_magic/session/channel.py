@@ -67,7 +67,7 @@ class Request:
 
 class Channel(Protocol):
     """What a session needs of its channel to the ranks: :class:`SessionChannel` on this machine,
-    :class:`~sgpu_magic.session.ray_channel.RaySessionChannel` on a Ray cluster."""
+    :class:`~sgpu_magic.launch.ray.session_channel.RaySessionChannel` on a Ray cluster."""
 
     def make(self) -> None: ...
     def attach(self, job: Job) -> None: ...
@@ -156,8 +156,6 @@ class SessionChannel:
 def new_channel(run_dir: RunDir, world_size: int, cluster: str | None) -> Channel:
     """The channel of a session whose run directory is ``run_dir``: FIFOs here, or through the rank actors of
     the Ray cluster ``cluster`` (the FIFOs are then on the ranks' nodes)."""
-    if cluster is not None:
-        from sgpu_magic.session.ray_channel import RaySessionChannel
+    from sgpu_magic.launch import session_channel_for
 
-        return RaySessionChannel(run_dir, world_size)
-    return SessionChannel(run_dir, world_size)
+    return session_channel_for(run_dir, world_size, cluster) or SessionChannel(run_dir, world_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sgpu_magic.rundir import RunDir
@@ -10,6 +11,7 @@ from sgpu_magic.rundir import RunDir
 if TYPE_CHECKING:
     from sgpu_magic.session.core import SessionCore
     from sgpu_magic.session.relay import DebugRelay
+    from sgpu_magic.status import HostStatus
 
 
 class CellLauncher:
@@ -37,3 +39,9 @@ class CellLauncher:
 
     def preparing(self) -> str | None:
         return None  # the session's ranks are running
+
+    def stacks(self, run_dir: RunDir, status: Callable[[], HostStatus], native: bool) -> dict[int, str]:
+        """The ranks' stacks, taken by py-spy from the kernel (:func:`sgpu_magic.launch.stacks.live_stacks`)."""
+        from sgpu_magic.launch.stacks import live_stacks
+
+        return live_stacks(run_dir, status, native)

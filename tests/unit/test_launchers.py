@@ -13,7 +13,14 @@ from sgpu_magic.launch.ray.launcher import RayLauncher
 
 
 def _methods(cls) -> dict[str, inspect.Signature]:
-    return {name: inspect.signature(getattr(cls, name)) for name in ("launch", "cancel", "alive", "where", "preparing")}
+    names = ("launch", "cancel", "alive", "where", "preparing", "stacks")
+    return {name: inspect.signature(getattr(cls, name)) for name in names}
+
+
+def _shape(signature: inspect.Signature) -> list[tuple[str, object, object]]:
+    """A signature's parameters without their annotations: a Ray channel types the job it is given by what it
+    uses of it (it may not import the Job handle, a higher layer), the protocol by the class."""
+    return [(p.name, p.kind, p.default) for p in signature.parameters.values()]
 
 
 def test_the_ray_launcher_is_a_launcher_and_says_where_its_diagnostics_are():
@@ -23,23 +30,28 @@ def test_the_ray_launcher_is_a_launcher_and_says_where_its_diagnostics_are():
 
 
 def test_the_local_launch_host_has_the_protocols_methods_with_its_signatures():
+    from sgpu_magic.session.launcher import CellLauncher
+
     assert _methods(LaunchHost) == _methods(Launcher)
     assert _methods(RayLauncher) == _methods(Launcher)
+    assert _methods(CellLauncher) == _methods(Launcher)
 
 
 def test_both_session_channels_have_the_channels_methods_with_its_signatures():
+    from sgpu_magic.launch.ray.session_channel import RaySessionChannel
     from sgpu_magic.session.channel import Channel, SessionChannel
-    from sgpu_magic.session.ray_channel import RaySessionChannel
 
     names = ("make", "attach", "send", "read_ready", "interrupt", "close")
     expected = {n: inspect.signature(getattr(Channel, n)) for n in names}
-    for cls in (SessionChannel, RaySessionChannel):
-        assert {n: inspect.signature(getattr(cls, n)) for n in names} == expected, cls
+    assert {n: inspect.signature(getattr(SessionChannel, n)) for n in names} == expected
+    ray = {n: inspect.signature(getattr(RaySessionChannel, n)) for n in names}
+    assert {n: _shape(s) for n, s in ray.items()} == {n: _shape(s) for n, s in expected.items()}
+    assert {n: s.return_annotation for n, s in ray.items()} == {n: s.return_annotation for n, s in expected.items()}
 
 
 def test_a_ray_session_channel_refuses_to_send_before_its_ranks_run(tmp_path):
+    from sgpu_magic.launch.ray.session_channel import RaySessionChannel
     from sgpu_magic.rundir import RunDir
-    from sgpu_magic.session.ray_channel import RaySessionChannel
 
     rd = RunDir.create(tmp_path)
     channel = RaySessionChannel(rd, 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic.launch.base import finish_job
@@ -13,7 +14,7 @@ from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
-from sgpu_magic.status import StatusWriter
+from sgpu_magic.status import HostStatus, StatusWriter
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -46,6 +47,12 @@ class RayLauncher:
 
     def preparing(self) -> str | None:
         return None  # a job waiting for the cluster's resources says so itself (its status' "waiting")
+
+    def stacks(self, run_dir: RunDir, status: Callable[[], HostStatus], native: bool) -> dict[int, str]:
+        """The ranks' stacks, taken by py-spy from the kernel (:func:`sgpu_magic.launch.stacks.live_stacks`)."""
+        from sgpu_magic.launch.stacks import live_stacks
+
+        return live_stacks(run_dir, status, native)
 
     def launch(self, run_dir: RunDir) -> None:
         sup = _Supervisor(run_dir, self.cluster, self.gpu_type)

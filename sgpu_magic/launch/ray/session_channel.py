@@ -1,5 +1,6 @@
 """The kernel's end of a session whose ranks run on a Ray cluster: the same requests as
-:class:`~sgpu_magic.session.channel.SessionChannel`, relayed through each rank's actor.
+:class:`~sgpu_magic.session.channel.SessionChannel`, relayed through each rank's actor (the Ray backend's side of
+a session: :func:`sgpu_magic.launch.session_channel_for` picks it, so ``session`` imports no backend).
 
 Each rank's FIFOs live on its node, held by its actor (:class:`~sgpu_magic.launch.ray.agent.SessionPipe`). The
 kernel sends a command with one actor call (a cell's payload travels with it into a node-side run directory of the
@@ -15,14 +16,20 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sgpu_magic.launch.ray.cluster import ray_module
 from sgpu_magic.launch.ray.launcher import LOG_PULL_S
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, make_private_dir, read_private
 
-if TYPE_CHECKING:
-    from sgpu_magic.job.handle import Job
+
+class _SessionJob(Protocol):
+    """What the channel needs of the session's job (:class:`sgpu_magic.job.handle.Job`): its launcher, which knows
+    the rank actors (``RayLauncher.agents``)."""
+
+    @property
+    def launcher(self) -> Any: ...
+
 
 RECV_WAIT_S = 2.0
 """How long one ``session_recv`` call waits on a rank's node for a frame before it is asked again."""
@@ -37,7 +44,7 @@ class RaySessionChannel:
 
     def __init__(self, run_dir: RunDir, world_size: int) -> None:
         self.run_dir, self.world_size = run_dir, world_size
-        self.job: Job | None = None
+        self.job: _SessionJob | None = None
         self._agents: list | None = None
         self._recv: dict[Any, int] = {}
         self._cells: dict[int, list] = {}  # rank -> [the cell's RunDir here, log offset]
@@ -49,7 +56,7 @@ class RaySessionChannel:
         """Mark the run directory as a session's: the rank actors make the FIFOs on their nodes."""
         make_private_dir(self.run_dir.session_dir)
 
-    def attach(self, job: Job) -> None:
+    def attach(self, job: _SessionJob) -> None:
         """The session's job is submitted: its launcher will know the rank actors once they run."""
         self.job = job
 
