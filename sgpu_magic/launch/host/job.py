@@ -16,7 +16,7 @@ from sgpu_magic.errors import describe_exit
 from sgpu_magic.launch.base import finish_job
 from sgpu_magic.launch.env import rank_env
 from sgpu_magic.launch.flight_recorder import flight_recorder_env
-from sgpu_magic.launch.host.cleanup import import_mlflow_in_background, kill_leftovers, release_lease
+from sgpu_magic.launch.host.cleanup import kill_leftovers, release_lease
 from sgpu_magic.launch.host.forensics import OomWatch
 from sgpu_magic.launch.host.progress import ProgressWatch
 from sgpu_magic.launch.host.usage import UsageSampler
@@ -144,8 +144,7 @@ class HostJob:
         # this job's environment is its own value (its ranks get exactly it, warm or cold): never the host's
         # os.environ, which every job of the kernel shares
         env = {**env, **self.launch.get("env", {})}
-        if self.launch.get("mlflow"):
-            import_mlflow_in_background()  # so that ending its run on the way down takes no import time
+        self.tracked = bool(self.launch.get("mlflow"))  # the host imports mlflow once its ranks have started
         self.env, self.pool = env, pool
         self.attempt, self.max_restarts = 1, int(self.launch.get("max_restarts") or 0)
         self.done = False

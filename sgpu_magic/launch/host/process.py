@@ -36,7 +36,7 @@ import psutil
 
 from sgpu_magic._util.fs import touch_private
 from sgpu_magic._util.redact import RedactingFormatter
-from sgpu_magic.launch.host.cleanup import end_mlflow_run, reap_adopted
+from sgpu_magic.launch.host.cleanup import end_mlflow_run, import_mlflow_in_background, reap_adopted
 from sgpu_magic.launch.host.job import HostJob
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import answer as answer_stacks
@@ -49,6 +49,10 @@ POLL_S = 0.02
 
 
 IDLE_POLL_S = 0.5
+
+IMPORT_MLFLOW_AFTER_S = 3.0
+"""Once a tracked job has come, the host imports mlflow (for the run it may have to end on its way out) when no job
+has started for this long: an import at the launch competed with the ranks' start-up (2 s of CPU on 2 cores)."""
 
 
 class Host:
@@ -110,6 +114,12 @@ class Host:
                 self.handle(json.loads(line))
         return True
 
+    def _import_mlflow_when_quiet(self) -> None:
+        jobs = [*self.jobs.values(), *self.ended]
+        if any(job.tracked for job in jobs):
+            if all(time.time() - job.started_s >= IMPORT_MLFLOW_AFTER_S for job in self.jobs.values()):
+                import_mlflow_in_background()
+
     @staticmethod
     def _poll(job: HostJob) -> None:
         try:
@@ -136,6 +146,7 @@ class Host:
                         break
                     if self.pool is not None:
                         self.pool.note_ready()
+                    self._import_mlflow_when_quiet()
                     reap_adopted({pid for job in self.jobs.values() for pid in job.pids.values()})
         finally:
             for job in self.jobs.values():
