@@ -374,7 +374,7 @@ class RunDir:
 
     session_dir = _entry(
         "session",
-        "A live session's channel (:mod:`sgpu_magic.session`): a command FIFO and a reply FIFO per rank, "
+        "A live session's channel (:mod:`sgpu_magic.session`): a command, a reply and a control FIFO per rank, "
         "0600 in this 0700 folder, made by the kernel before the ranks start.",
     )
 
@@ -385,6 +385,11 @@ class RunDir:
     def session_reply(self, rank: int) -> Path:
         """The FIFO rank ``rank`` writes its replies to (a cell's outcome, a pulled value)."""
         return self.session_dir / f"rank_{rank}.reply"
+
+    def session_control(self, rank: int) -> Path:
+        """The FIFO the kernel writes rank ``rank``'s control commands to (JSON lines), read by a thread of the rank
+        even while its main thread is blocked in a collective (``Session.recover()``)."""
+        return self.session_dir / f"rank_{rank}.ctl"
 
     def attempt_errors_dir(self, attempt: int) -> Path:
         """``errors/attempt_<k>/``: the error files of attempt ``attempt``, kept when the job restarts."""

@@ -107,6 +107,14 @@ class DistributedMagics(Magics):
         "%distributed_session start --idle-timeout S / Session(idle_timeout=S) set it for one session.",
     ).tag(config=True)
 
+    session_auto_recover = Bool(
+        True,
+        help="When ranks of a live session's cell do not return from its interrupt and each waits in a "
+        "torch.distributed call (a collective that a peer never entered), release them and make the process group "
+        "again at once, keeping every rank's state (as %distributed_session recover does); False: say so and wait "
+        "for recover or restart. Session(auto_recover=...) sets it for one session.",
+    ).tag(config=True)
+
     remote_cluster = Unicode(
         "",
         help="The cluster remote=True / --remote runs on, e.g. 'ray://head:10001' (a Ray "

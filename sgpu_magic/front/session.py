@@ -29,6 +29,7 @@ from sgpu_magic.errors import (
     JobCancelledError,
     JobTimeoutError,
     LauncherError,
+    RankFailedError,
     SessionError,
     SpecError,
 )
@@ -58,6 +59,9 @@ class Session:
         mlflow_per_cell: also a child run per cell, with the cell's params and logs (made and ended off the cell's
             path). Default: ``%config DistributedMagics.mlflow_per_cell`` (False): a cell costs no MLflow write.
         name: the session's name (``%%distributed --session NAME``). Default ``s1``, ``s2``, ...
+        auto_recover: when ranks of an interrupted cell do not return and each waits in a ``torch.distributed``
+            call, :meth:`recover` at once (the cell's error says so). Default:
+            ``%config DistributedMagics.session_auto_recover`` (True).
 
     The ranks start at once (from the launch host's warm forkserver, or in Ray actors with ``cluster``), hold their
     GPU leases (or the cluster's bundles) until the session stops, and end with the kernel. Raises
@@ -77,6 +81,7 @@ class Session:
         mlflow: bool = FromConfig("mlflow", True),  # type: ignore[assignment]
         name: str | None = None,
         mlflow_per_cell: bool = FromConfig("mlflow_per_cell", False),  # type: ignore[assignment]
+        auto_recover: bool = FromConfig("session_auto_recover", True),  # type: ignore[assignment]
     ) -> None:
         spec = job_spec(
             "session",
@@ -94,6 +99,7 @@ class Session:
         lease_dir = resolve_config(FromConfig("lease_dir", "")) or None
         self._core = SessionCore(spec, self._sinks, self.name, idle_timeout_s, lease_dir)
         self._core.mlflow_per_cell = bool(resolve_config(mlflow_per_cell))
+        self.auto_recover = bool(resolve_config(auto_recover))
         self._core.on_idle_stop = self._announce
         self._max_capture_bytes = int(resolve_config(FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES)))
         register(self)
@@ -164,23 +170,60 @@ class Session:
 
     def follow(self, job: Job) -> list[Any]:
         """Follow a cell's job (from :meth:`submit_cell`) to its end in the calling thread; its values (one per rank
-        run), or its error in the session's words (see :meth:`run_cell`)."""
+        run), or its error in the session's words (see :meth:`run_cell`). Ranks left blocked in a collective are
+        released first when :attr:`auto_recover` allows (the error then says what :meth:`recover` did)."""
         try:
             job.follow()
             return job.result()
         except JobCancelledError as exc:
             raise CellInterruptedError(self._interrupted_message(job, exc)) from None
         except JobTimeoutError:
+            recovered = self._auto_recover()
+            if self._core.broken is not None:
+                raise SessionError(
+                    f"{job.spec.name} ran longer than its timeout of {job.spec.timeout_s:g} s and was interrupted, "
+                    f"but {self._core.broken}"
+                ) from None
             raise JobTimeoutError(
                 f"{job.spec.name} ran longer than its timeout of {job.spec.timeout_s:g} s and was interrupted; "
-                f"the ranks kept their state. Logs: {job.run_dir}"
+                + (f"{recovered}. " if recovered else "the ranks kept their state. ")
+                + f"Logs: {job.run_dir}"
             ) from None
         except LauncherError as exc:
+            recovered = self._auto_recover()
+            if recovered:
+                return self._failed_then_recovered(job, recovered)
             if self._core.broken is not None:
                 raise SessionError(self._core.broken) from None
             raise SessionError(str(exc)) from None
 
+    def _auto_recover(self) -> str | None:
+        """:meth:`recover` when ranks are left blocked, each in a ``torch.distributed`` call, and
+        :attr:`auto_recover` is on; its report, else ``None`` (also when it failed: :attr:`broken` says why)."""
+        stuck = self._core.stuck
+        if not self.auto_recover or stuck is None or not stuck.in_collectives or not self._core.can_recover:
+            return None
+        try:
+            return self._core.recover()
+        except SessionError:
+            return None
+
+    def _failed_then_recovered(self, job: Job, recovered: str) -> list[Any]:
+        """A cell that failed on a rank while others waited for it, after those were released: the
+        :class:`RankFailedError` naming the root cause, with what recover did as its hint."""
+        from sgpu_magic.job.outcome import failure_from_status
+        from sgpu_magic.rundir import RunDir, read_json
+
+        rd = RunDir(job.run_dir)
+        status = read_json(rd.status_file) or {}
+        error = failure_from_status(rd, status, self.world_size)
+        error.hint = recovered
+        raise error from None
+
     def _interrupted_message(self, job: Job, exc: BaseException) -> str:
+        recovered = self._auto_recover()
+        if recovered:
+            return f"{job.spec.name} was interrupted; {recovered}. Logs: {job.run_dir}"
         if self._core.broken is not None:
             return f"{job.spec.name} was interrupted, but {self._core.broken}"
         return f"{job.spec.name} was interrupted; the ranks and their state are kept. Logs: {job.run_dir}"
@@ -272,7 +315,6 @@ class Session:
         Raises:
             SessionError: the last cell did not fail (or no cell ran).
         """
-        from sgpu_magic.errors import RankFailedError
 
         last = self.last_failed_cell()
         if last is None:
@@ -371,6 +413,26 @@ class Session:
         """``KeyboardInterrupt`` in the running cell on every rank (from another thread, or the panel's Stop); the
         ranks and their state stay. Returns whether a cell was running."""
         return self._core.interrupt("interrupted")
+
+    def recover(self, timeout_s: float = 10.0) -> str:
+        """Release ranks that did not return from an interrupt (blocked in a collective whose peers never
+        entered it) and make the world's process group again, keeping every rank's namespace: variables, models
+        and optimizers survive. Returns what was done (printed by ``%distributed_session recover``).
+
+        How (:mod:`sgpu_magic.rank.recover`): each rank's control thread closes its connections to the other
+        ranks, so a blocked gloo collective raises ``Connection closed by peer`` (NCCL: the communicators are
+        aborted); every rank destroys its default process group and calls ``init_process_group`` again with the
+        same backend, on the job's rendezvous store under a new prefix; each step bounded by ``timeout_s``
+        seconds (default 10). Values that
+        were inside the aborted collective may differ between ranks (the report names them); a DDP or FSDP
+        wrapper made before holds the old group: wrap the module again. Runs by itself after an interrupt when
+        every blocked rank waits in ``torch.distributed`` (:attr:`auto_recover`).
+
+        Raises:
+            SessionError: nothing to recover; a session on a Ray cluster; a rank died; a rank blocked outside
+                ``torch.distributed`` (e.g. in native code of its own) did not return; each says to restart.
+        """
+        return self._core.recover(check_timeout(timeout_s, "timeout_s") or 10.0)
 
     def restart(self) -> None:
         """Stop the ranks (their state is lost) and start fresh ones with the same options."""

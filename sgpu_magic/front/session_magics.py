@@ -102,7 +102,7 @@ class SessionMagics(Magics):
     """``%distributed_session``, ``%distributed_push``, ``%distributed_pull``."""
 
     @magic_arguments(name="distributed_session")
-    @argument("action", choices=["start", "status", "restart", "stop"], help="What to do.")
+    @argument("action", choices=["start", "status", "recover", "restart", "stop"], help="What to do.")
     @argument(
         "name", nargs="?", default=None, help="The session's name (start: default s1, s2, ...; else: the latest)."
     )
@@ -136,6 +136,7 @@ class SessionMagics(Magics):
         examples="""
         %distributed_session start --gpus 2 -o sess     # ranks wait for cells; sess.run_cell(...), sess.pull(...)
         %distributed_session status
+        %distributed_session recover                    # ranks blocked in a collective return; state kept
         %distributed_session restart                    # fresh ranks (their state is lost)
         %distributed_session stop                       # or: stop NAME, stop --all
         """,
@@ -155,6 +156,9 @@ class SessionMagics(Magics):
                 return self._start(args)
             if args.action == "status":
                 return self._status(args.name)
+            if args.action == "recover":
+                print(find_session(args.name).recover())
+                return None
             chosen = [s for s in sessions() if s.state.value != "stopped"] if args.all else [find_session(args.name)]
             for session in chosen:
                 session.restart() if args.action == "restart" else session.stop()

@@ -142,13 +142,34 @@ def call_name(text: str, inner: tuple[Frame, ...] = ()) -> str | None:
 def where(threads: list[Thread], code: CodeMap) -> str:
     """Where a rank is: ``dist.broadcast at Cell In[4] line 7`` (the deepest frame of the user's code, in the
     main thread if it has one, and the call made there), else the innermost frame: ``wait at threading.py:320``."""
+    found = user_frame(threads, code)
+    if found is not None:
+        thread, i = found
+        frame = thread.frames[i]
+        call = call_name(code.line_text(frame.filename, frame.line), thread.frames[:i])
+        return f"{call or frame.name} at {code.place(frame.filename, frame.line)}"
+    frames = [t.frames[0] for t in threads if t.frames]
+    return f"{frames[0].name} at {frames[0].short}:{frames[0].line}" if frames else "no Python frame"
+
+
+def user_frame(threads: list[Thread], code: CodeMap) -> tuple[Thread, int] | None:
+    """The deepest frame of the user's code (``(thread, index in its frames)``), the main thread's first; ``None``
+    when no thread runs the user's code."""
     for thread in sorted(threads, key=lambda t: "MainThread" not in t.header and not t.header.endswith("(main)")):
         for i, frame in enumerate(thread.frames):
             if code.is_user(frame.filename):
-                call = call_name(code.line_text(frame.filename, frame.line), thread.frames[:i])
-                return f"{call or frame.name} at {code.place(frame.filename, frame.line)}"
-    frames = [t.frames[0] for t in threads if t.frames]
-    return f"{frames[0].name} at {frames[0].short}:{frames[0].line}" if frames else "no Python frame"
+                return thread, i
+    return None
+
+
+def _in_collective(threads: list[Thread], code: CodeMap) -> bool:
+    """Whether the user's deepest frame called into ``torch.distributed`` (a collective or point-to-point call,
+    which waits in C++ for the other ranks)."""
+    found = user_frame(threads, code)
+    if found is None:
+        return False
+    thread, i = found
+    return any("/torch/distributed/" in frame.filename for frame in thread.frames[:i])
 
 
 def _render_thread(thread: Thread, code: CodeMap) -> list[str]:
@@ -179,6 +200,10 @@ class RankStack:
     pid: int
     where: str
     text: str
+    line: str = ""
+    """The source line of the user's deepest frame (``dist.all_reduce(t)``); ``""`` when unknown."""
+    in_collective: bool = False
+    """Whether that frame is in a ``torch.distributed`` call (a collective waiting for its peers)."""
 
 
 def _parse(rank: int, pid: int, out: str, code: CodeMap) -> RankStack:
@@ -200,7 +225,10 @@ def _parse(rank: int, pid: int, out: str, code: CodeMap) -> RankStack:
         threads.append(Thread(f"Thread {t.get('os_thread_id') or t.get('thread_id')} ({state}){name}", frames))
     at = where(threads, code)
     body = [line for thread in threads for line in [*_render_thread(thread, code), ""]]
-    return RankStack(rank, pid, at, "\n".join([f"rank {rank} (pid {pid}): {at}", *body]).rstrip() + "\n")
+    found = user_frame(threads, code)
+    source = code.line_text(found[0].frames[found[1]].filename, found[0].frames[found[1]].line) if found else ""
+    text = "\n".join([f"rank {rank} (pid {pid}): {at}", *body]).rstrip() + "\n"
+    return RankStack(rank, pid, at, text, source, _in_collective(threads, code))
 
 
 def py_spy_path() -> str | None:

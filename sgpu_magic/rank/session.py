@@ -10,6 +10,11 @@ then serves one command at a time from the kernel:
   log); its value or error is written to the cell's run directory as for a job.
 - ``push``: set names in the namespace; ``pull``: send a name's value back (tensors on the CPU);
   ``stop``: leave the loop (the rank then ends as a job's rank does).
+- ``ungroup`` / ``regroup``: the last steps of ``Session.recover()`` (:mod:`sgpu_magic.rank.recover`): destroy the
+  default process group, then make it again on the job's rendezvous store.
+
+A third FIFO, the control FIFO, is read by a daemon thread, so that the kernel reaches a rank whose main thread is
+blocked in a collective (:func:`sgpu_magic.rank.recover.start_control_thread`).
 
 SIGINT raises ``KeyboardInterrupt`` only while a cell runs (the kernel's interrupt of that cell); between cells
 it is ignored. When the kernel's end of the command FIFO closes (the kernel is gone), the rank waits for the launch
@@ -152,6 +157,22 @@ def _debug(msg: dict, rank: int, running: _Running, replies: int, commands: int)
     return {"ok": True}
 
 
+def _ungroup() -> dict[str, Any]:
+    from sgpu_magic.rank.recover import ungroup
+
+    return {"ok": True, "backend": ungroup()}
+
+
+def _regroup(msg: dict) -> dict[str, Any]:
+    from sgpu_magic.rank.recover import regroup
+
+    try:
+        regroup(msg["backend"], msg["generation"])
+    except Exception as exc:  # noqa: BLE001 - said to the kernel, which says the session needs a restart
+        return {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    return {"ok": True}
+
+
 def _serve_one(
     msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int, int]
 ) -> tuple[dict[str, Any], bytes | None]:
@@ -162,6 +183,10 @@ def _serve_one(
         return _push(msg, ns), None
     if op == "pull":
         return _pull(msg, ns, rank)
+    if op == "ungroup":
+        return _ungroup(), None
+    if op == "regroup":
+        return _regroup(msg), None
     return {"ok": False, "error": f"unknown session command {op!r}"}, None
 
 
@@ -187,6 +212,10 @@ def serve(run_dir: RunDir, ns: dict) -> None:
     rank = int(os.environ["RANK"])
     commands = open_private_fifo(run_dir.session_command(rank), os.O_RDONLY)
     replies = open_private_fifo(run_dir.session_reply(rank), os.O_WRONLY)
+    if run_dir.session_control(rank).exists():  # made by the kernel's channel on this machine (not on Ray)
+        from sgpu_magic.rank.recover import start_control_thread
+
+        start_control_thread(open_private_fifo(run_dir.session_control(rank), os.O_RDONLY))
     running = _Running()
     signal.signal(signal.SIGINT, running.on_sigint)
     # a rank started by a Ray actor's thread inherits that thread's blocked SIGINT: the interrupt would never land

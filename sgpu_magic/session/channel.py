@@ -1,5 +1,8 @@
 """The kernel's end of a session's channel: one command FIFO and one reply FIFO per rank, and the requests on it.
 
+A third FIFO per rank, its control FIFO, reaches a thread of the rank even while its main thread is blocked in a
+collective (:meth:`SessionChannel.release`, for ``Session.recover()``).
+
 The FIFOs are made by the kernel in the session's private run directory before the ranks start
 (:meth:`SessionChannel.make`), and opened read-write by the kernel, so neither side's ``open`` blocks; a rank
 sees end of file on its command FIFO when the kernel is gone. One request is outstanding at a time (a cell, a
@@ -9,6 +12,7 @@ session's reader thread (:meth:`SessionChannel.read_ready`).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import queue
@@ -74,6 +78,11 @@ class Channel(Protocol):
     def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None: ...
     def read_ready(self, timeout_s: float) -> list[tuple[int, dict[str, Any], bytes | None]]: ...
     def interrupt(self, rank: int, pid: int) -> None: ...
+
+    releases: bool
+    """Whether :meth:`release` reaches the ranks' connections (``Session.recover()``)."""
+
+    def release(self, peers: dict[int, int]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -88,15 +97,17 @@ class SessionChannel:
         self.world_size = world_size
         self._commands: dict[int, int] = {}
         self._replies: dict[int, int] = {}
+        self._controls: dict[int, int] = {}
         self._send_lock = threading.Lock()
 
     def make(self) -> None:
-        """Make and open every rank's two FIFOs (before the ranks start)."""
+        """Make and open every rank's three FIFOs (before the ranks start)."""
         make_private_dir(self.run_dir.session_dir)
         for rank in range(self.world_size):
             for path, fds in (
                 (self.run_dir.session_command(rank), self._commands),
                 (self.run_dir.session_reply(rank), self._replies),
+                (self.run_dir.session_control(rank), self._controls),
             ):
                 make_private_fifo(path)
                 fds[rank] = open_private_fifo(path, os.O_RDWR)
@@ -110,6 +121,20 @@ class SessionChannel:
             os.kill(pid, signal.SIGINT)
         except ProcessLookupError:
             pass
+
+    releases = True
+
+    def release(self, peers: dict[int, int]) -> None:
+        """Ask every rank's control thread to close its connections to the other ranks (``peers``: ``{rank: pid}``),
+        which returns a collective that waits for them (:mod:`sgpu_magic.rank.recover`).
+
+        Raises:
+            OSError: the channel is closed.
+        """
+        with self._send_lock:
+            for rank, fd in self._controls.items():
+                others = [pid for r, pid in sorted(peers.items()) if r != rank]
+                os.write(fd, json.dumps({"op": "release", "peers": others}).encode() + b"\n")
 
     def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None:
         """Send ``message`` to each of ``ranks`` (a pickle, one frame each).
@@ -144,13 +169,14 @@ class SessionChannel:
     def close(self) -> None:
         """Close the kernel's ends: ranks still serving see end of file and leave their loop."""
         with self._send_lock:
-            for fd in [*self._commands.values(), *self._replies.values()]:
+            for fd in [*self._commands.values(), *self._replies.values(), *self._controls.values()]:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
             self._commands.clear()
             self._replies.clear()
+            self._controls.clear()
 
 
 def new_channel(run_dir: RunDir, world_size: int, cluster: str | None) -> Channel:

@@ -15,7 +15,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sgpu_magic.errors import SessionError
@@ -23,10 +23,17 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
+from sgpu_magic.launch.stacks import CodeMap, RankStack, take_stacks
 from sgpu_magic.rundir import RunDir, signal_status
 from sgpu_magic.session.channel import Channel, Request, new_channel
 from sgpu_magic.session.launcher import CellLauncher
-from sgpu_magic.session.outcome import cell_status, death_message, mlflow_run, stuck_message
+from sgpu_magic.session.outcome import (
+    cell_status,
+    death_message,
+    mlflow_run,
+    recovered_message,
+    stuck_message,
+)
 from sgpu_magic.session.relay import DebugRelay, ReadLine, Write, read_line, write_output
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import StatusWriter
@@ -40,6 +47,34 @@ stops a job's other ranks when one fails: in SPMD code they are most likely wait
 
 READ_TICK_S = 0.1
 """How often the reader thread checks deadlines, the ranks' liveness and the idle timeout when nothing arrives."""
+
+RECOVER_TIMEOUT_S = 10.0
+"""How long each step of :meth:`SessionCore.recover` may take (the blocked ranks' return, then each rank's destroy
+and re-creation of the process group) before the session is left broken (a restart is then the way on)."""
+
+
+@dataclass
+class Stuck:
+    """Ranks of a cell that did not return from its interrupt (the session is broken until they do).
+
+    Attributes:
+        seq: the cell's request number (their late replies carry it).
+        ranks: the ranks that did not return.
+        label: the cell's name (``session s1 cell 3``).
+        stacks: ``{rank: RankStack}`` taken when the interrupt's grace ended (where each waited).
+        returned: the ranks whose late reply has come since.
+    """
+
+    seq: int
+    ranks: tuple[int, ...]
+    label: str
+    stacks: dict[int, RankStack]
+    returned: set[int] = field(default_factory=set)
+
+    @property
+    def in_collectives(self) -> bool:
+        """Whether every stuck rank was seen waiting in a ``torch.distributed`` call."""
+        return all(r in self.stacks and self.stacks[r].in_collective for r in self.ranks)
 
 
 class SessionState(enum.Enum):
@@ -98,6 +133,9 @@ class SessionCore:
         self._parent_run: JobSink | None = None
         self.mlflow_per_cell = False
         """Whether each cell gets a child MLflow run of the session's (else a cell makes no MLflow write)."""
+        self.stuck: Stuck | None = None
+        """The ranks that did not return from the last cell's interrupt (what :meth:`recover` releases)."""
+        self._generation = 0
 
     @property
     def stopped(self) -> bool:
@@ -111,7 +149,7 @@ class SessionCore:
 
     def start(self) -> None:
         """Start the ranks and wait until each is ready (or the session job fails: :class:`SessionError`)."""
-        self.broken, self._names, self.pids = None, {}, {}
+        self.broken, self._names, self.pids, self.stuck = None, {}, {}, None
         self.state = SessionState.STARTING
 
         def make_channel(rd: RunDir) -> None:
@@ -311,6 +349,124 @@ class SessionCore:
             self._channel.interrupt(rank, self.pids[rank])
         return True
 
+    # -- recovery
+
+    @property
+    def can_recover(self) -> bool:
+        """Whether :meth:`recover` can reach the ranks' connections (a session on this machine, not on Ray)."""
+        return self._channel is not None and self._channel.releases
+
+    def recover(self, timeout_s: float = RECOVER_TIMEOUT_S) -> str:
+        """Return the ranks that did not come back from an interrupt (blocked in a collective) to their loop,
+        keeping every rank's namespace, and make the world's process group again; a report of what was done.
+
+        Steps, each bounded by ``timeout_s``: every rank's control thread closes its connections to the other
+        ranks (gloo's pairs; NCCL: its communicators are aborted), so a blocked collective raises and its cell ends;
+        every rank destroys its default process group; every rank (when any had one) calls ``init_process_group``
+        with the same backend on the job's rendezvous store under a new prefix (:mod:`sgpu_magic.rank.recover`).
+
+        Raises:
+            SessionError: nothing to recover (the session is not broken by ranks that did not return); the session
+                runs on a Ray cluster; a rank died (restart); or a step did not finish in time (the session stays
+                broken: a rank blocked outside ``torch.distributed`` does not return this way).
+        """
+        stuck = self.stuck
+        if self.state is not SessionState.BROKEN or stuck is None:
+            why = self.broken if self.state is SessionState.BROKEN else f"it is {self.state.value}"
+            raise SessionError(
+                f"session {self.name} has nothing to recover: {why}. recover() releases ranks that did not return "
+                f"from an interrupt (a collective waiting for its peers)"
+            )
+        assert self._channel is not None and self.job is not None  # broken by stuck ranks: started
+        if self.job.done():
+            raise SessionError(death_message(self.name, self.job))
+        started = time.monotonic()
+        waiting = tuple(r for r in stuck.ranks if r not in stuck.returned)
+        with self._lock:
+            self._request = request = Request(stuck.seq, waiting)
+        for rank in stuck.returned:
+            request.replies[rank] = {"ok": False}
+        if not self._channel.releases:
+            self._abandon(request)
+            raise SessionError(
+                f"session {self.name} runs on a Ray cluster, where recover() cannot reach its ranks' connections; "
+                f"run %distributed_session restart (or sess.restart()) for fresh ranks (their state is lost)"
+            )
+        self._channel.release(self.pids)
+        if not waiting:
+            self._abandon(request)
+        elif not self._wait_for(request, timeout_s):
+            self._abandon(request)
+            raise SessionError(self._not_recovered(stuck, request.missing, timeout_s))
+        everyone = tuple(range(self.world_size))
+        replies = self._ask({"op": "ungroup"}, everyone, timeout_s, stuck)
+        backends = sorted({str(reply["backend"]) for reply in replies if reply.get("backend")})
+        backend = backends[0] if backends else None
+        if backend is not None:
+            self._generation += 1
+            replies = self._ask(
+                {"op": "regroup", "backend": backend, "generation": self._generation}, everyone, timeout_s, stuck
+            )
+            errors = sorted((r.get("rank", -1), r.get("error")) for r in replies if not r.get("ok"))
+            if errors:
+                self.broken = (
+                    f"session {self.name} needs a restart: its process group could not be made again after "
+                    f"recover (rank {errors[0][0]}: {errors[0][1]}); run %distributed_session restart "
+                    f"(or sess.restart()) for fresh ranks"
+                )
+                raise SessionError(self.broken)
+        self.stuck, self.broken = None, None
+        self.state = SessionState.IDLE
+        self._last_active = time.monotonic()
+        return recovered_message(self.name, stuck, backend, time.monotonic() - started)
+
+    def _wait_for(self, request: Request, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``request``'s replies (read by the reader thread); whether every one came."""
+        deadline = time.monotonic() + timeout_s
+        while not request.done.wait(READ_TICK_S):
+            if time.monotonic() > deadline or self._reader is None or not self._reader.is_alive():
+                return False
+            if self.job is not None and self.job.done():
+                return False
+        return not request.missing
+
+    def _abandon(self, request: Request) -> None:
+        with self._lock:
+            if self._request is request:
+                self._request = None
+
+    def _ask(self, message: dict[str, Any], ranks: tuple[int, ...], timeout_s: float, stuck: Stuck) -> list[dict]:
+        """One step of :meth:`recover`: ``message`` to ``ranks``, every reply within ``timeout_s`` (else
+        :class:`SessionError`, the session still broken)."""
+        with self._lock:
+            self._seq += 1
+            self._request = request = Request(self._seq, ranks)
+        assert self._channel is not None
+        self._channel.send(ranks, {**message, "seq": request.seq})
+        if not self._wait_for(request, timeout_s):
+            self._abandon(request)
+            raise SessionError(self._not_recovered(stuck, request.missing, timeout_s, message["op"]))
+        return [{**reply, "rank": r} for r, reply in sorted(request.replies.items())]
+
+    def _not_recovered(self, stuck: Stuck, missing: list[int], timeout_s: float, step: str = "") -> str:
+        if self.job is not None and self.job.done():
+            self.broken = death_message(self.name, self.job)
+            return self.broken
+        ranks = ", ".join(map(str, missing))
+        what = (
+            f"rank(s) {ranks} did not return within {timeout_s:g} s of their connections to the other ranks being "
+            f"closed (blocked outside torch.distributed"
+            + (f": {_where(stuck, missing)}" if _where(stuck, missing) else "")
+            + ")"
+            if not step
+            else f"rank(s) {ranks} did not answer {step} within {timeout_s:g} s"
+        )
+        self.broken = (
+            f"session {self.name} could not be recovered: {what}; run %distributed_session restart "
+            f"(or sess.restart()) for fresh ranks (their state is lost)"
+        )
+        return self.broken
+
     # -- the reader thread
 
     def _read_loop(self, channel: Channel) -> None:
@@ -336,6 +492,9 @@ class SessionCore:
 
     def _on_reply(self, rank: int, reply: dict[str, Any], value: bytes | None) -> None:
         self._names[rank] = set(reply.get("names", ()))
+        stuck = self.stuck
+        if stuck is not None and reply.get("seq") == stuck.seq and rank in stuck.ranks and "stream" not in reply:
+            stuck.returned.add(rank)  # a rank blocked past the interrupt's grace has come back to its loop
         with self._lock:
             request = self._request
         if reply.get("op") == "ready" and request is not None and self.state is SessionState.STARTING:
@@ -379,9 +538,27 @@ class SessionCore:
         elif request.failed_at is not None and now > request.failed_at + FAILURE_GRACE_S and request.reason is None:
             self.interrupt("failed")  # the cell has failed; the ranks still in it are most likely waiting for a peer
         elif request.grace_end is not None and now > request.grace_end and request.missing:
-            self.broken = stuck_message(self.name, request, INTERRUPT_GRACE_S, FAILURE_GRACE_S)
+            stuck = self._take_stuck(request)
+            recoverable = self._channel is not None and self._channel.releases
+            self.broken = stuck_message(self.name, request, INTERRUPT_GRACE_S, FAILURE_GRACE_S, stuck, recoverable)
+            self.stuck = stuck
             self.state = SessionState.BROKEN
             self._complete(request, self.broken)
+
+    def _take_stuck(self, request: Request) -> Stuck:
+        """The ranks of ``request`` that did not return, and where each waits (py-spy, bounded)."""
+        missing = tuple(request.missing)
+        code = CodeMap.read(request.run_dir.code_map_file) if request.run_dir is not None else CodeMap()
+        try:
+            stacks = take_stacks({r: self.pids[r] for r in missing if r in self.pids}, code)
+        except Exception:  # noqa: BLE001 - where they wait is a help, not a condition of the message
+            stacks = {}
+        label = request.run_dir.job_id if request.run_dir is not None else f"request {request.seq}"
+        for job in reversed(self.jobs):
+            if request.run_dir is not None and job.run_dir == request.run_dir.path:
+                label = job.spec.name or label
+                break
+        return Stuck(request.seq, missing, label, stacks)
 
     def _check_ranks_alive(self) -> None:
         job = self.job
@@ -405,6 +582,11 @@ class SessionCore:
         self.stop()  # ends this loop: the ranks get "stop", and their job ends
         if self.on_idle_stop is not None:
             self.on_idle_stop(message)
+
+
+def _where(stuck: Stuck, ranks: list[int]) -> str:
+    """``rank 0: time.sleep at Cell In[4] line 3`` for the ``ranks`` of ``stuck`` whose stacks were taken."""
+    return "; ".join(f"rank {r}: {stuck.stacks[r].where}" for r in ranks if r in stuck.stacks)
 
 
 def _no_warning(text: str) -> None:

@@ -3,14 +3,18 @@ and what the session's sinks say."""
 
 from __future__ import annotations
 
+import ast
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sgpu_magic.errors import RankFailure, describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.session.channel import Request
+
+if TYPE_CHECKING:
+    from sgpu_magic.session.core import Stuck
 
 
 def mlflow_run(sinks: list[JobSink]) -> JobSink | None:
@@ -74,10 +78,19 @@ def death_message(name: str, job: Job) -> str:
     )
 
 
-def stuck_message(name: str, request: Request, interrupt_grace_s: float, failure_grace_s: float) -> str:
-    """Why session ``name`` broke when ranks of ``request`` did not return after its interrupt: which ranks, and,
-    when the interrupt came because other ranks had raised (reason ``failed``), which ones and their error."""
-    stuck = ", ".join(str(r) for r in request.missing)
+def stuck_message(
+    name: str,
+    request: Request,
+    interrupt_grace_s: float,
+    failure_grace_s: float,
+    stuck: Stuck | None = None,
+    recoverable: bool = False,
+) -> str:
+    """Why session ``name`` broke when ranks of ``request`` did not return after its interrupt: which ranks and where
+    each waits (from ``stuck``'s stacks), and, when the interrupt came because other ranks had raised (reason
+    ``failed``), which ones and their error; the way on: ``recover`` where the session's channel can (``recoverable``),
+    else a restart."""
+    ranks = ", ".join(str(r) for r in request.missing)
     failed = sorted(r for r, reply in request.replies.items() if not reply.get("ok") and not reply.get("interrupted"))
     why = "of the interrupt"
     if request.reason == "failed" and failed and request.run_dir is not None:
@@ -85,11 +98,68 @@ def stuck_message(name: str, request: Request, interrupt_grace_s: float, failure
             f"of the interrupt sent {failure_grace_s:g} s after rank(s) {', '.join(map(str, failed))} raised"
             f"{_first_error(request.run_dir, failed)}"
         )
+    where = "; ".join(f"rank {r}: {stuck.stacks[r].where}" for r in stuck.ranks if r in stuck.stacks) if stuck else ""
+    blocked = f"blocked outside Python: {where}" if where else "blocked outside Python, e.g. in a C++ collective"
+    if recoverable:
+        remedy = (
+            "run %distributed_session recover (or sess.recover()) to release it and keep every rank's state, or "
+            "%distributed_session restart (or sess.restart()) for fresh ranks (their state is lost)"
+        )
+        return f"session {name} is broken: rank(s) {ranks} did not return within {interrupt_grace_s:g} s {why} ({blocked}); {remedy}"
     return (
-        f"session {name} needs a restart: rank(s) {stuck} did not return within {interrupt_grace_s:g} s "
-        f"{why} (blocked outside Python, e.g. in a C++ collective waiting for its peers); run "
+        f"session {name} needs a restart: rank(s) {ranks} did not return within {interrupt_grace_s:g} s "
+        f"{why} ({blocked} waiting for its peers); run "
         f"%distributed_session restart (or sess.restart()) for fresh ranks (their state is lost)"
     )
+
+
+def recovered_message(name: str, stuck: Stuck, backend: str | None, took_s: float) -> str:
+    """What :meth:`SessionCore.recover` did: the ranks released and where they waited, the process group made again,
+    and the values that were inside the aborted collectives (they may differ between ranks now)."""
+    released = "; ".join(
+        f"rank {r}" + (f" (in {stuck.stacks[r].where})" if r in stuck.stacks else "") for r in stuck.ranks
+    )
+    group = (
+        f"the default process group ({backend}) was made again on every rank"
+        if backend
+        else "no rank had a process group"
+    )
+    suspects = sorted({(r, arg) for r in stuck.ranks if r in stuck.stacks for arg in _call_args(stuck.stacks[r].line)})
+    inconsistent = (
+        "; values that were in the aborted collective may differ between ranks: "
+        + ", ".join(f"{arg} (rank {r})" for r, arg in suspects)
+        if suspects
+        else ""
+    )
+    rewrap = "; a DDP or FSDP model wrapped before holds the old group: wrap it again" if backend else ""
+    return (
+        f"session {name} recovered in {took_s:.1f} s ({stuck.label}): {released} returned; {group}; every rank's "
+        f"namespace is kept{inconsistent}{rewrap}"
+    )
+
+
+def _call_args(line: str) -> list[str]:
+    """The positional arguments, as written, of the ``torch.distributed`` call on ``line``
+    (``dist.all_reduce(t, op=...)`` -> ``["t"]``); ``[]`` when the line does not parse."""
+    try:
+        tree = ast.parse(line.strip())
+    except SyntaxError:
+        return []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name):
+            name = ast.unparse(node.func).rsplit(".", 1)[-1]
+            if name in _COLLECTIVES:
+                return [
+                    ast.unparse(arg) for arg in node.args if isinstance(arg, ast.Name | ast.Attribute | ast.Subscript)
+                ]
+    return []
+
+
+_COLLECTIVES = frozenset(
+    "all_reduce all_gather all_gather_into_tensor all_gather_object all_to_all all_to_all_single broadcast "
+    "broadcast_object_list reduce reduce_scatter reduce_scatter_tensor gather gather_object scatter scatter_object_list "
+    "send recv isend irecv".split()
+)
 
 
 def _first_error(run_dir: RunDir, ranks: list[int]) -> str:

@@ -1,10 +1,12 @@
 """Faults in live sessions, injected from outside or by the cells: a rank SIGKILLed while the session is idle, and
-a rank blocked in a C++ collective that an interrupt cannot reach. Each must end in a clear state, leave no rank
-and no GPU lease behind, and let ``restart`` bring a working session."""
+a rank blocked in a C++ collective that an interrupt cannot reach (released by recover, with its state), and one
+blocked outside any collective (not). Each must end in a clear state, leave no rank and no GPU lease behind, and
+let ``restart`` bring a working session."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -53,33 +55,76 @@ def test_a_rank_sigkilled_while_idle_breaks_the_session_and_frees_everything(ip,
     wait_for(lambda: _holders(fake_gpus) == [], 30, "the leases to be released after stop")
 
 
-def test_a_rank_blocked_in_a_collective_is_named_after_the_interrupt_grace(ip, fake_gpus, tmp_path):
+def _interrupted(session: Session, code: str, marker, ranks: list[int]) -> BaseException:
+    """Run ``code`` on ``ranks`` from a thread; once it touched ``marker``, interrupt; what the cell raised."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            session.run_cell(code, ranks=ranks)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_for(marker.exists, 60, "the cell to start")
+    session.interrupt()
+    thread.join(INTERRUPT_GRACE_S + 60)
+    assert not thread.is_alive() and len(errors) == 1, errors
+    return errors[0]
+
+
+def test_a_rank_blocked_in_a_collective_is_released_with_its_state(ip, fake_gpus, tmp_path):
+    """Only rank 0 runs the cell: its all_reduce waits in gloo's C++ for rank 1, out of Python's reach; after the
+    interrupt's grace the session releases it by itself (auto_recover), both ranks keep their state."""
     session = Session(gpus=2, widgets=False, mlflow=False, name="chaos_stuck")
     try:
-        session.run_cell("import torch, torch.distributed as dist\ndist.init_process_group('gloo')")
+        session.run_cell("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\nkept = [1, 2]")
         marker = tmp_path / "entered"
-        import threading
+        code = f"import pathlib\npathlib.Path({str(marker)!r}).touch()\ndist.all_reduce(torch.ones(1))"
+        error = _interrupted(session, code, marker, [0])
+        assert isinstance(error, CellInterruptedError), error
+        assert "was interrupted; session chaos_stuck recovered in" in str(error)
+        assert "rank 0 (in dist.all_reduce at session chaos_stuck cell 2 line 3) returned" in str(error)
+        assert session.state.value == "idle" and _holders(fake_gpus) == [session.job.job_id]
+        assert session.run_cell("t = torch.ones(1) * len(kept)\ndist.all_reduce(t)\nt.item()") == [4.0, 4.0]
+    finally:
+        session.stop()
+    assert wait_gone(session.pids.values()) == []
+    wait_for(lambda: _holders(fake_gpus) == [], 30, "the leases to be released after stop")
 
-        errors: list[BaseException] = []
 
-        def stuck() -> None:
-            try:  # only rank 0 runs it: its all_reduce waits in gloo's C++ for rank 1, out of Python's reach
-                session.run_cell(
-                    f"import pathlib\npathlib.Path({str(marker)!r}).touch()\ndist.all_reduce(torch.ones(1))",
-                    ranks=[0],
-                )
-            except BaseException as exc:  # noqa: BLE001 - the test looks at it
-                errors.append(exc)
-
-        thread = threading.Thread(target=stuck)
-        thread.start()
-        wait_for(marker.exists, 60, "rank 0 to enter the collective")
-        session.interrupt()
-        thread.join(INTERRUPT_GRACE_S + 30)
-        assert not thread.is_alive()
-        assert len(errors) == 1 and isinstance(errors[0], CellInterruptedError), errors
-        assert f"rank(s) 0 did not return within {INTERRUPT_GRACE_S:g} s of the interrupt" in str(errors[0])
-        with pytest.raises(SessionError, match=r"session chaos_stuck needs a restart: rank\(s\) 0 did not return"):
+def test_a_rank_blocked_outside_torch_distributed_is_not_recovered_and_restart_still_works(ip, fake_gpus, tmp_path):
+    """A rank that ignores the interrupt outside any collective (SIGINT blocked, then a long sleep): no automatic
+    recover (not known safe); recover() releases nothing it waits on and says so, naming where it is; the session
+    stays broken; restart brings fresh ranks."""
+    session = Session(gpus=2, widgets=False, mlflow=False, name="chaos_native")
+    try:
+        marker = tmp_path / "entered"
+        code = (
+            f"import pathlib, signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})\n"
+            f"pathlib.Path({str(marker)!r}).touch()\ntime.sleep(3600)"
+        )
+        error = _interrupted(session, code, marker, [0])
+        assert isinstance(error, CellInterruptedError), error
+        assert re.search(
+            r"session chaos_native is broken: rank\(s\) 0 did not return within 5 s of the interrupt \(blocked "
+            r"outside Python: rank 0: time\.sleep at session chaos_native cell 1 line 4\); run %distributed_session "
+            r"recover",
+            str(error),
+        ), error
+        with pytest.raises(SessionError) as raised:
+            session.recover(timeout_s=2)
+        assert str(raised.value) == (
+            "session chaos_native could not be recovered: rank(s) 0 did not return within 2 s of their connections "
+            "to the other ranks being closed (blocked outside torch.distributed: rank 0: time.sleep at session "
+            "chaos_native cell 1 line 4); run %distributed_session restart (or sess.restart()) for fresh ranks "
+            "(their state is lost)"
+        )
+        assert session.state.value == "broken"
+        with pytest.raises(SessionError, match=r"session chaos_native could not be recovered"):
             session.run_cell("1")
         old = session.pids
         session.restart()

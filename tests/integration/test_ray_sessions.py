@@ -8,6 +8,7 @@ the last ones break it, restart it and stop it. Skipped without Ray (``pip insta
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import psutil
@@ -64,17 +65,20 @@ def cluster():
     c.shutdown()
 
 
+SETUP = (
+    "import os, torch, torch.distributed as dist\n"
+    "dist.init_process_group('gloo')\n"
+    "rank = dist.get_rank()\n"
+    "w = torch.ones(3) * (rank + 1)\n"
+    "group_id = id(dist.group.WORLD)"
+)
+
+
 @pytest.fixture(scope="module")
 def sess(cluster, ip):
     """One 2-rank session on the cluster for the module (one rank per node), stopped at the end."""
     session = Session(gpus=2, cluster=cluster.address, widgets=False, mlflow=False, name="onray")
-    session.run_cell(
-        "import os, torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\n"
-        "rank = dist.get_rank()\n"
-        "w = torch.ones(3) * (rank + 1)\n"
-        "group_id = id(dist.group.WORLD)"
-    )
+    session.run_cell(SETUP)
     yield session
     session.stop()
 
@@ -139,6 +143,26 @@ def test_interrupt_keeps_the_state(sess, tmp_path):
     error = interrupt_session_cell(sess, code, marker)
     assert isinstance(error, CellInterruptedError), error
     assert sess.run_cell("w.sum().item()") == [3.0, 6.0]
+
+
+def test_a_rank_blocked_in_a_collective_on_ray_needs_a_restart_and_recover_says_why(sess, tmp_path):
+    """recover() cannot reach the connections of ranks on a cluster's nodes: the broken session says to restart
+    (naming where rank 0 waits), recover() says why it cannot, restart brings fresh ranks."""
+    marker = tmp_path / "entered"
+    code = f"import pathlib\npathlib.Path({str(marker)!r} + str(rank)).touch()\nif rank == 0:\n    dist.all_reduce(w)"
+    error = interrupt_session_cell(sess, code, marker, ranks=(0,))
+    assert isinstance(error, CellInterruptedError), error
+    assert re.search(
+        r"session onray needs a restart: rank\(s\) 0 did not return within 5 s of the interrupt \(blocked outside "
+        r"Python: rank 0: dist\.all_reduce at session onray cell \d+ line 4 waiting for its peers\); run "
+        r"%distributed_session restart",
+        str(error),
+    ), error
+    with pytest.raises(SessionError, match=r"session onray runs on a Ray cluster, where recover\(\) cannot reach"):
+        sess.recover()
+    sess.restart()
+    sess.run_cell(SETUP)  # the module's session as its fixture made it, for the tests after this one
+    assert sess.run_cell("t = w.clone()\ndist.all_reduce(t)\nt.tolist()") == [[3.0] * 3] * 2
 
 
 def test_a_rank_that_dies_breaks_the_session_and_restart_brings_fresh_ranks(sess):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import psutil
@@ -246,10 +247,37 @@ def test_a_rank_that_dies_breaks_the_session_and_restart_brings_fresh_ranks(ip):
 
 
 @pytest.mark.slow
-def test_a_rank_left_in_a_collective_by_a_peer_that_raised_breaks_the_session_naming_both(ip):
+def test_a_rank_left_in_a_collective_by_a_peer_that_raised_is_released_and_the_root_cause_raised(ip):
     """Rank 1 raises before the all-reduce that rank 0 waits in (gloo: not interruptible): rank 0 is interrupted
-    FAILURE_GRACE_S after, cannot return, and the session says it needs a restart, naming both; nothing hangs."""
+    FAILURE_GRACE_S after, cannot return, and is released by the automatic recover; the cell raises rank 1's error
+    with what recover did, the session is idle with its state, and the process group works again."""
     session = Session(gpus=2, widgets=False, mlflow=False, name="peerless")
+    try:
+        session.run_cell("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\nkept = 7")
+        with pytest.raises(RankFailedError) as raised:
+            session.run_cell(
+                "if dist.get_rank() == 1:\n    raise RuntimeError('rank 1 skips the all-reduce')\n"
+                "dist.all_reduce(torch.ones(1))",
+                timeout=300,
+            )
+        text = str(raised.value)
+        assert "rank 1 failed (root cause): RuntimeError: rank 1 skips the all-reduce" in text, text
+        assert re.search(
+            r"hint: session peerless recovered in \d+\.\d s \(session peerless cell 2\): rank 0 \(in "
+            r"dist\.all_reduce at session peerless cell 2 line 3\) returned; the default process group \(gloo\) was "
+            r"made again on every rank",
+            text,
+        ), text
+        assert session.state.value == "idle"
+        assert session.run_cell("t = torch.ones(1) * kept\ndist.all_reduce(t)\nt.item()") == [14.0, 14.0]
+    finally:
+        session.stop()
+    assert wait_gone(session.pids.values()) == []
+
+
+@pytest.mark.slow
+def test_without_auto_recover_a_rank_left_in_a_collective_breaks_the_session_naming_both(ip):
+    session = Session(gpus=2, widgets=False, mlflow=False, name="peerless2", auto_recover=False)
     try:
         session.run_cell("import torch, torch.distributed as dist\ndist.init_process_group('gloo')")
         with pytest.raises(SessionError) as raised:
@@ -258,16 +286,25 @@ def test_a_rank_left_in_a_collective_by_a_peer_that_raised_breaks_the_session_na
                 "dist.all_reduce(torch.ones(1))",
                 timeout=300,
             )
-        assert isinstance(raised.value, SessionError)
         assert str(raised.value).startswith(
-            "session peerless needs a restart: rank(s) 0 did not return within 5 s of the interrupt sent 5 s after "
-            "rank(s) 1 raised (RuntimeError: rank 1 skips the all-reduce) (blocked outside Python, e.g. in a C++ "
-            "collective waiting for its peers); run %distributed_session restart"
-        )
+            "session peerless2 is broken: rank(s) 0 did not return within 5 s of the interrupt sent 5 s after "
+            "rank(s) 1 raised (RuntimeError: rank 1 skips the all-reduce) (blocked outside Python: rank 0: "
+            "dist.all_reduce at session peerless2 cell 2 line 3); run %distributed_session recover (or sess.recover()) "
+            "to release it and keep every rank's state, or %distributed_session restart"
+        ), raised.value
         assert session.state.value == "broken"
+        assert "recovered in" in session.recover()
+        assert session.run_cell("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [2.0, 2.0]
     finally:
         session.stop()
     assert wait_gone(session.pids.values()) == []
+
+
+def test_recover_of_a_session_with_nothing_to_recover_says_so(sess):
+    with pytest.raises(SessionError, match=r"session shared has nothing to recover: it is idle\. recover\(\) releases"):
+        sess.recover()
+    with pytest.raises(SpecError, match=r"timeout_s must be a number of seconds > 0"):
+        sess.recover(timeout_s=-1)
 
 
 def test_distributed_jobs_lists_the_session_and_its_cells(sess, run_cell):

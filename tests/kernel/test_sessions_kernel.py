@@ -4,6 +4,7 @@ timeout releases the session's GPU leases, a SIGKILLed kernel leaves no rank beh
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -223,3 +224,87 @@ def test_a_breakpoint_in_rank_1_stops_it_and_c_or_q_let_the_all_reduce_finish(ke
     first, second = prompts[0][:8], prompts[2][:8]
     assert prompts == [f"{first} (Pdb) "] * 2 + [f"{second} (Pdb) "] * 2 and {first, second} == {"[rank 0]", "[rank 1]"}
     assert out.stdout.count("stopped in pdb") == 2 and "tensor([1.])" in out.stdout and "tensor([2.])" in out.stdout
+
+
+HUNG = (
+    "%%distributed --session\nimport pathlib\nif rank == 0:\n    pathlib.Path({marker!r}).touch()\n"
+    "    dist.all_reduce(t)\n"
+)
+
+
+ALL_REDUCE = "sess.run_cell('x = torch.ones(2) * (rank + 1)\\ndist.all_reduce(x)\\nx.tolist()')"
+
+
+def _hang_and_interrupt(km, kc, marker) -> dict:
+    """A cell whose rank 0 enters an all-reduce that rank 1 never enters, then the notebook's Interrupt; its error."""
+    msg_id = kc.execute(HUNG.format(marker=str(marker)))
+    wait_for(marker.exists, 60, "rank 0 to enter the all-reduce")
+    km.interrupt_kernel()
+    out = collect(kc, msg_id, 60)
+    assert out.error is not None, out
+    return out.error
+
+
+def test_recover_releases_a_rank_blocked_in_a_collective_and_keeps_every_ranks_state(kernel, tmp_path):
+    """The most common SPMD mistake (a collective under ``if rank == 0:``) and Interrupt: the session names where
+    rank 0 waits; ``%distributed_session recover`` returns it with every rank's model and optimizer intact, and
+    the next cell's all-reduce is right. Then the same with automatic recovery (the default)."""
+    km, kc = kernel
+    out = execute(kc, "%config DistributedMagics.session_auto_recover = False")
+    assert out.error is None, out.error
+    out = execute(kc, "%distributed_session start --gpus 2 --no-mlflow -o sess")
+    assert out.error is None, out.error
+    setup = (
+        "%%distributed --session\nimport torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "rank = dist.get_rank()\ntorch.manual_seed(rank)\nmodel = torch.nn.Linear(8, 4)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nmodel(torch.ones(2, 8)).sum().backward()\nopt.step()\n"
+        "t = torch.ones(3) * (rank + 1)\n"
+        "def checksum():\n    return float(sum(p.double().sum() for p in model.parameters()))\n"
+    )
+    out = execute(kc, setup)
+    assert out.error is None, out.error
+    before = value(kc, "sess.run_cell('checksum()')")  # one per rank (the magic shows rank 0's value)
+    assert len(set(before.strip("[]").split(", "))) == 2, before
+
+    error = _hang_and_interrupt(km, kc, tmp_path / "hung-1")
+    assert error["ename"] == "CellInterruptedError", error
+    assert re.search(
+        r"session s1 is broken: rank\(s\) 0 did not return within 5 s of the interrupt \(blocked outside Python: "
+        r"rank 0: dist\.all_reduce at Cell In\[\d+\] line 5\); run %distributed_session recover \(or sess\.recover\(\)\) "
+        r"to release it and keep every rank's state",
+        error["evalue"],
+    ), error["evalue"]
+    out = execute(kc, "%%distributed --session\n1")
+    assert "UsageError: session s1 is broken" in out.stderr, out
+
+    out = execute(kc, "%distributed_session recover")
+    assert out.error is None, out
+    assert re.search(
+        r"session s1 recovered in \d+\.\d s \(session s1 cell \d+\): rank 0 \(in dist\.all_reduce at Cell In\[\d+\] "
+        r"line 5\) returned; the default process group \(gloo\) was made again on every rank; every rank's namespace "
+        r"is kept; values that were in the aborted collective may differ between ranks: t \(rank 0\); a DDP or FSDP "
+        r"model wrapped before holds the old group: wrap it again",
+        out.stdout,
+    ), out.stdout
+    assert value(kc, "sess.state.value") == "'idle'"
+    assert value(kc, "sess.run_cell('checksum()')") == before  # every rank's weights, as before the fault
+    assert value(kc, ALL_REDUCE) == "[[3.0, 3.0], [3.0, 3.0]]"
+
+    # recovery by itself: the interrupted cell's error says what was done, and the session is idle at once
+    out = execute(kc, "sess.auto_recover = True")
+    assert out.error is None, out.error
+    error = _hang_and_interrupt(km, kc, tmp_path / "hung-2")
+    assert error["ename"] == "CellInterruptedError", error
+    assert re.search(
+        r"was interrupted; session s1 recovered in \d+\.\d s .*: rank 0 \(in dist\.all_reduce", error["evalue"]
+    )
+    assert value(kc, "sess.state.value") == "'idle'"
+    assert value(kc, "sess.run_cell('checksum()')") == before
+    assert value(kc, ALL_REDUCE) == "[[3.0, 3.0], [3.0, 3.0]]"
+
+    out = execute(kc, "%distributed_session recover")
+    assert "UsageError: session s1 has nothing to recover: it is idle" in out.stderr, out
+    pids = value(kc, "list(sess.pids.values())")
+    out = execute(kc, "%distributed_session stop")
+    assert out.error is None, out.error
+    assert wait_gone([int(p) for p in pids.strip("[]").split(",")]) == []

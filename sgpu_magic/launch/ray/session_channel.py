@@ -101,6 +101,12 @@ class RaySessionChannel:
         if self._agents is not None:
             self._agents[rank].session_interrupt.remote()
 
+    releases = False
+    """``Session.recover()`` does not reach the connections of ranks on a Ray cluster's nodes (it says to restart)."""
+
+    def release(self, peers: dict[int, int]) -> None:
+        """Nothing on a Ray cluster (see :attr:`releases`)."""
+
     def read_ready(self, timeout_s: float) -> list[tuple[int, dict[str, Any], bytes | None]]:
         """Wait up to ``timeout_s`` for frames from the ranks; each as ``(rank, reply, pickled value or None)``."""
         if self._actors() is None or not self._recv:
