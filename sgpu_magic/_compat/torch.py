@@ -1,7 +1,8 @@
 """torch's private internals outside elastic: ``torch.distributed.distributed_c10d`` and ``torch.library``.
 
-Checked against torch 2.13.0. Both uses make a rank's exit quicker or safer; when a private is missing, the
-function does nothing and the launch host's teardown grace still bounds the exit.
+Checked against torch 2.13.0. Two uses make a rank's exit quicker or safer; when a private is missing, the
+function does nothing and the launch host's teardown grace still bounds the exit. The third aborts NCCL
+communicators for a session's recover; when it is missing the rank does not return and the kernel says so.
 """
 
 from __future__ import annotations
@@ -64,3 +65,17 @@ def skip_library_finalizers() -> int:
             finalizer.atexit = False
             skipped += 1
     return skipped
+
+
+def abort_process_groups(c10d: Any) -> bool:
+    """Abort every process group of this process through ``c10d._abort_process_group()`` (private; for NCCL it
+    aborts the communicators, so a collective waiting in one returns with an error); whether it was called.
+
+    ``c10d``: the module ``torch.distributed.distributed_c10d``. Missing ``_abort_process_group``: nothing is
+    aborted and ``False`` (the kernel then says the rank did not return and a restart is needed).
+    """
+    abort = getattr(c10d, "_abort_process_group", None)
+    if abort is None:
+        return False
+    abort()
+    return True

@@ -80,7 +80,9 @@ def abort_nccl() -> None:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
     if "nccl" in str(dist.get_backend()):
-        dist.distributed_c10d._abort_process_group()
+        from sgpu_magic._compat import torch as torch_compat
+
+        torch_compat.abort_process_groups(dist.distributed_c10d)
 
 
 def release_peer_connections(peer_pids: list[int]) -> int:
