@@ -115,6 +115,7 @@ class Config:
     launch_timeout_s: float
     teardown_launches: int = 500
     panel_jobs: int = 500
+    session_soak_cells: int = 5000
     session_ranks: tuple[int, ...] = (2, 8)
     session_reps: int = 30
     responsive_reps: int = 3
@@ -143,6 +144,7 @@ class Config:
                 launch_timeout_s=120,
                 teardown_launches=100,
                 panel_jobs=200,
+                session_soak_cells=1000,
                 session_ranks=(2,),
                 session_reps=10,
                 responsive_reps=1,

@@ -12,6 +12,7 @@ Usage (from the repository root)::
     .venv/bin/python -m benchmarks.run --only session           # live sessions vs ipyparallel (pip install ipyparallel)
     .venv/bin/python -m benchmarks.run --only responsive        # seconds to a refusal, a failure, a timeout, an interrupt
     .venv/bin/python -m benchmarks.run --only panel_memory      # kernel RSS per ended job with the panel (500 jobs)
+    .venv/bin/python -m benchmarks.run --only session_soak      # 5,000 + 500 cells in one session: RSS, latency
     .venv/bin/python -m benchmarks.run --only metrics_chart     # kernel CPU while the chart follows 8 ranks x 1,000 metrics/s
 
 Every measurement runs in real Jupyter kernels driven through jupyter_client, as a notebook
@@ -51,10 +52,11 @@ SECTIONS = [
     "session",
     "responsive",
     "panel_memory",
+    "session_soak",
     "gpu",
 ]
-OPT_IN = {"gpu", "soak", "teardown", "panel_memory", "metrics_chart"}
-"""Sections run only when asked for (--gpu, --soak N, --only teardown, --only panel_memory); ``metrics_chart`` is
+OPT_IN = {"gpu", "soak", "teardown", "panel_memory", "metrics_chart", "session_soak"}
+"""Sections run only when asked for (--gpu, --soak N, --only teardown, panel_memory, session_soak); ``metrics_chart`` is
 also the second half of ``logging`` (``--only metrics_chart`` runs it alone)."""
 
 
@@ -92,6 +94,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="jobs of the panel memory section (--only panel_memory; default 500, 200 with --quick)",
     )
+    p.add_argument(
+        "--soak-cells",
+        type=int,
+        default=None,
+        metavar="N",
+        help="trivial cells of the session soak (--only session_soak; default 5000, 1000 with --quick), then N/10 "
+        "training cells",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every raw sample here")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (kernel logs, run dirs)")
     return p.parse_args(argv)
@@ -120,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_panel_memory,
         bench_responsive,
         bench_session,
+        bench_session_soak,
         bench_teardown,
         bench_tracking,
         bench_train,
@@ -131,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.teardown_launches = args.teardown
     if args.panel_jobs is not None:
         cfg.panel_jobs = args.panel_jobs
+    if args.soak_cells is not None:
+        cfg.session_soak_cells = args.soak_cells
     workdir = Path(tempfile.mkdtemp(prefix="sgpu-bench-"))
     ctx = Context(cfg, workdir)
     machine = machine_description()
@@ -152,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "session": bench_session.run,
         "responsive": bench_responsive.run,
         "panel_memory": bench_panel_memory.run,
+        "session_soak": bench_session_soak.run,
         "gpu": bench_train.run_gpu,
     }
     sections, raw = [], {}

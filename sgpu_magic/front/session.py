@@ -132,7 +132,9 @@ class Session:
 
     @property
     def jobs(self) -> list[Job]:
-        """One :class:`~sgpu_magic.job.handle.Job` per cell or ``run`` so far, oldest first."""
+        """One :class:`~sgpu_magic.job.handle.Job` per cell or ``run``, oldest first: the last 100
+        (:data:`~sgpu_magic.session.core.KEPT_CELLS`). A cell is in the kernel's job list (``%distributed_jobs``,
+        ``%distributed_stop``) while it runs, and only here once it has ended."""
         return list(self._core.jobs)
 
     @property
@@ -151,7 +153,7 @@ class Session:
         return self._core.broken
 
     def __repr__(self) -> str:
-        return f"<Session {self.name} {self.state.value} world_size={self.world_size} cells={len(self._core.jobs)}>"
+        return f"<Session {self.name} {self.state.value} world_size={self.world_size} cells={self._core.cells_run}>"
 
     def check_usable(self) -> None:
         """Raise :class:`~sgpu_magic.errors.SessionError` (saying why and what to do) unless a cell can run now."""
@@ -240,7 +242,7 @@ class Session:
     ) -> Job:
         """The Job of one cell, launched on the session's ranks (the caller follows it). See :meth:`run_cell`."""
         chosen, timeout_s = self._core.check_ranks(ranks), check_timeout(timeout)
-        label = f"session {self.name} cell {len(self._core.jobs) + 1}"
+        label = f"session {self.name} cell {self._core.cells_run + 1}"
         filename = filename or f"<{label}>"
 
         def build(skip: set[str], warn: Callable[[str], None]) -> dict:
@@ -286,7 +288,7 @@ class Session:
             raise SpecError(f"Session.run takes a function: {problem}")
         call = f"{self.name}.run({getattr(fn, '__name__', 'fn')})"
         args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
-        label = f"session {self.name} cell {len(self._core.jobs) + 1} ({getattr(fn, '__qualname__', 'function')})"
+        label = f"session {self.name} cell {self._core.cells_run + 1} ({getattr(fn, '__qualname__', 'function')})"
         chosen = self._core.check_ranks(None)
 
         def build(skip: set[str], warn: Callable[[str], None]) -> dict:
@@ -445,7 +447,7 @@ class Session:
 
     def status(self) -> str:
         """One line: name, state, world size, cells run, and why it is broken if it is."""
-        line = f"session {self.name}: {self.state.value}, world_size={self.world_size}, {len(self._core.jobs)} cell(s)"
+        line = f"session {self.name}: {self.state.value}, world_size={self.world_size}, {self._core.cells_run} cell(s)"
         if self._core.job is not None:
             line += f", run dir {self._core.job.run_dir}"
         if self.broken:

@@ -74,8 +74,10 @@ class Job(JobLifecycle):
         sinks: Sequence[JobSink] = (),
         registry: LeaseRegistry | None = None,
         ranks: Sequence[int] | None = None,
+        listed_when_ended: bool = True,
     ) -> None:
         super().__init__(run_dir, spec, plan, get_host, sinks, registry)
+        self.listed_when_ended = listed_when_ended
         self.ranks: tuple[int, ...] = tuple(range(plan.world_size) if ranks is None else ranks)
         self.title = f"job {run_dir.job_id}"
         self.summary_on_success = True

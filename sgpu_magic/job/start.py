@@ -85,6 +85,7 @@ def submit(
     before_launch: Callable[[RunDir], None] | None = None,
     ranks: Sequence[int] | None = None,
     lean: bool = False,
+    listed_when_ended: bool = True,
 ) -> Job:
     """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
 
@@ -97,7 +98,8 @@ def submit(
     ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
     one is asked once more, so a dead host never fails a launch. ``before_launch``: see :func:`start`;
     ``ranks``: the ranks that run it (a session cell on some of the session's ranks), default all; ``lean``: a
-    session cell's run directory (see :meth:`RunDir.create`).
+    session cell's run directory (see :meth:`RunDir.create`); ``listed_when_ended``: whether the job stays in the
+    kernel's job list once it ended (see :data:`~sgpu_magic.job.registry.MAX_ENDED_JOBS`).
     """
     rd = RunDir.create(root, lean=lean)
     atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
@@ -106,6 +108,6 @@ def submit(
         before_launch(rd)
     if plan.needs_lease and registry is None:
         registry = LeaseRegistry()
-    job = Job(rd, spec, plan, get_host, sinks, registry, ranks)
+    job = Job(rd, spec, plan, get_host, sinks, registry, ranks, listed_when_ended)
     job.start(background)
     return job

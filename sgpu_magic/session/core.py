@@ -11,6 +11,7 @@ so the layers above follow a cell exactly as they follow a job.
 
 from __future__ import annotations
 
+import collections
 import enum
 import threading
 import time
@@ -51,6 +52,10 @@ READ_TICK_S = 0.1
 RECOVER_TIMEOUT_S = 10.0
 """How long each step of :meth:`SessionCore.recover` may take (the blocked ranks' return, then each rank's destroy
 and re-creation of the process group) before the session is left broken (a restart is then the way on)."""
+
+KEPT_CELLS = 100
+"""A session keeps the handles of its last this many cells (:attr:`SessionCore.jobs`); a cell leaves the kernel's
+job list (``%distributed_jobs``) when it ends, so a long session's kernel does not grow with its cells."""
 
 
 @dataclass
@@ -116,7 +121,9 @@ class SessionCore:
         self.make_sinks, self.name = make_sinks, name
         self.idle_timeout_s, self.lease_dir = idle_timeout_s, lease_dir
         self.job: Job | None = None
-        self.jobs: list[Job] = []
+        self.jobs: collections.deque[Job] = collections.deque(maxlen=KEPT_CELLS)
+        self.cells_run = 0
+        """Cells (and ``run`` calls) made so far: the next is cell ``cells_run + 1``."""
         self.state = SessionState.STOPPED
         self.broken: str | None = None
         self.pids: dict[int, int] = {}
@@ -318,10 +325,11 @@ class SessionCore:
         launcher = CellLauncher(self, ranks, timeout_s, relay)
         sinks.insert(0, relay)
         plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none
-        job = submit(spec, plan, payload, lambda: launcher, sinks, ranks=ranks, lean=True)
+        job = submit(spec, plan, payload, lambda: launcher, sinks, ranks=ranks, lean=True, listed_when_ended=False)
         job.title = label  # the summary line says "session s1 cell 3 failed ..." (it is shown once the cell ends)
         job.summary_on_success = False  # a cell that succeeded shows its output only, as in IPython
         self.jobs.append(job)
+        self.cells_run += 1
         return job
 
     def send_cell(self, run_dir: RunDir, ranks: tuple[int, ...], timeout_s: float | None) -> Request:

@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from sgpu_magic import Session
 from sgpu_magic.errors import CaptureError, CellInterruptedError, RankFailedError, SessionError, SpecError
 
-from helpers import interrupt_session_cell, wait_gone
+from helpers import interrupt_session_cell, wait_for, wait_gone
 
 
 @pytest.fixture(scope="module")
@@ -307,16 +307,31 @@ def test_recover_of_a_session_with_nothing_to_recover_says_so(sess):
         sess.recover(timeout_s=-1)
 
 
-def test_distributed_jobs_lists_the_session_and_its_cells(sess, run_cell):
-    sess.run_cell("1")
+def test_distributed_jobs_lists_the_session_and_a_cell_while_it_runs_only(sess, run_cell, tmp_path):
+    """A running cell is one of the kernel's jobs (``%distributed_jobs``, ``%distributed_stop``); an ended one is in
+    ``sess.jobs`` only, so the kernel's list (and memory) does not grow with a session's cells."""
+    go, started = tmp_path / "go", tmp_path / "started"
+    code = (
+        f"import pathlib, time\npathlib.Path({str(started)!r} + str(rank)).touch()\n"
+        f"while not pathlib.Path({str(go)!r}).exists():\n    time.sleep(0.01)\nrank"
+    )
+    cells_before = len(sess.jobs)
+    job = sess.submit_cell(code, {})
+    try:
+        wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in (0, 1)), 60, "both ranks in the cell")
+        result, _, _ = run_cell("%distributed_jobs")
+        rows = repr(result.result).splitlines()[1:]
+        session_rows = [r for r in rows if r.startswith(sess.job.job_id)]
+        assert len(session_rows) == 1 and session_rows[0].split()[1] == "running"
+        assert session_rows[0].endswith("session shared")
+        cell_row = next(r for r in rows if r.startswith(job.job_id))
+        assert cell_row.split()[1] == "running" and cell_row.endswith(f"session shared cell {cells_before + 1}")
+    finally:
+        go.touch()
+    assert job.result() == [0, 1]
     result, _, _ = run_cell("%distributed_jobs")
-    rows = repr(result.result).splitlines()[1:]
-    session_rows = [r for r in rows if r.startswith(sess.job.job_id)]
-    assert len(session_rows) == 1 and session_rows[0].split()[1] == "running"
-    assert session_rows[0].endswith("session shared")
-    last = sess.jobs[-1]
-    cell_row = next(r for r in rows if r.startswith(last.job_id))
-    assert cell_row.split()[1] == "succeeded" and cell_row.endswith(f"session shared cell {len(sess.jobs)}")
+    assert job.job_id not in repr(result.result)
+    assert sess.jobs[-1] is job and f"cells={cells_before + 1}" in repr(sess)
 
 
 def test_debugging_needs_a_failed_cell_a_rank_in_the_world_or_a_known_job(sess, ip):
