@@ -11,7 +11,7 @@ that runs jobs all day grows by per job). Issue 21's target: <= 0.1 MiB per ende
 
 from __future__ import annotations
 
-from .common import Context, Section, Table, Target, fmt
+from .common import Context, Section, Table, Target, fmt, slope
 
 CHATTER_DEF = """\
 import gc, psutil
@@ -65,17 +65,9 @@ def run(ctx: Context) -> Section:
     return _report(samples)
 
 
-def _per_job(samples: list[dict], after: int) -> float | None:
-    base = next((s for s in samples if s["jobs"] >= after), None)
-    last = samples[-1]
-    if base is None or last["jobs"] <= base["jobs"]:
-        return None
-    return (last["rss_mib"] - base["rss_mib"]) / (last["jobs"] - base["jobs"])
-
-
 def _report(samples: list[dict]) -> Section:
-    overall = _per_job(samples, WARMUP_JOBS)
-    steady = _per_job(samples, LIST_FULL_AT + WARMUP_JOBS)
+    overall = slope(samples, "jobs", "rss_mib", WARMUP_JOBS)
+    steady = slope(samples, "jobs", "rss_mib", LIST_FULL_AT + WARMUP_JOBS)
     last = samples[-1]
     sec = Section(raw={"samples": samples})
     t = Table(

@@ -16,7 +16,7 @@ ranks flat, p99 of the last 500 within 1.5x of the first 500. Before it: 553 KiB
 
 from __future__ import annotations
 
-from .common import Context, Section, Table, Target, fmt
+from .common import Context, Section, Table, Target, fmt, fmt_ratio, ratio, slope
 
 SESSION_DEF = """\
 import gc, psutil, time as _time
@@ -89,7 +89,6 @@ def run(ctx: Context) -> Section:
                 f"kernel RSS {samples[-1]['rss_kib'] / 1024:.1f} MiB, {samples[-1]['listed']} jobs listed",
                 flush=True,
             )
-        trivial_end = samples[-1]
         train_n, trained = n // 10, 0
         while trained < train_n:
             batch = min(BATCH, train_n - trained)
@@ -98,7 +97,7 @@ def run(ctx: Context) -> Section:
         latencies = kernel.run(END, timeout_s=ctx.cfg.cell_timeout_s).data["latencies"]
         kernel.shutdown()
         sec.raw["mlflow" if mlflow else "untracked"] = {"samples": samples, "latencies": latencies}
-        rows.append(_row(mlflow, samples, trivial_end, latencies, n, train_n))
+        rows.append(_row(mlflow, samples, latencies, n, train_n))
     t = Table(
         f"Session soak: {n} trivial cells then {n // 10} DDP training cells in one 2-rank session, per tracking setting",
         [
@@ -136,7 +135,7 @@ def run(ctx: Context) -> Section:
                 f"session soak (MLflow {r['mlflow']}): p99 of the last {WINDOW} cells within "
                 f"{TARGET_P99_RATIO:g}x of the first {WINDOW}",
                 f"<= {TARGET_P99_RATIO:g}x",
-                f"{fmt(r['p99_ratio'], 2)}x",
+                fmt_ratio(r["p99_ratio"]),
                 None if r["p99_ratio"] is None else r["p99_ratio"] <= TARGET_P99_RATIO,
             )
         )
@@ -150,25 +149,17 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
 
-def _slope_kib(samples: list[dict], start: int, end: int) -> float | None:
-    base = next((s for s in samples if s["cells"] >= start), None)
-    last = next((s for s in reversed(samples) if s["cells"] <= end), None)
-    if base is None or last is None or last["cells"] <= base["cells"]:
-        return None
-    return (last["rss_kib"] - base["rss_kib"]) / (last["cells"] - base["cells"])
-
-
-def _row(mlflow: bool, samples: list[dict], trivial_end: dict, lat: dict, n: int, train_n: int) -> dict:
-    per_cell = _slope_kib(samples, KEPT, n)
-    per_train = _slope_kib(samples, n, n + train_n)
+def _row(mlflow: bool, samples: list[dict], lat: dict, n: int, train_n: int) -> dict:
+    per_cell = slope(samples, "cells", "rss_kib", KEPT, n)
+    per_train = slope(samples, "cells", "rss_kib", n, n + train_n)
     first, last = lat["trivial"][:WINDOW], lat["trivial"][-WINDOW:]
     p99_first, p99_last = _pct(first, 0.99), _pct(last, 0.99)
-    ratio = None if not p99_first or p99_last is None else p99_last / p99_first
+    p99_ratio = ratio(p99_last, p99_first)
     growth = max(e - s for s, e in zip(samples[0]["ranks_rss_mib"], samples[-1]["ranks_rss_mib"], strict=True))
     return {
         "mlflow": "on" if mlflow else "off",
         "kib_per_cell": per_cell,
-        "p99_ratio": ratio,
+        "p99_ratio": p99_ratio,
         "cells": [
             "on (default)" if mlflow else "off",
             fmt(per_cell, 2),
@@ -176,8 +167,8 @@ def _row(mlflow: bool, samples: list[dict], trivial_end: dict, lat: dict, n: int
             fmt(growth, 1),
             f"{fmt(_pct(first, 0.5), 1)} / {fmt(p99_first, 1)}",
             f"{fmt(_pct(last, 0.5), 1)} / {fmt(p99_last, 1)}",
-            fmt(ratio, 2),
+            fmt_ratio(p99_ratio),
             f"{fmt(_pct(lat['train'], 0.5), 1)} / {fmt(_pct(lat['train'], 0.99), 1)}",
-            trivial_end["listed"] if samples[-1] is trivial_end else samples[-1]["listed"],
+            samples[-1]["listed"],
         ],
     }

@@ -245,6 +245,16 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def slope(samples: list[dict], x: str, y: str, start: int, end: float = float("inf")) -> float | None:
+    """Growth of ``y`` per unit of ``x`` (e.g. RSS per ended job) from the first sample with ``x >= start`` to the
+    last with ``x <= end``; ``None`` without two such samples."""
+    base = next((s for s in samples if s[x] >= start), None)
+    last = next((s for s in reversed(samples) if s[x] <= end), None)
+    if base is None or last is None or last[x] <= base[x]:
+        return None
+    return (last[y] - base[y]) / (last[x] - base[x])
+
+
 def fmt(x: float | None, digits: int = 2, unit: str = "") -> str:
     if x is None:
         return "-"

@@ -49,10 +49,13 @@ class Cell:
 
 
 def kernel_env(home: Path, **extra: str) -> dict[str, str]:
-    """The kernel's environment: ours, plus a private sgpu_magic home and plain-text views by default."""
+    """The kernel's environment: ours, plus a private sgpu_magic home, plain-text views and (unless ours names
+    one) an MLflow store in that home by default; a kernel runs in the repository, where MLflow's default store
+    (``sqlite:///mlflow.db`` in the working directory) would be left behind."""
     env = dict(os.environ)
     env["SGPU_MAGIC_HOME"] = str(home)
     env["SGPU_MAGIC_WIDGETS"] = "0"
+    env.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
     env.pop("JPY_PARENT_PID", None)
     env.update(extra)
     return env

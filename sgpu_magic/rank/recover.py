@@ -29,6 +29,8 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from sgpu_magic._compat import torch as torch_compat
+
 RECOVER_STORE_PREFIX = "sgpu_magic/recover"
 """The rendezvous store's key prefix of a process group made again by :func:`regroup` (then ``/<generation>/``)."""
 
@@ -80,8 +82,6 @@ def abort_nccl() -> None:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
     if "nccl" in str(dist.get_backend()):
-        from sgpu_magic._compat import torch as torch_compat
-
         torch_compat.abort_process_groups(dist.distributed_c10d)
 
 
