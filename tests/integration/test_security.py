@@ -207,13 +207,17 @@ def test_a_job_whose_result_was_made_readable_to_others_is_refused():
     """Through a real job: the kernel will not unpickle a result file that is open to other users."""
     job = returns_one.submit()
     assert job.wait(60) is JobState.SUCCEEDED  # its result not read yet
-    os.chmod(RunDir(job.run_dir).result_file(0), 0o644)
-    with pytest.raises(
-        PermissionError,
-        match=r"rank_0\.pkl: the file has mode 0o644, open to other users .*"
-        r"remove this run directory, or set SGPU_MAGIC_HOME",
-    ):
-        job.result()
+    result = RunDir(job.run_dir).result_file(0)
+    os.chmod(result, 0o644)
+    try:
+        with pytest.raises(
+            PermissionError,
+            match=r"rank_0\.pkl: the file has mode 0o644, open to other users .*"
+            r"remove this run directory, or set SGPU_MAGIC_HOME",
+        ):
+            job.result()
+    finally:  # the home is shared with the test that checks everything in it is private
+        os.chmod(result, 0o600)
 
 
 # ----------------------------------------------------------------------------- secrets
