@@ -151,11 +151,22 @@ flooding its log), the first write of a job file that fails with ENOSPC deletes 
 again, so the error file, status and results that say what happened still fit."""
 
 
+RESERVE_LINK = ".reserve-of"
+"""In a live session's cell directory (which holds no reserve of its own): a symlink to the session's run
+directory, whose reserve the cell's files take on a full disk."""
+
+
 def release_reserve(path: Path) -> bool:
-    """Delete the ``.reserve`` of the run dir holding ``path`` (its folder or the one above); whether one was freed."""
+    """Delete the ``.reserve`` of the run dir holding ``path`` (its folder or the one above; for a session's cell,
+    the session's, through :data:`RESERVE_LINK`); whether one was freed."""
     for folder in (path.parent, path.parent.parent):
         try:
             (folder / RESERVE_NAME).unlink()
+            return True
+        except OSError:
+            pass
+        try:
+            (Path(os.readlink(folder / RESERVE_LINK)) / RESERVE_NAME).unlink()
             return True
         except OSError:
             continue
@@ -298,11 +309,15 @@ class RunDir:
         self.path = Path(path)
 
     @classmethod
-    def create(cls, root: Path | None = None, job_id: str | None = None, lean: bool = False) -> RunDir:
+    def create(
+        cls, root: Path | None = None, job_id: str | None = None, lean: bool = False, reserve_of: Path | None = None
+    ) -> RunDir:
         """Make ``<root>/runs/<job_id>`` and its subfolders, all 0700.
 
         ``lean``: a live session's cell, whose ranks already run: no ``elastic/`` folder and no ``.reserve`` (the
-        session's own run directory holds one), which halves what a cell costs before it is sent.
+        session's own run directory holds one), which halves what a cell costs before it is sent; ``reserve_of``:
+        that session's run directory, whose reserve the cell's files then take on a full disk
+        (:data:`RESERVE_LINK`).
         """
         runs = make_private_dir((root or default_root()) / "runs")
         rd = cls(runs / (job_id or new_job_id()))
@@ -311,6 +326,8 @@ class RunDir:
             if not (lean and sub in ("elastic", "metrics")):  # a cell's ranks make metrics/ when they log
                 (rd.path / sub).mkdir(mode=0o700)
         if lean:
+            if reserve_of is not None:
+                os.symlink(reserve_of, rd.path / RESERVE_LINK)
             return rd
         try:
             atomic_write_bytes(rd.path / RESERVE_NAME, b"\0" * RESERVE_BYTES)  # written, so the blocks are held

@@ -375,7 +375,9 @@ class Session:
                     f"{self.name} ({type(exc).__name__}: {exc}); create it in the ranks instead, in a "
                     f"%%distributed --session cell. Nothing was sent."
                 ) from None
-        self._core.request({"op": "push", "values": data}, self._core.check_ranks(None))
+        self._core.request(
+            {"op": "push", "values": data}, self._core.check_ranks(None), f"the push of {', '.join(values)}"
+        )
 
     def pull(self, name: str, rank: int | None = None) -> Any:
         """A value from the ranks' namespaces: rank ``rank``'s (tensors on the CPU), or a list, one per rank.
@@ -386,13 +388,14 @@ class Session:
                 world, or the session is stopped, broken or busy.
         """
         ranks = self._core.check_ranks(None if rank is None else [rank], example="--rank 0")
-        request = self._core.request({"op": "pull", "name": name}, ranks)
+        request = self._core.request({"op": "pull", "name": name}, ranks, f"the pull of {name}")
         for r in ranks:
             reply = request.replies[r]
             if not reply.get("ok"):
+                names = f"; names it has: {', '.join(sorted(reply.get('names', []))) or 'none'}"
                 raise SessionError(
-                    f"{reply.get('error', 'the pull failed')} in session {self.name}; names it has: "
-                    f"{', '.join(sorted(reply.get('names', []))) or 'none'}"
+                    f"{reply.get('error', 'the pull failed')} in session {self.name}"
+                    + (names if reply.get("missing") else "")
                 )
         values = [self._unpickle(name, r, request.values[r]) for r in ranks]
         return values[0] if rank is not None else values

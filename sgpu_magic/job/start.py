@@ -86,6 +86,7 @@ def submit(
     ranks: Sequence[int] | None = None,
     lean: bool = False,
     listed_when_ended: bool = True,
+    reserve_of: Path | None = None,
 ) -> Job:
     """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
 
@@ -98,10 +99,10 @@ def submit(
     ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
     one is asked once more, so a dead host never fails a launch. ``before_launch``: see :func:`start`;
     ``ranks``: the ranks that run it (a session cell on some of the session's ranks), default all; ``lean``: a
-    session cell's run directory (see :meth:`RunDir.create`); ``listed_when_ended``: whether the job stays in the
+    session cell's run directory, ``reserve_of`` the session's (see :meth:`RunDir.create`); ``listed_when_ended``: whether the job stays in the
     kernel's job list once it ended (see :data:`~sgpu_magic.job.registry.MAX_ENDED_JOBS`).
     """
-    rd = RunDir.create(root, lean=lean)
+    rd = RunDir.create(root, lean=lean, reserve_of=reserve_of)
     atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
     CodeMap.from_payload(payload).write(rd.code_map_file)  # stacks read frames as the notebook names them
     if before_launch is not None:

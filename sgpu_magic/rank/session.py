@@ -94,7 +94,10 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
         if reply["interrupted"]:
             _restore_grad_mode(grad_mode)
         running.failure = exc
-        _write_error(rd, rank, exc, payload.get("display_names"))
+        try:
+            _write_error(rd, rank, exc, payload.get("display_names"))
+        except OSError:  # a disk full even past the session's reserve: the cell fails unexplained, the rank lives on
+            pass
     _flush()
     try:  # the cell's points are in its metrics file before its reply: the kernel reads them on the final status
         METRICS.flush()
@@ -131,9 +134,9 @@ def _pull(msg: dict, ns: dict, rank: int) -> tuple[dict[str, Any], bytes | None]
 
     name = msg["name"]
     if name not in ns:
-        return {"ok": False, "error": f"rank {rank} has no name {name!r}"}, None
+        return {"ok": False, "error": f"rank {rank} has no name {name!r}", "missing": True}, None
     try:
-        return {"ok": True}, _dump_result(ns[name], rank)
+        return {"ok": True}, _dump_result(ns[name], rank, name)
     except TypeError as exc:
         return {"ok": False, "error": str(exc)}, None
 

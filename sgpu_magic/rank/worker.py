@@ -206,13 +206,21 @@ class _ResultPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def _dump_result(value, rank: int) -> bytes:
+def _dump_result(value, rank: int, name: str | None = None) -> bytes:
+    """``value`` pickled for the kernel (tensors on the CPU); ``name``: the session name it is pulled from
+    (``None``: a return value). Raises TypeError naming what it is and what to send instead."""
     buf = io.BytesIO()
     try:
         _ResultPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     except Exception as exc:  # noqa: BLE001 - any pickling failure of a return value is the user's to fix
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        if name is not None:
+            raise TypeError(
+                f"{name!r} on rank {rank} is a {kind}, which cannot be pickled to be pulled into the kernel "
+                f"({type(exc).__name__}: {exc}); pull plain Python, numpy or torch values (a state_dict, not a model)"
+            ) from None
         raise TypeError(
-            f"the return value of rank {rank} ({type(value).__module__}.{type(value).__qualname__}) "
+            f"the return value of rank {rank} ({kind}) "
             f"cannot be sent back to the kernel ({type(exc).__name__}: {exc}); return plain Python, "
             f"numpy or torch values"
         ) from None

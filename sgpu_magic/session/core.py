@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sgpu_magic._util.interrupts import held_interrupt
 from sgpu_magic.errors import SessionError
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
@@ -274,14 +275,44 @@ class SessionCore:
         sets = [self._names.get(r, set()) for r in ranks]
         return set.intersection(*sets) if sets else set()
 
-    def request(self, message: dict[str, Any], ranks: tuple[int, ...]) -> Request:
-        """Send a push or pull to ``ranks`` and wait for every reply."""
+    def request(self, message: dict[str, Any], ranks: tuple[int, ...], what: str) -> Request:
+        """Send a push or pull (``what``: ``the push of big``, for messages) to ``ranks`` and wait for every reply.
+
+        An interrupt meanwhile is held until the ranks have replied (a rank does not stop in the middle of a
+        push or pull, and a frame cut in two would leave its channel out of step), then raised as
+        ``KeyboardInterrupt`` saying that the request completed; a second interrupt gives up at once: while
+        sending, the session is then broken (restart); while waiting, their late replies are dropped.
+
+        Raises:
+            SessionError: the session is not usable, or it broke or stopped meanwhile.
+            KeyboardInterrupt: interrupted (see above).
+        """
         self.check_usable()
         request = self._new_request(ranks)
         self.state = SessionState.BUSY
         assert self._channel is not None  # usable: started
-        self._channel.send(ranks, {**message, "seq": request.seq})
-        self._wait(request)
+        with held_interrupt() as interrupted:
+            try:
+                self._channel.send(ranks, {**message, "seq": request.seq})
+            except KeyboardInterrupt:
+                self.broken = (
+                    f"session {self.name} is broken: a second interrupt cut {what} in the middle of sending it to "
+                    f"the ranks; run %distributed_session restart (or sess.restart()) for fresh ranks"
+                )
+                self.state = SessionState.BROKEN
+                self._complete(request, self.broken)
+                raise
+            try:
+                self._wait(request)
+            except KeyboardInterrupt:
+                self._abandon(request)
+                if self.state is SessionState.BUSY:
+                    self.state = SessionState.IDLE
+                raise KeyboardInterrupt(
+                    f"{what} was given up on a second interrupt; the ranks finish it in their own time"
+                ) from None
+        if interrupted():
+            raise KeyboardInterrupt(f"{what} was interrupted after it reached the ranks: it completed on every rank")
         return request
 
     def debug(self, rank: int, write: Callable[[str], None], read_line: Callable[[str], str]) -> None:
@@ -325,7 +356,17 @@ class SessionCore:
         launcher = CellLauncher(self, ranks, timeout_s, relay)
         sinks.insert(0, relay)
         plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none
-        job = submit(spec, plan, payload, lambda: launcher, sinks, ranks=ranks, lean=True, listed_when_ended=False)
+        job = submit(
+            spec,
+            plan,
+            payload,
+            lambda: launcher,
+            sinks,
+            ranks=ranks,
+            lean=True,
+            listed_when_ended=False,
+            reserve_of=self.job.run_dir,
+        )
         job.title = label  # the summary line says "session s1 cell 3 failed ..." (it is shown once the cell ends)
         job.summary_on_success = False  # a cell that succeeded shows its output only, as in IPython
         self.jobs.append(job)

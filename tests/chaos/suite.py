@@ -4,6 +4,8 @@ Run the long version (the table in RELIABILITY.md) with::
 
     .venv/bin/python tests/chaos/suite.py --jobs 150 --seed 7
 
+and the faults in live sessions (tests/chaos/sessions.py) with ``--sessions --jobs 100``.
+
 ``tests/chaos/test_chaos.py`` runs the short version in CI: every fault kind once.
 
 Each job is ``chaos_job(...)`` in the kernel: 2 ranks (leasing 2 GPUs of a fake ``2 x H100``
@@ -190,6 +192,8 @@ class Outcome:
     lines_lost: int = 0
     leaked: int = 0
     notes: list[str] = field(default_factory=list)
+    state_lost: bool = False
+    """A live session's surviving ranks' state changed (sessions only)."""
 
 
 class Runner:
@@ -502,12 +506,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=150, help="jobs to run, each with one random fault (default 150)")
     parser.add_argument("--each", action="store_true", help="run each fault kind once, in order (CI's short version)")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--flood-mb", type=int, default=1024, help="MB a flooding rank prints (default 1024 = 1 GB)")
-    parser.add_argument("--fault", action="append", choices=FAULTS, help="only these fault kinds (repeatable)")
+    parser.add_argument(
+        "--flood-mb",
+        type=int,
+        default=None,
+        help="MB a flooding rank prints (jobs: default 1024 = 1 GB; sessions: per cell, default 10)",
+    )
+    parser.add_argument("--fault", action="append", help="only these fault kinds (repeatable)")
+    parser.add_argument(
+        "--sessions",
+        action="store_true",
+        help="faults in live sessions instead of jobs (tests/chaos/sessions.py); --jobs counts episodes",
+    )
+    parser.add_argument(
+        "--flood-cells", type=int, default=100, help="sessions: cells of the flood episode (default 100)"
+    )
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unmount and stop the kernel
+    if args.sessions:
+        from sessions import SESSION_FAULTS, run_session_suite, session_table
+
+        kinds, flood_bytes = SESSION_FAULTS, (args.flood_mb or 10) << 20
+    else:
+        kinds, flood_bytes = FAULTS, (args.flood_mb or 1024) << 20
+    unknown = sorted(set(args.fault or ()) - set(kinds))
+    if unknown:
+        parser.error(f"unknown fault kind(s) {', '.join(unknown)}; choose from {', '.join(kinds)}")
+    runs = None if args.each else args.jobs
     with tempfile.TemporaryDirectory(prefix="sgpu-chaos-") as tmp:
-        outcomes = run_suite(None if args.each else args.jobs, args.seed, args.flood_mb << 20, Path(tmp), args.fault)
-    print(table(outcomes))
+        if args.sessions:
+            outcomes = run_session_suite(runs, args.seed, flood_bytes, args.flood_cells, Path(tmp), args.fault)
+        else:
+            outcomes = run_suite(runs, args.seed, flood_bytes, Path(tmp), args.fault)
+    print(session_table(outcomes) if args.sessions else table(outcomes))
     return 0 if all(o.ok for o in outcomes) else 1
 
 

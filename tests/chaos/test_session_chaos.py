@@ -1,7 +1,8 @@
-"""Faults in live sessions, injected from outside or by the cells: a rank SIGKILLed while the session is idle, and
-a rank blocked in a C++ collective that an interrupt cannot reach (released by recover, with its state), and one
-blocked outside any collective (not). Each must end in a clear state, leave no rank and no GPU lease behind, and
-let ``restart`` bring a working session."""
+"""Faults in live sessions, injected from outside or by the cells: every kind of the session chaos suite once
+through a real kernel (tests/chaos/sessions.py; its long version's table is in RELIABILITY.md), and, in this
+process, a rank SIGKILLed while the session is idle, a rank blocked in a C++ collective that an interrupt cannot
+reach (released by recover, with its state), and one blocked outside any collective (not). Each must end in a
+clear state, leave no rank and no GPU lease behind, and let ``restart`` bring a working session."""
 
 from __future__ import annotations
 
@@ -19,6 +20,18 @@ from sgpu_magic.session.core import INTERRUPT_GRACE_S
 from helpers import wait_for, wait_gone
 
 pytestmark = pytest.mark.slow
+
+
+def test_every_session_fault_kind_ends_cleanly_with_the_survivors_state_kept(tmp_path):
+    from sessions import SESSION_FAULTS, run_session_suite, session_table
+
+    lines: list[str] = []
+    outcomes = run_session_suite(None, seed=1, flood_bytes=1 << 20, flood_cells=10, workdir=tmp_path, log=lines.append)
+    print("\n".join(lines))
+    print(session_table(outcomes))
+    assert {o.fault for o in outcomes} >= set(SESSION_FAULTS) - {"disk_full"}, lines
+    failed = {o.fault: o.problems for o in outcomes if not o.ok}
+    assert not failed, failed
 
 
 @pytest.fixture

@@ -375,3 +375,56 @@ def test_pulling_a_ddp_model_says_to_pull_its_state_dict(sess, run_cell, ip):
     result, out, _ = run_cell("%distributed_push offset --session shared")
     assert result.error_in_exec is None and "sgpu_magic: offset copied to the 2 ranks of session shared" in out
     assert sess.run_cell("sorted(ddp.module.state_dict())") == [["bias", "weight"], ["bias", "weight"]]
+
+
+def test_pulling_a_value_that_cannot_be_pickled_names_it_and_the_ranks_keep_serving(sess):
+    """A lock (TypeError from pickle) and an object whose ``__reduce__`` raises something else: each pull says what
+    the value is and why, the rank lives on (an error outside TypeError once ended the rank's loop)."""
+    sess.run_cell(
+        "import threading\nlock = threading.Lock()\nclass Refuses:\n    def __reduce__(self):\n"
+        "        raise RuntimeError('not today')\nrefuses = Refuses()"
+    )
+    with pytest.raises(SessionError) as raised:
+        sess.pull("lock", rank=1)
+    assert str(raised.value) == (
+        "'lock' on rank 1 is a _thread.lock, which cannot be pickled to be pulled into the kernel (TypeError: cannot "
+        "pickle '_thread.lock' object); pull plain Python, numpy or torch values (a state_dict, not a model) in "
+        "session shared"
+    )
+    with pytest.raises(
+        SessionError,
+        match=r"^'refuses' on rank 0 is a __main__\.Refuses, which cannot be pickled .*"
+        r"\(RuntimeError: not today\)",
+    ):
+        sess.pull("refuses")
+    assert sess.run_cell("rank") == [0, 1]
+
+
+def test_an_interrupt_while_a_push_is_being_sent_is_held_until_every_rank_has_it(sess, monkeypatch):
+    """The kernel's SIGINT lands while the push's frame is being written (the first time write_frame is called):
+    the frame is finished, every rank replies, then KeyboardInterrupt says so; the session is idle and usable.
+    Before, the interrupt cut the frame and the session stayed busy for good."""
+    import os
+    import signal
+
+    import torch
+
+    from sgpu_magic.session import channel
+
+    real = channel.write_frame
+    sent = []
+
+    def interrupted_write(fd, data):
+        if not sent:
+            os.kill(os.getpid(), signal.SIGINT)
+        sent.append(len(data))
+        real(fd, data)
+
+    monkeypatch.setattr(channel, "write_frame", interrupted_write)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        sess.push(big=torch.ones(4_000_000))
+    monkeypatch.setattr(channel, "write_frame", real)
+    assert str(raised.value) == "the push of big was interrupted after it reached the ranks: it completed on every rank"
+    assert len(sent) == 2 and sess.state.value == "idle"
+    assert sess.run_cell("float(big.sum())") == [4_000_000.0, 4_000_000.0]
+    sess.run_cell("del big")

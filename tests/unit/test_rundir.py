@@ -93,3 +93,17 @@ def test_status_writer_retries_a_failed_write_and_reports_it_once(tmp_path):
     assert writer.write() and not writer.unwritten  # the retry writes the final status
     assert read_json(rd.status_file)["state"] == "failed"
     assert not writer.write()
+
+
+def test_a_session_cells_files_take_the_sessions_reserve_on_a_full_disk(tmp_path):
+    """A lean cell directory holds no reserve of its own; a write in it that meets ENOSPC frees the session's
+    (through the cell's .reserve-of link), a job's own reserve first where it has one."""
+    from sgpu_magic.rundir import RESERVE_NAME, release_reserve
+
+    session = RunDir.create(tmp_path)
+    cell = RunDir.create(tmp_path, lean=True, reserve_of=session.path)
+    assert (session.path / RESERVE_NAME).stat().st_size > 0 and not (cell.path / RESERVE_NAME).exists()
+    assert release_reserve(cell.error_file(0)) is True
+    assert not (session.path / RESERVE_NAME).exists()
+    assert release_reserve(cell.error_file(0)) is False  # spent: the next write fails as the disk says
+    assert release_reserve(RunDir.create(tmp_path, lean=True).error_file(0)) is False  # no link: nothing to free
