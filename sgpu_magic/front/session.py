@@ -362,6 +362,8 @@ class Session:
         Raises:
             CaptureError: a value cannot be pickled (nothing is sent; the message names it).
             SessionError: the session is stopped, broken or busy.
+            KeyboardInterrupt: interrupted while pickling (nothing sent), or while sending, after every rank has
+                the values (the message says so); a second interrupt gives up at once.
         """
         if not values:
             raise SessionError("push needs at least one name=value, e.g. sess.push(lr=1e-3)")
@@ -386,6 +388,7 @@ class Session:
             SessionError: a rank has no such name (the message names the rank), the value cannot be pickled on the
                 rank or rebuilt in the kernel (a DDP model: pull its ``module.state_dict()``), a rank outside the
                 world, or the session is stopped, broken or busy.
+            KeyboardInterrupt: as for :meth:`push` (the pull completes first).
         """
         ranks = self._core.check_ranks(None if rank is None else [rank], example="--rank 0")
         request = self._core.request({"op": "pull", "name": name}, ranks, f"the pull of {name}")

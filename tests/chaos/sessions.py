@@ -40,8 +40,8 @@ from pathlib import Path
 import psutil
 
 from helpers import job_processes
-from kernel_utils import CellOutput, collect, execute, start_kernel, stop_kernel
-from suite import BOUND_S, Outcome, mount_tmpfs, unmount
+from kernel_utils import CellOutput, collect, execute, start_kernel
+from suite import BOUND_S, Outcome, Runner, mount_tmpfs, unmount
 
 SESSION_FAULTS = [
     "raise",
@@ -161,24 +161,15 @@ def _lines(marker: str, stdout: str) -> dict:
     return json.loads(found[-1]) if found else {}
 
 
-class SessionRunner:
+class SessionRunner(Runner):
     """One kernel (a fresh one after a kernel kill) with session ``chaos``, a private sgpu_magic home, lease dir
-    and MLflow store; ``disk_full`` episodes use a second session whose home is a small tmpfs."""
+    and MLflow store (as :class:`suite.Runner`'s); ``disk_full`` episodes use a second session whose home is a small
+    tmpfs."""
 
     def __init__(self, workdir: Path, flood_bytes: int, flood_cells: int, tmpfs: Path | None) -> None:
-        self.workdir, self.flood_bytes, self.flood_cells, self.tmpfs = workdir, flood_bytes, flood_cells, tmpfs
-        self.home = workdir / "home"
-        self.home.mkdir(mode=0o700, exist_ok=True)
-        self.env = {
-            "SGPU_MAGIC_HOME": str(self.home),
-            "SGPU_MAGIC_LEASE_DIR": str(workdir / "leases"),
-            "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db",
-            "SGPU_MAGIC_FAKE_GPUS": "4 x H100",  # room for the disk-full episode's second session
-            "SGPU_MAGIC_WIDGETS": "1",
-            "MLFLOW_EXPERIMENT_NAME": "chaos",
-        }
-        self.km = self.kc = None
-        self.counter = 0
+        super().__init__(workdir, flood_bytes, tmpfs)
+        self.flood_cells = flood_cells
+        self.env["SGPU_MAGIC_FAKE_GPUS"] = "4 x H100"  # room for the disk-full episode's second session
         self.session_runs: list[str] = []
         """MLflow runs of every session started (each must have ended by the end of the suite)."""
 
@@ -201,11 +192,6 @@ class SessionRunner:
         self.session_runs.append(report["mlflow_run_id"])
         return report
 
-    def stop(self) -> None:
-        if self.km is not None:
-            stop_kernel(self.km, self.kc)
-            self.km = None
-
     def cell(self, name: str, code: str, timeout_s: float = 300) -> CellOutput:
         return execute(self.kc, f"%%distributed --session {name} -o chaos_cell\n{code}", timeout_s)
 
@@ -217,18 +203,6 @@ class SessionRunner:
     def checksums(self, name: str = "chaos") -> list[str] | None:
         out = execute(self.kc, f"chaos_checksums({name!r})", timeout_s=120)
         return _lines("CHAOS_SUMS", out.stdout) or None
-
-    def host_pid(self) -> int | None:
-        kernel = psutil.Process(self.km.provisioner.process.pid) if self.km and self.km.has_kernel else None
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = " ".join(p.info["cmdline"] or [])
-            if (
-                "sgpu_magic.launch.host.boot import main" in cmd
-                and kernel is not None
-                and cmd.endswith(f" {kernel.pid}")
-            ):
-                return p.pid
-        return None
 
     # -- one episode
 
@@ -270,7 +244,7 @@ class SessionRunner:
             msg_id = self.kc.execute(
                 f"%%distributed --session {name} -o chaos_cell\nchaos_lines(5)\nchaos_mark({str(marks)!r})\n{body}"
             )
-            pids = self._wait_marks(marks, 2)
+            pids = self._wait_rank_marks(marks, 2)
             if fault == "sigkill_busy":
                 os.kill(pids[r], signal.SIGKILL)
             elif fault == "hang_collective":
@@ -294,7 +268,7 @@ class SessionRunner:
         elif fault == "interrupt_push":
             execute(self.kc, "import torch\nchaos_big = torch.ones(25_000_000)  # 100 MB")
             msg_id = self.kc.execute(f"chaos_kernel_mark({str(marks)!r})\n%distributed_push chaos_big --session {name}")
-            self._wait_marks(marks, 1, pattern="fault_kernel")
+            self._wait_rank_marks(marks, 1, pattern="fault_kernel")
             time.sleep(rng.uniform(0, 0.4))  # when in the push the interrupt lands: the fault's draw, not a wait
             fault_at = time.time()
             self.km.interrupt_kernel()
@@ -344,12 +318,15 @@ class SessionRunner:
                 "    sys.stdout.write(''.join(f'flood {{rank}} {{j:09d}} {pad}\\n' for j in range(_i, min(_i + 10000, {n}))))\n"
                 "sys.stdout.flush()"
             ).format(n=lines, pad="x" * (per_line - 24))
-            fault_at = time.time()
-            for _ in range(self.flood_cells):
+            took = []
+            for _ in range(self.flood_cells):  # the bound is per cell: the time from its start to its end
+                fault_at = time.time()
                 out = self.cell(name, code)
+                took.append(time.time() - fault_at)
                 errors.append(error_text(out))
                 cell_dirs.append((self.report(name, cell=True)["cell_run_dir"], 0, lines))
-            returned = time.time()
+            returned = fault_at + max(took)
+            outcome.notes.append(f"cells {min(took):.2f}-{max(took):.2f} s")
         else:
             raise AssertionError(fault)
 
@@ -367,8 +344,8 @@ class SessionRunner:
                 outcome.problems.append("ranks still run 60 s after the kernel was killed")
             if host is not None and self._wait(lambda: not psutil.pid_exists(host), BOUND_S) is None:
                 outcome.problems.append(f"the launch host still runs {BOUND_S:g} s after the kernel was killed")
-            self._check_gone(outcome, before["job_id"])
-            self._check_mlflow(outcome, before["mlflow_run_id"], ("KILLED",))
+            self._check_gone(outcome, before["job_id"], "session")
+            self._check_mlflow(outcome, before["mlflow_run_id"], "KILLED")
             self.stop()
             self.start()
             self._check_next(outcome, "chaos")
@@ -401,8 +378,8 @@ class SessionRunner:
             outcome.problems.append(why)
 
         if want_state == "broken":
-            self._check_gone(outcome, before["job_id"])
-            self._check_mlflow(outcome, before["mlflow_run_id"], ("FAILED",))
+            self._check_gone(outcome, before["job_id"], "session")
+            self._check_mlflow(outcome, before["mlflow_run_id"], "FAILED")
             self.start_session(name, "restart")
         else:
             if after["pids"] != before["pids"]:
@@ -426,8 +403,8 @@ class SessionRunner:
         self._check_next(outcome, name)
         if fault == "disk_full":
             execute(self.kc, f"%distributed_session stop {name}\nos.environ['SGPU_MAGIC_HOME'] = {str(self.home)!r}")
-            self._check_gone(outcome, before["job_id"])
-            self._check_mlflow(outcome, before["mlflow_run_id"], ("FINISHED",))
+            self._check_gone(outcome, before["job_id"], "session")
+            self._check_mlflow(outcome, before["mlflow_run_id"], "FINISHED")
             shutil.rmtree(self.tmpfs / "runs", ignore_errors=True)
         return self._close(outcome)
 
@@ -441,8 +418,8 @@ class SessionRunner:
             outcomes.append(Outcome("stop", ok=False, problems=[f"stop failed: {error_text(out)}"]))
             return
         end = Outcome("stop")
-        self._check_gone(end, report["job_id"])
-        self._check_mlflow(end, report["mlflow_run_id"], ("FINISHED",))
+        self._check_gone(end, report["job_id"], "session")
+        self._check_mlflow(end, report["mlflow_run_id"], "FINISHED")
         from mlflow import MlflowClient
 
         client = MlflowClient(self.env["MLFLOW_TRACKING_URI"])
@@ -460,42 +437,10 @@ class SessionRunner:
         if out.error is not None or out.results[-1:] != ["3.0"]:
             outcome.problems.append(f"the next cell did not all_reduce right: {error_text(out) or out.results}")
 
-    def _check_gone(self, outcome: Outcome, job_id: str) -> None:
-        if self._wait(lambda: not job_processes(job_id), BOUND_S) is None:
-            left = job_processes(job_id)
-            outcome.leaked = len(left)
-            outcome.problems.append(f"{len(left)} process(es) of the session still run: {left}")
-            for p in left:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except OSError:
-                    pass
-        if self._wait(lambda: not self._lease_held(job_id), BOUND_S) is None:
-            outcome.problems.append("the session's GPU lease is still held")
-
-    def _check_mlflow(self, outcome: Outcome, run_id: str | None, want: tuple[str, ...]) -> None:
-        from mlflow import MlflowClient
-
-        if run_id is None:
-            outcome.problems.append("the session has no MLflow run")
-            return
-        client = MlflowClient(self.env["MLFLOW_TRACKING_URI"])
-        info = None
-        deadline = time.monotonic() + BOUND_S
-        while time.monotonic() < deadline:
-            info = client.get_run(run_id).info
-            if info.status != "RUNNING" and info.end_time:
-                break
-            time.sleep(0.2)
-        if info is None or info.status not in want or not info.end_time:
-            outcome.problems.append(
-                f"MLflow run status {info and info.status} (end time {info and info.end_time}), expected {want}"
-            )
-
-    def _lease_held(self, job_id: str) -> bool:
-        from sgpu_magic.launch.leases import LeaseRegistry
-
-        return any(h["job_id"] == job_id for h in LeaseRegistry(self.workdir / "leases").snapshot()["holders"])
+    def _check_mlflow(self, outcome: Outcome, run_id: str | None, want: str) -> None:
+        problem = self._mlflow_problem(run_id, "", want) if run_id else "the session has no MLflow run"
+        if problem:
+            outcome.problems.append(problem)
 
     @staticmethod
     def _lines_lost(cells: list[tuple[str, int, int]], fault_rank: int, fault: str) -> tuple[int, str] | None:
@@ -520,12 +465,8 @@ class SessionRunner:
                         why.append(f"rank {rank}: {flood - len(set(got))} of {flood} flood lines missing in {run_dir}")
         return (lost, "; ".join(why)) if why else None
 
-    def _close(self, outcome: Outcome) -> Outcome:
-        outcome.ok = not outcome.problems
-        return outcome
-
     @staticmethod
-    def _wait_marks(marks: Path, want: int, pattern: str = "fault_*", within_s: float = 120) -> dict[int, int]:
+    def _wait_rank_marks(marks: Path, want: int, pattern: str = "fault_*", within_s: float = 120) -> dict[int, int]:
         deadline = time.monotonic() + within_s
         while len(list(marks.glob(pattern))) < want:
             if time.monotonic() > deadline:
@@ -563,26 +504,6 @@ class SessionRunner:
             if msg["msg_type"] == "input_request":
                 return
         raise AssertionError(f"the debugger asked for no input within {within_s} s")
-
-    @staticmethod
-    def _fault_time(marks: Path) -> float | None:
-        times = []
-        for p in marks.glob("fault_*"):
-            try:
-                times.append(json.loads(p.read_text())["t"])
-            except ValueError:
-                continue
-        return min(times) if times else None
-
-    @staticmethod
-    def _wait(condition, within_s: float) -> float | None:
-        deadline = time.monotonic() + within_s
-        while True:
-            if condition():
-                return time.time()
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.1)
 
 
 def run_session_suite(

@@ -314,18 +314,7 @@ class Runner:
         bound = BOUND_S + (timeout if timeout == TIMEOUT_S else 0)
         if outcome.to_final_s is not None and outcome.to_final_s > bound:
             outcome.problems.append(f"final state {outcome.to_final_s:.1f} s after the fault (bound {bound:g} s)")
-        # nothing left running, no lease held
-        if self._wait(lambda: not job_processes(job_id), BOUND_S) is None:
-            left = job_processes(job_id)
-            outcome.leaked = len(left)
-            outcome.problems.append(f"{len(left)} process(es) of the job still run: {left}")
-            for p in left:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except OSError:
-                    pass
-        if self._wait(lambda: not self._lease_held(job_id), BOUND_S) is None:
-            outcome.problems.append("the job's GPU lease is still held")
+        self._check_gone(outcome, job_id)
         if fault == "disk_full":
             shutil.rmtree(self.tmpfs / "runs", ignore_errors=True)  # the next disk-full job starts empty
         # lines
@@ -383,6 +372,20 @@ class Runner:
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.1)
+
+    def _check_gone(self, outcome: Outcome, job_id: str, what: str = "job") -> None:
+        """Nothing of job ``job_id`` left running (what is, is counted as leaked and killed), no lease held."""
+        if self._wait(lambda: not job_processes(job_id), BOUND_S) is None:
+            left = job_processes(job_id)
+            outcome.leaked = len(left)
+            outcome.problems.append(f"{len(left)} process(es) of the {what} still run: {left}")
+            for p in left:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+        if self._wait(lambda: not self._lease_held(job_id), BOUND_S) is None:
+            outcome.problems.append(f"the {what}'s GPU lease is still held")
 
     def _lease_held(self, job_id: str) -> bool:
         from sgpu_magic.launch.leases import LeaseRegistry

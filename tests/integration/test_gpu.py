@@ -116,3 +116,25 @@ def test_an_nccl_job_runs_with_the_flight_recorder_on_and_its_dumps_are_summed_u
 
     note = flight_recorder_note(RunDir(job.run_dir))
     assert note.startswith(f" NCCL flight recorder ({job.run_dir / 'flight_recorder'}): rank 0: nccl:all_reduce #1 (")
+
+
+def test_an_nccl_session_rank_aborts_its_communicators_and_makes_its_group_again_with_its_state():
+    """What recover does on each NCCL rank (one GPU: one rank, so no peer can leave it blocked): the communicators
+    are aborted through the _compat seam, the group destroyed and made again on the rendezvous store under a new
+    prefix; the CUDA tensors a cell made survive, and the next all_reduce runs on the new group."""
+    from sgpu_magic import Session
+
+    session = Session(gpus=1, widgets=False, mlflow=False, name="nccl_recover")
+    try:
+        session.run_cell(
+            "import torch, torch.distributed as dist\nfrom sgpu_magic import runtime\n"
+            "dist.init_process_group('nccl')\nw = torch.arange(4.0, device=runtime.device())\ndist.all_reduce(w)\n"
+            "before = w.sum().item()"
+        )
+        assert session.run_cell(
+            "from sgpu_magic.rank.recover import abort_nccl, regroup, ungroup\nabort_nccl()\nbackend = ungroup()\n"
+            "regroup(backend, 1)\nt = torch.ones(2, device=runtime.device())\ndist.all_reduce(t)\n"
+            "(backend, dist.get_backend(), t.tolist(), w.sum().item() == before)"
+        ) == [("nccl", "nccl", [1.0, 1.0], True)]
+    finally:
+        session.stop()

@@ -101,7 +101,8 @@ def rank_1_fails():
 def test_everything_a_job_writes_is_private(sgpu_home):
     """Every folder and file under sgpu_magic's home, after a tracked job that succeeds and one whose rank
     fails (results, errors, logs, status, the MLflow mark, host and kernel logs, the forkserver's marker):
-    directories 0700, files 0600, owned by us; also what other tests left there (the MLflow UI's log, more
+    directories 0700, files 0600, owned by us, links (a session cell's to its session) pointing inside the home;
+    also what other tests left there (the MLflow UI's log, more
     jobs). Not walked: the session's MLflow store, which conftest keeps there (mlflow.db, mlruns/: MLflow's
     files), and the VolumeDataset cache (cache/: copies of the user's data files)."""
     from sgpu_magic.errors import RankFailedError
@@ -121,12 +122,18 @@ def test_everything_a_job_writes_is_private(sgpu_home):
     loose, seen = [], 0
     for dirpath, dirnames, filenames in os.walk(sgpu_home):
         dirnames[:] = [d for d in dirnames if Path(dirpath, d) not in store]
-        for name in [dirpath] + [os.path.join(dirpath, f) for f in filenames if Path(dirpath, f) not in store]:
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]  # os.walk lists, never enters
+        for name in [dirpath] + [os.path.join(dirpath, f) for f in filenames + links if Path(dirpath, f) not in store]:
             try:
                 st = os.lstat(name)
             except FileNotFoundError:  # a temporary file renamed meanwhile
                 continue
             seen += 1
+            if stat.S_ISLNK(st.st_mode):  # a session cell's .reserve-of: a link's own mode is always 0777 (unused)
+                target = Path(dirpath, os.readlink(name)).resolve()
+                if st.st_uid != os.getuid() or not target.is_relative_to(sgpu_home.resolve()):
+                    loose.append(f"{name} -> {target}")
+                continue
             want = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
             if st.st_uid != os.getuid() or st.st_mode & 0o777 & ~want or st.st_mode & 0o077:
                 loose.append(f"{name} {oct(st.st_mode & 0o777)}")
