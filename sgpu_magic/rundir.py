@@ -32,24 +32,9 @@ import secrets
 import stat
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sgpu_magic._util.fs import atomic_write
-
-if TYPE_CHECKING:
-    from sgpu_magic.status import HostStatus, RankUsage, StuckReport  # noqa: F401 - re-exported (__getattr__)
-
-_STATUS_NAMES = ("HostStatus", "RankUsage", "StuckReport")
-
-
-def __getattr__(name: str) -> Any:
-    """``HostStatus``, ``RankUsage`` and ``StuckReport`` live in :mod:`sgpu_magic.status`; read here lazily, so a rank
-    (which imports this module) does not load them."""
-    if name in _STATUS_NAMES:
-        from sgpu_magic import status
-
-        return getattr(status, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_root() -> Path:

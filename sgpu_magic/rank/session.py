@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 
 from sgpu_magic._util.frames import read_frame, write_frame
 from sgpu_magic._util.metrics import WRITER as METRICS
+from sgpu_magic.rank.payload import dump_result, load_globals, redirect_output, run_payload, write_error
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, open_private_fifo, read_private
 
 
@@ -55,23 +56,15 @@ def _names(ns: dict) -> list[str]:
     return [name for name in ns if not name.startswith("__")]
 
 
-def _output_to(log_file: os.PathLike) -> None:
-    """Send fds 1 and 2 (Python's and native code's output) to ``log_file`` from now on (appending)."""
-    from sgpu_magic.rank.worker import _redirect_output
-
-    _redirect_output(log_file)
-
-
 def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int, int]) -> dict[str, Any]:
     """Run one cell (or function) of the session; write its value or error into its run directory. ``fds``: the
     rank's reply and command FIFOs, for a ``runtime.breakpoint()`` in the cell."""
     from sgpu_magic.rank.debug import cell_channel
-    from sgpu_magic.rank.worker import _dump_result, _write_error, load_globals, run_payload
 
     rd = RunDir(msg["run_dir"])
     _flush()
     METRICS.use(rd.metrics_file(rank))
-    _output_to(rd.log_file(rank))
+    redirect_output(rd.log_file(rank))
     reply: dict[str, Any] = {"ok": True, "interrupted": False}
     payload: dict = {}
     running.failure = None
@@ -87,7 +80,7 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
         finally:
             running.cell = False
             held.clear()
-        atomic_write_bytes(rd.result_file(rank), _dump_result(value, rank))
+        atomic_write_bytes(rd.result_file(rank), dump_result(value, rank))
     except BaseException as exc:  # noqa: BLE001 - a cell's error fails the cell, never the session
         running.cell = False
         reply = {"ok": False, "interrupted": isinstance(exc, KeyboardInterrupt)}
@@ -95,7 +88,7 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
             _restore_grad_mode(grad_mode)
         running.failure = exc
         try:
-            _write_error(rd, rank, exc, payload.get("display_names"))
+            write_error(rd, rank, exc, payload.get("display_names"))
         except OSError:  # a disk full even past the session's reserve: the cell fails unexplained, the rank lives on
             pass
     _flush()
@@ -130,13 +123,11 @@ def _push(msg: dict, ns: dict) -> dict[str, Any]:
 
 
 def _pull(msg: dict, ns: dict, rank: int) -> tuple[dict[str, Any], bytes | None]:
-    from sgpu_magic.rank.worker import _dump_result
-
     name = msg["name"]
     if name not in ns:
         return {"ok": False, "error": f"rank {rank} has no name {name!r}", "missing": True}, None
     try:
-        return {"ok": True}, _dump_result(ns[name], rank, name)
+        return {"ok": True}, dump_result(ns[name], rank, name)
     except TypeError as exc:
         return {"ok": False, "error": str(exc)}, None
 

@@ -83,6 +83,7 @@ def test_a_rank_imports_no_front_door_nor_kernel_side_library():
         "sgpu_magic.rank",
         "sgpu_magic.rank.exit",
         "sgpu_magic.rank.mlflow_guard",
+        "sgpu_magic.rank.payload",
         "sgpu_magic.rank.worker",
         "sgpu_magic.rundir",
     ]
@@ -230,3 +231,53 @@ def test_the_private_check_finds_each_kind_of_use(tmp_path):
         "super()._start",
         "vars(comm).pop('_reply_subshell_id', None)",
     ], found
+
+
+def _import_cycles() -> list[list[str]]:
+    """The sets of sgpu_magic modules that import each other in a ring, at run time: every import the code makes,
+    lazy ones inside functions included, ``if TYPE_CHECKING:`` ones not, and an import of a module's own parent
+    package not (Python has imported that package already when the module runs)."""
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("sgpu_magic", cache_dir=None, exclude_type_checking_imports=True)
+    edges = {
+        module: {
+            other
+            for other in graph.find_modules_directly_imported_by(module)
+            if not module.startswith(other + ".")  # its parent package: imported before it
+        }
+        for module in graph.modules
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in edges[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            ring = []
+            while True:
+                other = stack.pop()
+                ring.append(other)
+                if other == module:
+                    break
+            if len(ring) > 1:
+                cycles.append(sorted(ring))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle_at_run_time():
+    """A ring of modules importing each other (rank/session and rank/worker, rundir and status, the doctor's package
+    and its checks, before) is a layer that is not one: the shared part belongs in a module both import."""
+    assert _import_cycles() == []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgpu_magic.errors import ResourceError
-from sgpu_magic.front.doctor import Check, DoctorConfig, error, ok, warning
+from sgpu_magic.front.doctor._rows import Check, DoctorConfig, error, ok, warning
 from sgpu_magic.launch.resources import FAKE_GPUS_ENV, Gpu, list_gpus
 
 FREE_SPACE_WARNING_BYTES = 1 << 30

@@ -15,8 +15,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from sgpu_magic._util.redact import redact
-from sgpu_magic.front.doctor import Check, DoctorConfig, error, ok, warning
 from sgpu_magic.front.doctor._machine import Facts, unwritable
+from sgpu_magic.front.doctor._rows import Check, DoctorConfig, error, ok, warning
 
 REMOTE_CLUSTER_ENV = "SGPU_MAGIC_REMOTE_CLUSTER"
 SQLITE_HEADER = b"SQLite format 3\x00"

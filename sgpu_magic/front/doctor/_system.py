@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 from sgpu_magic.errors import ResourceError
-from sgpu_magic.front.doctor import Check, DoctorConfig, error, ok, warning
 from sgpu_magic.front.doctor._machine import FREE_SPACE_WARNING_BYTES, Facts, unwritable
+from sgpu_magic.front.doctor._rows import Check, DoctorConfig, error, ok, warning
 from sgpu_magic.launch.resources import check_port_free, free_port
 
 
