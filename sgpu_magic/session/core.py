@@ -382,7 +382,10 @@ class SessionCore:
         request.writer = StatusWriter(run_dir)
         request.writer.update(state="running", started_s=request.started_s, pids={str(r): self.pids[r] for r in ranks})
         assert self._channel is not None  # usable: started
-        self._channel.send(ranks, {"op": "cell", "run_dir": str(run_dir.path), "seq": request.seq})
+        with held_interrupt() as interrupted:  # a frame cut in two would leave the channel out of step
+            self._channel.send(ranks, {"op": "cell", "run_dir": str(run_dir.path), "seq": request.seq})
+        if interrupted():  # the notebook's Interrupt came while the cell was being sent: it interrupts the cell
+            self.interrupt("interrupted")
         return request
 
     def interrupt(self, reason: str = "interrupted") -> bool:

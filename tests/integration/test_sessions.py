@@ -428,3 +428,33 @@ def test_an_interrupt_while_a_push_is_being_sent_is_held_until_every_rank_has_it
     assert len(sent) == 2 and sess.state.value == "idle"
     assert sess.run_cell("float(big.sum())") == [4_000_000.0, 4_000_000.0]
     sess.run_cell("del big")
+
+
+def test_an_interrupt_while_a_cell_is_being_sent_interrupts_the_cell(sess, monkeypatch, tmp_path):
+    """The notebook's Interrupt lands while the kernel is still in the send of a cell whose ranks already run it (a
+    loaded machine): the cell is interrupted as any running cell is, CellInterruptedError, state kept. Before, the
+    KeyboardInterrupt escaped the cell's launch and left its ranks running it. Here the SIGINT comes once both ranks
+    have started the cell, before the send returns."""
+    import os
+    import signal
+
+    from sgpu_magic.session import channel
+
+    real = channel.write_frame
+    sent = []
+
+    def write_then_interrupt(fd, data):
+        real(fd, data)
+        sent.append(len(data))
+        if len(sent) == 2:  # the cell reached both ranks
+            wait_for(lambda: len(list(tmp_path.glob("started_*"))) == 2, 60, "both ranks to start the cell")
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(channel, "write_frame", write_then_interrupt)
+    with pytest.raises(CellInterruptedError, match=r"was interrupted; the ranks and their state are kept"):
+        sess.run_cell(
+            f"import pathlib, time\npathlib.Path({str(tmp_path)!r}, f'started_{{rank}}').touch()\n"
+            "for _ in range(3000):\n    time.sleep(0.01)\n'not interrupted'"
+        )
+    monkeypatch.setattr(channel, "write_frame", real)
+    assert sess.state.value == "idle" and sess.run_cell("rank") == [0, 1]
