@@ -206,6 +206,9 @@ class MlflowTracking(JobSink):
         # read here, in the thread that starts the job: MLflow's active run is thread-local, and a
         # background job prepares its run on another thread
         self._parent_run, self._chosen_experiment_id = _fluent_context()
+        # and the environment's experiment as it is now: the run is made later on the tracking worker, by when the
+        # notebook (or a test) may have named another one for its next job
+        self._env_experiment = (os.environ.get("MLFLOW_EXPERIMENT_NAME"), os.environ.get("MLFLOW_EXPERIMENT_ID"))
         self._parent = parent
 
     def _queue(self, task, ends_a_run: bool = False) -> None:
@@ -334,10 +337,9 @@ class MlflowTracking(JobSink):
         chosen = parent[1] if parent is not None else self._chosen_experiment_id
         if chosen:
             return str(chosen), client.get_experiment(str(chosen)).name
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        name, chosen = self._env_experiment
         if name:
             return self._get_or_create(client, uri, name), name
-        chosen = os.environ.get("MLFLOW_EXPERIMENT_ID")
         if chosen:
             return chosen, client.get_experiment(chosen).name
         notebook = notebook_path()
