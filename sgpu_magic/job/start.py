@@ -99,8 +99,8 @@ def submit(
     ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
     one is asked once more, so a dead host never fails a launch. ``before_launch``: see :func:`start`;
     ``ranks``: the ranks that run it (a session cell on some of the session's ranks), default all; ``lean``: a
-    session cell's run directory, ``reserve_of`` the session's (see :meth:`RunDir.create`); ``listed_when_ended``: whether the job stays in the
-    kernel's job list once it ended (see :data:`~sgpu_magic.job.registry.MAX_ENDED_JOBS`).
+    session cell's run directory, ``reserve_of`` the session's (see :meth:`RunDir.create`); ``listed_when_ended``:
+    whether the job stays in the kernel's job list once it ended (see :data:`~sgpu_magic.job.registry.MAX_ENDED_JOBS`).
     """
     rd = RunDir.create(root, lean=lean, reserve_of=reserve_of)
     atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))

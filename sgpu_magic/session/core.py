@@ -290,18 +290,8 @@ class SessionCore:
         self.check_usable()
         request = self._new_request(ranks)
         self.state = SessionState.BUSY
-        assert self._channel is not None  # usable: started
         with held_interrupt() as interrupted:
-            try:
-                self._channel.send(ranks, {**message, "seq": request.seq})
-            except KeyboardInterrupt:
-                self.broken = (
-                    f"session {self.name} is broken: a second interrupt cut {what} in the middle of sending it to "
-                    f"the ranks; run %distributed_session restart (or sess.restart()) for fresh ranks"
-                )
-                self.state = SessionState.BROKEN
-                self._complete(request, self.broken)
-                raise
+            self._send(request, message, what)
             try:
                 self._wait(request)
             except KeyboardInterrupt:
@@ -381,12 +371,27 @@ class SessionCore:
         self.state = SessionState.BUSY
         request.writer = StatusWriter(run_dir)
         request.writer.update(state="running", started_s=request.started_s, pids={str(r): self.pids[r] for r in ranks})
-        assert self._channel is not None  # usable: started
-        with held_interrupt() as interrupted:  # a frame cut in two would leave the channel out of step
-            self._channel.send(ranks, {"op": "cell", "run_dir": str(run_dir.path), "seq": request.seq})
+        with held_interrupt() as interrupted:
+            self._send(request, {"op": "cell", "run_dir": str(run_dir.path)}, "the cell")
         if interrupted():  # the notebook's Interrupt came while the cell was being sent: it interrupts the cell
             self.interrupt("interrupted")
         return request
+
+    def _send(self, request: Request, message: dict[str, Any], what: str) -> None:
+        """Send ``message`` (with ``request``'s seq) to its ranks, inside :func:`held_interrupt` (a frame cut in two
+        would leave the channel out of step). A second interrupt cuts it anyway: the session is then broken and the
+        ``KeyboardInterrupt`` goes on."""
+        assert self._channel is not None  # usable: started
+        try:
+            self._channel.send(request.ranks, {**message, "seq": request.seq})
+        except KeyboardInterrupt:
+            self.broken = (
+                f"session {self.name} is broken: a second interrupt cut {what} in the middle of sending it to "
+                f"the ranks; run %distributed_session restart (or sess.restart()) for fresh ranks"
+            )
+            self.state = SessionState.BROKEN
+            self._complete(request, self.broken)
+            raise
 
     def interrupt(self, reason: str = "interrupted") -> bool:
         """``KeyboardInterrupt`` in every rank running the current cell; whether a cell was running."""

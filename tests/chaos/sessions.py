@@ -221,7 +221,7 @@ class SessionRunner(Runner):
         want_state, error_re = SESSION_EXPECT[fault]
         errors: list[str] = []
         fault_at: float | None = None
-        cell_dirs: list[tuple[str, int, int]] = []  # (cell run dir, lines per rank, flood lines file or 0)
+        cell_dirs: list[tuple[str, int, int]] = []  # (cell run dir, numbered lines per rank, flood lines per rank)
 
         if fault in ("raise", "exit", "disk_full"):
             body = {
@@ -270,11 +270,8 @@ class SessionRunner(Runner):
             msg_id = self.kc.execute(f"chaos_kernel_mark({str(marks)!r})\n%distributed_push chaos_big --session {name}")
             self._wait_rank_marks(marks, 1, pattern="fault_kernel")
             time.sleep(rng.uniform(0, 0.4))  # when in the push the interrupt lands: the fault's draw, not a wait
-            fault_at = time.time()
-            self.km.interrupt_kernel()
-            out = collect(self.kc, msg_id, timeout_s=120)
-            returned = time.time()
-            errors.append(error_text(out))
+            fault_at, returned, error = self._interrupt(msg_id)
+            errors.append(error)
         elif fault == "unpicklable_pull":
             out = self.cell(
                 name,
@@ -305,11 +302,8 @@ class SessionRunner(Runner):
                 outcome.problems.append(f"the cell to debug did not fail as planned: {error_text(out)!r}")
             msg_id = self.kc.execute("%distributed_debug", allow_stdin=True)
             self._wait_input_request(120)
-            fault_at = time.time()
-            self.km.interrupt_kernel()
-            out = collect(self.kc, msg_id, timeout_s=120)
-            returned = time.time()
-            errors.append(error_text(out))
+            fault_at, returned, error = self._interrupt(msg_id)
+            errors.append(error)
         elif fault == "flood":
             per_line = 100
             lines = max(1, self.flood_bytes // per_line)
@@ -372,7 +366,7 @@ class SessionRunner(Runner):
             for path in Path(after["cell_run_dir"] or "/nonexistent").glob("logs/rank_*.log"):
                 path.unlink()
             cell_dirs.clear()
-        lost = self._lines_lost(cell_dirs, r, fault)
+        lost = self._lines_lost(cell_dirs)
         if lost:
             outcome.lines_lost, why = lost
             outcome.problems.append(why)
@@ -443,7 +437,7 @@ class SessionRunner(Runner):
             outcome.problems.append(problem)
 
     @staticmethod
-    def _lines_lost(cells: list[tuple[str, int, int]], fault_rank: int, fault: str) -> tuple[int, str] | None:
+    def _lines_lost(cells: list[tuple[str, int, int]]) -> tuple[int, str] | None:
         lost, why = 0, []
         for run_dir, numbered, flood in cells:
             for rank in (0, 1):
@@ -493,6 +487,14 @@ class SessionRunner(Runner):
             except psutil.Error:
                 return
             time.sleep(0.01)
+
+    def _interrupt(self, msg_id: str) -> tuple[float, float, str]:
+        """The notebook's Interrupt now, during execute request ``msg_id``: when it was sent, when the cell ended,
+        and the cell's error (``""``: none)."""
+        sent = time.time()
+        self.km.interrupt_kernel()
+        out = collect(self.kc, msg_id, timeout_s=120)
+        return sent, time.time(), error_text(out)
 
     def _wait_input_request(self, within_s: float) -> None:
         deadline = time.monotonic() + within_s
