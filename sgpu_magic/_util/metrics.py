@@ -48,6 +48,13 @@ RECORD = struct.Struct("<qdqq")
 RECORD_SIZE = RECORD.size
 """Bytes per point (32)."""
 
+STEP_TIME = "step_time_s"
+"""The metric of each step's wall time, in seconds (:mod:`sgpu_magic.rank.steps`; MLflow gets it as
+``step_time_s/rank_<r>``)."""
+
+STEP_COLLECTIVE = "step_collective_s"
+"""The metric of the time each step spent inside collectives, in seconds (at most its wall time)."""
+
 Point = tuple[str, float, int, int]
 """``(name, value, step, time_ms)``."""
 
@@ -190,8 +197,18 @@ class MetricsWriter:
                     os.close(fd)
             self._path, self._fd, self._names_fd, self._named = path, None, None, set()
 
-    def record(self, name: str, value: float, step: int, time_ms: int, run_id: str | None, forward: bool) -> None:
-        """Buffer one point (and, with ``forward``, hand it to :attr:`forward` for run ``run_id``)."""
+    def record(
+        self,
+        name: str,
+        value: float,
+        step: int,
+        time_ms: int,
+        run_id: str | None,
+        forward: bool,
+        forward_name: str | None = None,
+    ) -> None:
+        """Buffer one point (and, with ``forward``, hand it to :attr:`forward` for run ``run_id``, named
+        ``forward_name`` there when given: a rank's step time as ``step_time_s/rank_<r>``)."""
         ident = name_id(name)
         record = RECORD.pack(ident, value, step, time_ms)
         with self._lock:
@@ -202,7 +219,7 @@ class MetricsWriter:
                 self._write_name_locked(ident, name)
             self._lines.append(record)
             if forward and self.forward is not None:
-                self._forwarded.append((run_id, (name, value, step, time_ms)))
+                self._forwarded.append((run_id, (forward_name or name, value, step, time_ms)))
             full = len(self._lines) >= BATCH_POINTS
             if full:
                 self._write_locked()

@@ -14,12 +14,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sgpu_magic._util.metrics import STEP_TIME
 from sgpu_magic.errors import SgpuError
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.lifecycle import CANCEL_WAIT_S, JobLifecycle
 from sgpu_magic.job.outcome import build_error, ending_notes, load_result, stopped_error
 from sgpu_magic.job.registry import jobs, register
 from sgpu_magic.job.state import JobState, state_from_status
+from sgpu_magic.job.steps import Straggler, find_straggler
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import LeaseRegistry
 from sgpu_magic.launch.resources import DevicePlan
@@ -249,6 +251,32 @@ class Job(JobLifecycle):
     def last_metrics(self) -> dict[str, dict[int, float]]:
         """``{name: {rank: last value}}`` of every metric logged so far (the summary's table)."""
         return self._metrics.last_values()
+
+    def step_times(self) -> dict[int, list[float]]:
+        """Each rank's step times so far: the wall time of every step it marked (``runtime.step()``, else each
+        ``optimizer.step()`` of its first optimizer: :mod:`sgpu_magic.rank.steps`), in seconds, in order.
+
+        Read as :meth:`metrics` reads ``step_time_s`` (so past 2000 steps an evenly spaced sample, with the last).
+
+        Returns:
+            ``{rank: [seconds per step, ...]}``, ranks sorted; ``{}`` when no step was recorded.
+
+        Example::
+
+            {rank: sum(times) / len(times) for rank, times in job.step_times().items()}   # mean s per step
+        """
+        self._settle_metrics()
+        by_rank = self._metrics.snapshot(STEP_TIME).get(STEP_TIME, {})
+        return {rank: [value for _, value in points] for rank, points in by_rank.items()}
+
+    def straggler(self) -> Straggler | None:
+        """The rank that is slower than the others over the last 50 steps, if one is
+        (:func:`sgpu_magic.job.steps.find_straggler`: its median time per step outside collectives is more than 1.2x
+        the median rank's, and 5 ms or more longer); ``None`` otherwise, and before every rank has 10 steps.
+        ``str()`` of it is the line the panel's header and the summary show (``straggler: rank 1 is 1.45x slower
+        than the median rank over the last 50 steps (...)``)."""
+        self._settle_metrics()
+        return find_straggler(self._metrics.recent_steps(), self.world_size)
 
     def failure_locals(self, rank: int) -> dict[str, str]:
         """The locals of the frame where rank ``rank`` failed, as ``{name: repr}`` (at most 50, each repr about 200

@@ -12,10 +12,19 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from sgpu_magic._util.metrics import RECORD_SIZE, decode_names, decode_records, names_file, read_new
+from sgpu_magic._util.metrics import (
+    RECORD_SIZE,
+    STEP_COLLECTIVE,
+    STEP_TIME,
+    decode_names,
+    decode_records,
+    names_file,
+    read_new,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -25,6 +34,12 @@ MAX_POINTS = 2000
 
 INITIAL_POINTS = 16
 """A new series' buffers hold this many points; they double as it grows (a job's many short series stay small)."""
+
+RECENT_STEPS = 50
+"""Of the step metrics (``step_time_s``, ``step_collective_s``) each rank's last this many points are kept whole, for
+the straggler check (:mod:`sgpu_magic.job.steps`), however the series is downsampled."""
+
+_STEP_METRICS = (STEP_TIME, STEP_COLLECTIVE)
 
 READ_INTERVAL_S = 0.2
 """How often a running job's metrics files are read (the panel shows them at most 5 times a second)."""
@@ -133,6 +148,7 @@ class MetricsPump:
         self._names: list[dict[int, str]] = [{} for _ in paths]
         self._names_read = [0] * len(paths)
         self._series: dict[str, dict[int, Series]] = {}
+        self._recent: dict[str, dict[int, deque[tuple[int, float]]]] = {name: {} for name in _STEP_METRICS}
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()  # one reader of the files at a time (the follower, a caller of metrics())
         self._read_at = 0.0
@@ -216,6 +232,10 @@ class MetricsPump:
                 if series is None:
                     series = by_rank[rank] = Series()
                 series.add_many(chunk["step"], chunk["value"])
+                recent = self._recent.get(name)
+                if recent is not None:
+                    window = recent.setdefault(rank, deque(maxlen=RECENT_STEPS))
+                    window.extend(zip(chunk["step"][-RECENT_STEPS:].tolist(), chunk["value"][-RECENT_STEPS:].tolist()))
 
     def snapshot(self, name: str | None = None) -> dict[str, dict[int, list[tuple[int, float]]]]:
         """``{name: {rank: [(step, value)]}}`` of every metric (or only ``name``), names and ranks sorted."""
@@ -236,3 +256,14 @@ class MetricsPump:
                 n: {r: s.last[1] for r, s in sorted(by_rank.items()) if s.last is not None}
                 for n, by_rank in sorted(self._series.items())
             }
+
+    def recent_steps(self) -> dict[int, list[tuple[int, float, float]]]:
+        """Each rank's last :data:`RECENT_STEPS` steps as ``{rank: [(step, wall s, s in collectives)]}`` (the steps
+        both metrics have reached the kernel for), ranks sorted; ``{}`` before any step."""
+        with self._lock:
+            walls, collectives = self._recent[STEP_TIME], self._recent[STEP_COLLECTIVE]
+            joined = {}
+            for rank in sorted(walls):
+                inside = dict(collectives.get(rank, ()))
+                joined[rank] = [(step, wall, inside[step]) for step, wall in walls[rank] if step in inside]
+            return joined

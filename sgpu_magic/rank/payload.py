@@ -28,6 +28,7 @@ import cloudpickle
 from sgpu_magic._util.metrics import WRITER as METRICS
 from sgpu_magic.errors import Unpicklable
 from sgpu_magic.rank import exit as rank_exit
+from sgpu_magic.rank import steps
 from sgpu_magic.rank.mlflow_guard import flush_async_logging, settled_value
 from sgpu_magic.rundir import RunDir, atomic_write_json, traceback_marker
 
@@ -139,6 +140,7 @@ def run_payload(payload: dict, ns: dict, held: list | None = None):
     every point the user code logged is in the run before the rank reports; a value that is the future
     of an async ``mlflow.log_metric`` call (a cell ending with one) is ``None``, as with sync logging.
     """
+    steps.begin()
     try:
         if payload["kind"] == "script":
             return _run_script(payload, ns)
@@ -149,6 +151,7 @@ def run_payload(payload: dict, ns: dict, held: list | None = None):
         kwargs = {k: cloudpickle.loads(b) for k, b in payload["kwargs"].items()}
         return settled_value(rank_exit.call_holding_frame(fn, args, kwargs, [] if held is None else held))
     finally:
+        steps.finish()
         METRICS.flush()  # the points reach the file (and MLflow) before the rank reports
         flush_async_logging()
 

@@ -8,7 +8,7 @@ import html
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.state import JobState
 from sgpu_magic.status import RankUsage
-from sgpu_magic.ui.text import MAX_METRIC_LINES, restart_reason, stuck_line
+from sgpu_magic.ui.text import MAX_METRIC_LINES, restart_reason, straggler_lines, stuck_line
 
 _BADGE_COLOURS = {
     JobState.PENDING: "#777",
@@ -51,6 +51,9 @@ def header_html(job: Job, state: JobState, error: BaseException | None = None) -
     if stuck:  # the hang detector's badge (launch host): cleared when a rank writes again
         badge += ' <span style="background:#e67e22;color:white;border-radius:4px;padding:1px 6px">possibly stuck</span>'
         problem += f"<br><small>{html.escape(stuck)}</small>"
+    for line in straggler_lines(job):  # the straggler check (job/steps.py): named while it holds
+        badge += ' <span style="background:#8250df;color:white;border-radius:4px;padding:1px 6px">straggler</span>'
+        problem += f"<br><small>{html.escape(line)}</small>"
     attempt = job.attempt if job.spec.max_restarts else 1
     if attempt > 1:
         badge += f" &middot; attempt {attempt} of {job.spec.max_restarts + 1}"

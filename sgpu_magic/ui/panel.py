@@ -256,7 +256,12 @@ class Panel(TextView):
         error = job.exception() if job.state is not JobState.SUCCEEDED else None
         root = getattr(error, "root_cause", None)
         self._render_header(job, job.state, error)
-        said = job.summary_on_success or job.state is not JobState.SUCCEEDED or bool(job.notes)
+        said = (
+            job.summary_on_success
+            or job.state is not JobState.SUCCEEDED
+            or bool(job.notes)
+            or job.straggler() is not None
+        )
         if said:
             for line in summary_lines(job):
                 self.note(line)

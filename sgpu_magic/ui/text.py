@@ -83,10 +83,23 @@ def stuck_line(job: Job) -> str:
     return f"possibly stuck: no rank has written a log line or a metric for {report.stuck_after_s:g} s{where}"
 
 
+def straggler_lines(job: Job) -> list[str]:
+    """``["straggler: rank 1 is 1.45x slower than the median rank over the last 50 steps (...)"]`` when the straggler
+    check names a rank (:meth:`Job.straggler`), else ``[]``."""
+    straggler = job.straggler()
+    return [str(straggler)] if straggler is not None else []
+
+
 def summary_lines(job: Job) -> list[str]:
-    """:func:`summary_line`, one ``sgpu_magic: ...`` line per note on how ranks ended (:attr:`Job.notes`), each rank's
-    peak RSS (:func:`peak_rss_line`), then the last-value table of the metrics the ranks logged (:func:`metrics_table`)."""
-    notes = job.notes + peak_rss_line(dict(sorted(job.status.usage.items()))) + metrics_table(job.last_metrics())
+    """:func:`summary_line`, one ``sgpu_magic: ...`` line per note on how ranks ended (:attr:`Job.notes`), the
+    straggler (:func:`straggler_lines`), each rank's peak RSS (:func:`peak_rss_line`), then the last-value table of
+    the metrics the ranks logged (:func:`metrics_table`)."""
+    notes = (
+        job.notes
+        + straggler_lines(job)
+        + peak_rss_line(dict(sorted(job.status.usage.items())))
+        + metrics_table(job.last_metrics())
+    )
     return [summary_line(job)] + [f"sgpu_magic: {note}" for note in notes]
 
 
@@ -209,7 +222,7 @@ class TextView(JobSink):
         for rank, held in sorted(self._held.items()):  # what the ranks' terminals show at the end
             self.lines(rank, list(held.lines) + ([held.current] if held.current else []))
         self._held.clear()
-        if job.summary_on_success or job.state is not JobState.SUCCEEDED or job.notes:
+        if job.summary_on_success or job.state is not JobState.SUCCEEDED or job.notes or job.straggler():
             for line in summary_lines(job):
                 self.note(line)
         if job.background and job.state is not JobState.SUCCEEDED:

@@ -81,6 +81,23 @@ def test_each_cell_s_metrics_are_its_own(sess):
     assert (second.run_dir / "metrics").stat().st_mode & 0o777 == 0o700
 
 
+def test_a_session_cell_times_its_own_steps_and_names_its_straggler(sess):
+    """Steps count per cell (the rank's clock begins again with each), and a cell's straggler is its own."""
+    code = (
+        "import time\nfrom sgpu_magic import runtime\n"
+        "for _ in range({n}):\n"
+        "    with runtime.step():\n"
+        "        time.sleep({extra} if rank == 1 else 0)\n"
+        "        dist.all_reduce(torch.ones(1))"
+    )
+    slow = sess.submit_cell(code.format(n=12, extra=0.03), {})
+    slow.result()
+    even = sess.submit_cell(code.format(n=3, extra=0), {})
+    even.result()
+    assert [len(t) for t in slow.step_times().values()] == [12, 12] and slow.straggler().rank == 1
+    assert [len(t) for t in even.step_times().values()] == [3, 3] and even.straggler() is None
+
+
 def test_run_calls_a_function_in_the_ranks_namespace(sess):
     def weighted(k):
         return float(w.sum()) * k  # noqa: F821 - w lives in the ranks' namespace

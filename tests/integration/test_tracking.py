@@ -357,6 +357,33 @@ def test_rank_metrics_reach_mlflow_and_the_metrics_file(experiment):
     assert "could not be logged" not in job.logs(0) + job.logs(1)
 
 
+def test_each_rank_s_step_times_reach_mlflow_under_its_own_key(experiment):
+    """``runtime.step()`` times reach the job's run as ``step_time_s/rank_<r>`` (every rank logs to the one run), the
+    time inside collectives stays in the metrics file."""
+    client, _ = experiment
+
+    @distributed(gpus=2, widgets=False)
+    def three_steps():
+        import time
+
+        from sgpu_magic import runtime
+
+        for _ in range(3):
+            with runtime.step():
+                time.sleep(0.01)
+
+    three_steps.distributed()
+    job = three_steps.last_job
+    run_id = job.mlflow_run_id
+    for rank in range(2):
+        history = client.get_metric_history(run_id, f"step_time_s/rank_{rank}")
+        assert [m.step for m in sorted(history, key=lambda m: m.step)] == [0, 1, 2]
+        assert all(m.value >= 0.01 for m in history)
+    assert [len(t) for t in job.step_times().values()] == [3, 3]
+    assert client.get_metric_history(run_id, "step_collective_s") == []
+    assert client.get_metric_history(run_id, "step_time_s") == []
+
+
 def test_nested_under_the_kernels_active_run(experiment, tmp_path):
     import mlflow
 

@@ -1,0 +1,201 @@
+"""Step timing in a rank: each training step's wall time and the time it spent inside ``torch.distributed``'s
+collectives, recorded as two metrics of the rank (``step_time_s`` and ``step_collective_s``), from which the
+kernel finds a straggler (:mod:`sgpu_magic.job.steps`).
+
+A step is marked in one of two ways:
+
+- :func:`sgpu_magic.runtime.step`: ``with runtime.step(): ...`` around a step, or a bare ``runtime.step()``
+  between steps (each call ends the step the previous call began and begins the next; the last one begun when the
+  code ends is not recorded). Once the code has called it, only it marks steps.
+- without it, ``optimizer.step()``: a global post-hook on ``torch.optim.Optimizer.step``
+  (``torch.optim.optimizer.register_optimizer_step_post_hook``, torch's public API) ends a step each time the
+  *first* optimizer that steps in the job (or session cell) steps again, so a loop of N optimizer steps records
+  N - 1 steps (each from one ``optimizer.step()`` to the next: a whole iteration) and a second optimizer (a GAN's)
+  does not double-count.
+
+Time in collectives: ``torch.distributed``'s collective and point-to-point functions (:data:`COLLECTIVES`) are
+wrapped in the rank, once it imports ``torch.distributed``, to add how long each call took to the open step
+(a nested call, such as ``all_gather_object``'s own ``all_gather``, is counted once). A call with
+``async_op=True`` returns at once and adds only its issue time; the wait on its ``Work`` counts as compute, as
+does DDP's gradient all-reduce, which its C++ reducer runs inside ``backward()`` (see ``docs/guide/performance.md``).
+
+Cost: a step mark is a ``perf_counter`` and two points buffered by the metrics writer (about 2-3 µs,
+``benchmarks.step_cost``); a wrapped collective adds two ``perf_counter`` calls. Imports nothing beyond the
+standard library here: torch is patched only once the rank's code imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from typing import Any
+
+from sgpu_magic._util.imports import AfterImport
+from sgpu_magic._util.metrics import STEP_COLLECTIVE, STEP_TIME, WRITER
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+)
+"""The ``torch.distributed`` functions whose time counts as time in collectives."""
+
+_C10D = "torch.distributed.distributed_c10d"
+_OPTIMIZER = "torch.optim.optimizer"
+
+
+class StepClock:
+    """The open step of this process: when it began, the time in collectives since, and how steps are marked."""
+
+    __slots__ = ("started", "collective_s", "depth", "index", "explicit", "optimizer", "mlflow_name")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every step: a new job or session cell begins (its steps count from 0)."""
+        self.started: float | None = None
+        self.collective_s = 0.0
+        self.depth = 0
+        self.index = 0
+        self.explicit = False
+        self.optimizer: int | None = None
+        self.mlflow_name = f"{STEP_TIME}/rank_{os.environ.get('RANK', '0')}"
+
+    def mark(self) -> None:
+        """End the open step (if any) and begin the next."""
+        now = time.perf_counter()
+        if self.started is not None:
+            self._record(now - self.started)
+        self.started, self.collective_s = now, 0.0
+
+    def end(self) -> None:
+        """End the open step (if any); none is open after."""
+        if self.started is not None:
+            self._record(time.perf_counter() - self.started)
+            self.started = None
+
+    def _record(self, wall_s: float) -> None:
+        time_ms = int(time.time() * 1000)
+        step = self.index
+        self.index += 1
+        WRITER.record(STEP_TIME, wall_s, step, time_ms, None, forward=True, forward_name=self.mlflow_name)
+        WRITER.record(STEP_COLLECTIVE, min(self.collective_s, wall_s), step, time_ms, None, forward=False)
+
+
+CLOCK = StepClock()
+"""This process's clock (one per rank: a job's code, or a session's cells one after another)."""
+
+
+class Step:
+    """What :func:`sgpu_magic.runtime.step` returns: made, it has begun a step; as a context manager, leaving it
+    ends that step."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        CLOCK.end()
+
+
+_STEP = Step()
+
+
+def step() -> Step:
+    """Mark a step boundary (see :func:`sgpu_magic.runtime.step`)."""
+    CLOCK.explicit = True
+    CLOCK.mark()
+    return _STEP
+
+
+def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The global optimizer post-hook: a step boundary when the job's first optimizer steps (and no
+    ``runtime.step()`` marks steps)."""
+    if CLOCK.explicit:
+        return
+    if CLOCK.optimizer is None:
+        CLOCK.optimizer = id(optimizer)
+    if CLOCK.optimizer == id(optimizer):
+        CLOCK.mark()
+
+
+def _timed(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        clock = CLOCK
+        if clock.depth:
+            return fn(*args, **kwargs)
+        clock.depth = 1
+        began = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock.collective_s += time.perf_counter() - began
+            clock.depth = 0
+
+    collective.__sgpu_timed__ = True  # type: ignore[attr-defined] # a marker on the function object
+    return collective
+
+
+def _time_collectives(c10d: Any) -> None:
+    """Wrap the :data:`COLLECTIVES` of ``c10d`` (``torch.distributed.distributed_c10d``), and the same names of
+    ``torch.distributed`` when that module already holds them; idempotent."""
+    package = sys.modules.get("torch.distributed")
+    for name in COLLECTIVES:
+        original = getattr(c10d, name, None)
+        if original is None or getattr(original, "__sgpu_timed__", False):
+            continue
+        wrapped = _timed(original)
+        setattr(c10d, name, wrapped)
+        if package is not None and getattr(package, name, None) is original:
+            setattr(package, name, wrapped)
+
+
+_optimizer_hook: list[Any] = []
+"""The handle of the global optimizer hook, once registered (once per process)."""
+
+
+def _hook_optimizers(module: Any) -> None:
+    register = getattr(module, "register_optimizer_step_post_hook", None)
+    if register is not None and not _optimizer_hook:
+        _optimizer_hook.append(register(_optimizer_stepped))
+
+
+def _after_import(name: str, callback: Any) -> None:
+    if name in sys.modules:
+        callback(sys.modules[name])
+    elif not any(isinstance(f, AfterImport) and f.name == name and f.callback is callback for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport(name, callback))
+
+
+def begin() -> None:
+    """A job's code or a session cell begins: steps count from 0, and the hooks are in place (now if torch is
+    loaded, a warm rank; else once the code imports it)."""
+    CLOCK.reset()
+    _after_import(_C10D, _time_collectives)
+    _after_import(_OPTIMIZER, _hook_optimizers)
+
+
+def finish() -> None:
+    """The code has ended: a step still open (a bare ``runtime.step()``'s last) is dropped, not recorded."""
+    CLOCK.started = None

@@ -1,0 +1,141 @@
+"""Step timing and the straggler check (issue 35): ``runtime.step()`` and the optimizer hook in real gloo ranks,
+the time inside collectives, ``job.step_times()``, ``job.straggler()`` and the summary's line.
+
+MLflow's per-rank ``step_time_s/rank_<r>`` is in ``test_tracking.py``; the check's rule itself in
+``tests/unit/test_steps.py``.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import statistics
+from contextlib import redirect_stdout
+
+from sgpu_magic import distributed
+from sgpu_magic._util.metrics import read_points
+from sgpu_magic.job.steps import MIN_STEPS, find_straggler
+from sgpu_magic.ui.header import header_html
+
+
+@distributed(gpus=2, mlflow=False, widgets=False)
+def slow_rank_one(steps, extra_s):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from sgpu_magic import runtime
+
+    dist.init_process_group("gloo")
+    x = torch.ones(1000)
+    for _ in range(steps):
+        with runtime.step():
+            y = (x * 2).sum()
+            if runtime.get_global_rank() == 1:
+                time.sleep(extra_s)  # rank 1's share takes 50 ms longer: rank 0 waits for it in all_reduce
+            dist.all_reduce(y)
+    dist.destroy_process_group()
+    return float(y)
+
+
+def test_a_rank_50_ms_slower_per_step_is_named_the_straggler_within_20_steps(sgpu_home):
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert slow_rank_one.distributed(20, 0.05) == [4000.0, 4000.0]
+    job = slow_rank_one.last_job
+    times = job.step_times()
+    assert sorted(times) == [0, 1] and [len(t) for t in times.values()] == [20, 20]
+    assert all(t >= 0.05 for t in times[0] + times[1])  # both ranks' steps last as long: the collective evens them
+    waits = job.metrics("step_collective_s")["step_collective_s"]
+    assert min(v for _, v in waits[0]) >= 0.03  # rank 0 spent its step waiting for rank 1 in all_reduce
+    straggler = job.straggler()
+    assert straggler is not None and straggler.rank == 1 and straggler.ratio > 1.2 and straggler.steps == 20
+    assert straggler.busy_s >= 0.05
+    line = str(straggler)
+    assert line.startswith("straggler: rank 1 is ") and "x slower than the median rank over the last 20 steps" in line
+    assert f"sgpu_magic: {line}" in out.getvalue()  # the summary says it (it is said on success too)
+    assert html.escape(line) in header_html(job, job.state) and ">straggler</span>" in header_html(job, job.state)
+
+
+@distributed(gpus=8, mlflow=False, widgets=False, timeout=600)
+def balanced(steps):
+    import torch
+    import torch.distributed as dist
+
+    from sgpu_magic import runtime
+
+    dist.init_process_group("gloo")
+    x = torch.randn(400, 400)
+    for _ in range(steps):
+        runtime.step()  # bare: a boundary at the top of each iteration
+        y = (x @ x @ x).sum()  # about 3 ms of one core: 8 ranks share 2 here, so 10 ms or more of wall time
+        dist.all_reduce(y)
+    dist.destroy_process_group()
+
+
+def test_a_balanced_8_rank_job_is_never_named_over_200_steps(sgpu_home):
+    """Every window the panel could have seen (each rank's last 50 steps after each step) is checked, from the
+    metrics files, on the loaded 2-core machine: no rank is ever named."""
+    balanced.distributed(201)
+    job = balanced.last_job
+    assert job.straggler() is None
+    by_rank = {}
+    for rank in range(8):
+        points = read_points(job.run_dir / "metrics" / f"rank_{rank}.bin")
+        walls = {step: value for name, value, step, _ in points if name == "step_time_s"}
+        inside = {step: value for name, value, step, _ in points if name == "step_collective_s"}
+        by_rank[rank] = [(step, walls[step], inside[step]) for step in sorted(walls)]
+    assert [len(steps) for steps in by_rank.values()] == [200] * 8  # 201 marks: the last step open is dropped
+    busiest = []
+    for end in range(MIN_STEPS, 201):
+        window = {rank: steps[max(0, end - 50) : end] for rank, steps in by_rank.items()}
+        assert find_straggler(window, 8) is None, (end, find_straggler(window, 8))
+        busy = sorted(statistics.median(w - c for _, w, c in steps) for steps in window.values())
+        busiest.append(busy[-1] / statistics.median(busy[:-1]))
+    print(f"balanced: the slowest rank's median busy time was at most {max(busiest):.2f}x the median rank's")
+
+
+@distributed(gpus=2, mlflow=False, widgets=False)
+def trains_without_marks(steps):
+    import torch
+
+    model = torch.nn.Linear(4, 1)
+    other = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt2 = torch.optim.SGD(other.parameters(), lr=0.1)  # a second optimizer (a GAN's) does not count steps twice
+    for _ in range(steps):
+        for m, o in ((model, opt), (other, opt2)):
+            o.zero_grad()
+            m(torch.ones(2, 4)).sum().backward()
+            o.step()
+
+
+def test_without_runtime_step_the_first_optimizer_s_steps_are_the_steps(sgpu_home):
+    trains_without_marks.distributed(6)
+    times = trains_without_marks.last_job.step_times()
+    assert [len(t) for t in times.values()] == [5, 5]  # from one optimizer.step() to the next
+    assert trains_without_marks.last_job.straggler() is None  # two steps short of the check's 10
+
+
+@distributed(gpus=2, mlflow=False, widgets=False)
+def marks_and_steps(n):
+    import torch
+
+    from sgpu_magic import runtime
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(n):
+        with runtime.step():  # runtime.step() marks steps: the optimizer's are not counted as well
+            opt.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+
+
+def test_runtime_step_wins_over_the_optimizer_hook_and_a_new_job_counts_from_zero(sgpu_home):
+    marks_and_steps.distributed(3)
+    marks_and_steps.distributed(4)  # the same warm rank processes' clocks begin again
+    job = marks_and_steps.last_job
+    assert [len(t) for t in job.step_times().values()] == [4, 4]
+    assert [s for s, _ in job.metrics("step_time_s")["step_time_s"][0]] == [0, 1, 2, 3]
