@@ -1,5 +1,7 @@
 """What a metric point costs the rank that logs it: ``runtime.log_metric`` untracked and tracked, and
-``mlflow.log_metric`` as MLflow has it and as a tracked rank has it (intercepted into the metrics file).
+``mlflow.log_metric`` as MLflow has it and as a tracked rank has it (intercepted into the metrics file); what a
+step mark costs (``runtime.step()``, bare and as a ``with`` block: two points each), and what the rank's timing
+wrapper adds to a collective (a 1-rank gloo ``all_reduce``, wrapped and torch's own).
 
 Usage (from the repository root)::
 
@@ -36,6 +38,38 @@ def _runtime(n: int) -> dict[str, float]:
     return {"runtime.log_metric us/call": call_us, "end of rank waited s": time.perf_counter() - start}
 
 
+def _steps(n: int) -> dict[str, float]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from sgpu_magic import runtime
+    from sgpu_magic._util.metrics import WRITER
+
+    out = {}
+    for _ in range(2):  # twice: the second round's figures are kept
+        start = time.perf_counter()
+        for _ in range(n):
+            runtime.step()
+        out["runtime.step() us/call"] = (time.perf_counter() - start) / n * 1e6
+        start = time.perf_counter()
+        for _ in range(n):
+            with runtime.step():
+                pass
+        out["with runtime.step() us/step"] = (time.perf_counter() - start) / n * 1e6
+        WRITER.flush()
+    dist.init_process_group("gloo")
+    t, calls = torch.ones(1), n // 10
+    for label, fn in (("wrapped", dist.all_reduce), ("torch's own", dist.all_reduce.__wrapped__)) * 2:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(t)
+        out[f"all_reduce {label} us/call"] = (time.perf_counter() - start) / calls * 1e6
+    dist.destroy_process_group()
+    return out
+
+
 def _mlflow(n: int) -> dict[str, float]:
     import time
 
@@ -65,7 +99,13 @@ def main(argv: list[str]) -> int:
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{scratch}/mlflow.db"
     from sgpu_magic import distributed
 
-    runs = [("untracked", _runtime, False, n), ("tracked", _runtime, True, n), ("tracked", _mlflow, True, n // 20)]
+    runs = [
+        ("untracked", _runtime, False, n),
+        ("tracked", _runtime, True, n),
+        ("tracked", _mlflow, True, n // 20),
+        ("steps, tracked", _steps, True, n),
+        ("steps, untracked", _steps, False, n),
+    ]
     for label, body, tracked, points in runs:
         fn = distributed(gpus=1, mlflow=tracked, widgets=False)(body)
         start = time.perf_counter()

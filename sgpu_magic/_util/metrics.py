@@ -197,18 +197,8 @@ class MetricsWriter:
                     os.close(fd)
             self._path, self._fd, self._names_fd, self._named = path, None, None, set()
 
-    def record(
-        self,
-        name: str,
-        value: float,
-        step: int,
-        time_ms: int,
-        run_id: str | None,
-        forward: bool,
-        forward_name: str | None = None,
-    ) -> None:
-        """Buffer one point (and, with ``forward``, hand it to :attr:`forward` for run ``run_id``, named
-        ``forward_name`` there when given: a rank's step time as ``step_time_s/rank_<r>``)."""
+    def record(self, name: str, value: float, step: int, time_ms: int, run_id: str | None, forward: bool) -> None:
+        """Buffer one point (and, with ``forward``, hand it to :attr:`forward` for run ``run_id``)."""
         ident = name_id(name)
         record = RECORD.pack(ident, value, step, time_ms)
         with self._lock:
@@ -219,10 +209,19 @@ class MetricsWriter:
                 self._write_name_locked(ident, name)
             self._lines.append(record)
             if forward and self.forward is not None:
-                self._forwarded.append((run_id, (forward_name or name, value, step, time_ms)))
+                self._forwarded.append((run_id, (name, value, step, time_ms)))
             full = len(self._lines) >= BATCH_POINTS
             if full:
                 self._write_locked()
+        if self._thread is None:
+            self._start_thread()
+
+    def forward_only(self, run_id: str | None, point: Point) -> None:
+        """Hand ``point`` to :attr:`forward` (MLflow) with the next batch, without writing it to the file."""
+        with self._lock:
+            if self._path is None or self.forward is None:
+                return
+            self._forwarded.append((run_id, point))
         if self._thread is None:
             self._start_thread()
 

@@ -19,8 +19,11 @@ wrapped in the rank, once it imports ``torch.distributed``, to add how long each
 ``async_op=True`` returns at once and adds only its issue time; the wait on its ``Work`` counts as compute, as
 does DDP's gradient all-reduce, which its C++ reducer runs inside ``backward()`` (see ``docs/guide/performance.md``).
 
-Cost: a step mark is a ``perf_counter`` and two points buffered by the metrics writer (about 2-3 µs,
-``benchmarks.step_cost``); a wrapped collective adds two ``perf_counter`` calls. Imports nothing beyond the
+MLflow, in a tracked job, gets ``step_time_s/rank_<r>`` at most once a second per rank (:data:`MLFLOW_INTERVAL_S`:
+the mean of the steps since its last point), so step timing adds no MLflow load a fast loop would notice.
+
+Cost: a step mark is a ``perf_counter`` and two points buffered by the metrics writer (about 2-4 µs,
+``benchmarks.metrics_cost``); a wrapped collective adds two ``perf_counter`` calls. Imports nothing beyond the
 standard library here: torch is patched only once the rank's code imports it.
 """
 
@@ -58,6 +61,10 @@ COLLECTIVES = (
 )
 """The ``torch.distributed`` functions whose time counts as time in collectives."""
 
+MLFLOW_INTERVAL_S = 1.0
+"""A tracked rank sends MLflow one ``step_time_s/rank_<r>`` point at most this often: the mean wall time of the steps
+since the last, at the last one's step (the metrics file, hence the panel and ``job.step_times()``, has every step)."""
+
 _C10D = "torch.distributed.distributed_c10d"
 _OPTIMIZER = "torch.optim.optimizer"
 
@@ -65,7 +72,18 @@ _OPTIMIZER = "torch.optim.optimizer"
 class StepClock:
     """The open step of this process: when it began, the time in collectives since, and how steps are marked."""
 
-    __slots__ = ("started", "collective_s", "depth", "index", "explicit", "optimizer", "mlflow_name")
+    __slots__ = (
+        "started",
+        "collective_s",
+        "depth",
+        "index",
+        "explicit",
+        "optimizer",
+        "mlflow_name",
+        "mlflow_due",
+        "mlflow_sum",
+        "mlflow_steps",
+    )
 
     def __init__(self) -> None:
         self.reset()
@@ -79,6 +97,9 @@ class StepClock:
         self.explicit = False
         self.optimizer: int | None = None
         self.mlflow_name = f"{STEP_TIME}/rank_{os.environ.get('RANK', '0')}"
+        self.mlflow_due = 0.0
+        self.mlflow_sum = 0.0
+        self.mlflow_steps = 0
 
     def mark(self) -> None:
         """End the open step (if any) and begin the next."""
@@ -97,8 +118,21 @@ class StepClock:
         time_ms = int(time.time() * 1000)
         step = self.index
         self.index += 1
-        WRITER.record(STEP_TIME, wall_s, step, time_ms, None, forward=True, forward_name=self.mlflow_name)
+        WRITER.record(STEP_TIME, wall_s, step, time_ms, None, forward=False)
         WRITER.record(STEP_COLLECTIVE, min(self.collective_s, wall_s), step, time_ms, None, forward=False)
+        self.mlflow_sum += wall_s
+        self.mlflow_steps += 1
+        now = time.monotonic()
+        if now >= self.mlflow_due:  # MLflow gets the mean of the steps since its last point, at most once a second
+            WRITER.forward_only(None, (self.mlflow_name, self.mlflow_sum / self.mlflow_steps, step, time_ms))
+            self.mlflow_due, self.mlflow_sum, self.mlflow_steps = now + MLFLOW_INTERVAL_S, 0.0, 0
+
+    def flush_mlflow(self) -> None:
+        """Hand MLflow the mean of the steps not yet sent (the code has ended)."""
+        if self.mlflow_steps:
+            point = (self.mlflow_name, self.mlflow_sum / self.mlflow_steps, self.index - 1, int(time.time() * 1000))
+            WRITER.forward_only(None, point)
+            self.mlflow_sum, self.mlflow_steps = 0.0, 0
 
 
 CLOCK = StepClock()
@@ -197,5 +231,7 @@ def begin() -> None:
 
 
 def finish() -> None:
-    """The code has ended: a step still open (a bare ``runtime.step()``'s last) is dropped, not recorded."""
+    """The code has ended: a step still open (a bare ``runtime.step()``'s last) is dropped, not recorded; MLflow gets
+    the mean of the steps it has not had."""
     CLOCK.started = None
+    CLOCK.flush_mlflow()

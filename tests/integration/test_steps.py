@@ -2,7 +2,7 @@
 the time inside collectives, ``job.step_times()``, ``job.straggler()`` and the summary's line.
 
 MLflow's per-rank ``step_time_s/rank_<r>`` is in ``test_tracking.py``; the check's rule itself in
-``tests/unit/test_steps.py``.
+``tests/unit/test_straggler_rule.py``.
 """
 
 from __future__ import annotations
