@@ -1,8 +1,11 @@
-"""torch's private internals outside elastic: ``torch.distributed.distributed_c10d`` and ``torch.library``.
+"""torch's private internals outside elastic: ``torch.distributed.distributed_c10d``, ``torch.library`` and the
+autograd engine.
 
 Checked against torch 2.13.0. Two uses make a rank's exit quicker or safer; when a private is missing, the
 function does nothing and the launch host's teardown grace still bounds the exit. The third aborts NCCL
-communicators for a session's recover; when it is missing the rank does not return and the kernel says so.
+communicators for a session's recover; when it is missing the rank does not return and the kernel says so. The
+fourth queues a callback at the end of a backward pass, for step timing; when it is missing, the time a backward
+pass waits for DDP's gradient all-reduce counts as busy time.
 """
 
 from __future__ import annotations
@@ -79,3 +82,13 @@ def abort_process_groups(c10d: Any) -> bool:
         return False
     abort()
     return True
+
+
+def autograd_callback_queue() -> Any:
+    """The autograd engine's ``queue_callback`` (``torch.autograd.Variable._execution_engine.queue_callback``,
+    private; FSDP uses it likewise): called from a hook during a backward pass, it runs its argument once every
+    gradient of that pass is computed, before the callbacks queued after it (DDP's, which waits for its gradient
+    all-reduce). ``None`` when torch has no such function."""
+    variable = getattr(sys.modules.get("torch.autograd"), "Variable", None)
+    engine = getattr(variable, "_execution_engine", None)
+    return getattr(engine, "queue_callback", None)

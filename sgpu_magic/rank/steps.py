@@ -16,8 +16,11 @@ A step is marked in one of two ways:
 Time in collectives: ``torch.distributed``'s collective and point-to-point functions (:data:`COLLECTIVES`) are
 wrapped in the rank, once it imports ``torch.distributed``, to add how long each call took to the open step
 (a nested call, such as ``all_gather_object``'s own ``all_gather``, is counted once). A call with
-``async_op=True`` returns at once and adds only its issue time; the wait on its ``Work`` counts as compute, as
-does DDP's gradient all-reduce, which its C++ reducer runs inside ``backward()`` (see ``docs/guide/performance.md``).
+``async_op=True`` returns at once and adds only its issue time (the wait on its ``Work`` counts as busy time). DDP's
+gradient all-reduce runs in its C++ reducer during ``backward()``: there the time from the end of the pass's
+gradient computation to ``backward()``'s return is what counts (``torch.autograd.backward`` is wrapped to measure
+it; FSDP's reduce-scatter wait is counted the same way). On CUDA, collectives run on the device asynchronously, so
+these are host times (see ``docs/guide/performance.md``).
 
 MLflow, in a tracked job, gets ``step_time_s/rank_<r>`` at most once a second per rank (:data:`MLFLOW_INTERVAL_S`:
 the mean of the steps since its last point), so step timing adds no MLflow load a fast loop would notice.
@@ -35,6 +38,7 @@ import sys
 import time
 from typing import Any
 
+from sgpu_magic._compat import torch as torch_compat
 from sgpu_magic._util.imports import AfterImport
 from sgpu_magic._util.metrics import STEP_COLLECTIVE, STEP_TIME, WRITER
 
@@ -67,6 +71,7 @@ since the last, at the last one's step (the metrics file, hence the panel and ``
 
 _C10D = "torch.distributed.distributed_c10d"
 _OPTIMIZER = "torch.optim.optimizer"
+_AUTOGRAD = "torch.autograd"
 
 
 class StepClock:
@@ -205,6 +210,48 @@ def _time_collectives(c10d: Any) -> None:
             setattr(package, name, wrapped)
 
 
+def _time_backward(autograd: Any) -> None:
+    """Wrap ``autograd.backward`` (``torch.autograd``, which ``Tensor.backward`` calls) so that, in an open step of a
+    rank with a process group, the time from the end of the pass's gradient computation to its return counts as
+    time in collectives: DDP waits there for its gradient all-reduce (and FSDP for its reduce-scatter), in
+    callbacks queued after the one this queues (:func:`sgpu_magic._compat.torch.autograd_callback_queue`)."""
+    original = getattr(autograd, "backward", None)
+    if original is None or getattr(original, "__sgpu_timed__", False):
+        return
+
+    @functools.wraps(original)
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        root = _root(tensors)
+        c10d = sys.modules.get(_C10D)
+        queue = torch_compat.autograd_callback_queue()
+        if CLOCK.started is None or root is None or queue is None or c10d is None or not c10d.is_initialized():
+            return original(tensors, *args, **kwargs)
+        computed: list[float] = []
+
+        def prehook(grad_outputs: Any) -> None:
+            queue(lambda: computed.append(time.perf_counter()))
+
+        handle = root.register_prehook(prehook)
+        try:
+            return original(tensors, *args, **kwargs)
+        finally:
+            handle.remove()
+            if computed and not CLOCK.depth:
+                CLOCK.collective_s += time.perf_counter() - computed[0]
+
+    backward.__sgpu_timed__ = True  # type: ignore[attr-defined] # a marker on the function object
+    autograd.backward = backward
+
+
+def _root(tensors: Any) -> Any:
+    """The first gradient function of ``backward``'s tensors (a tensor, or a sequence of them), or ``None``."""
+    for tensor in (tensors,) if hasattr(tensors, "grad_fn") else tensors if isinstance(tensors, (list, tuple)) else ():
+        grad_fn = getattr(tensor, "grad_fn", None)
+        if grad_fn is not None:
+            return grad_fn
+    return None
+
+
 _optimizer_hook: list[Any] = []
 """The handle of the global optimizer hook, once registered (once per process)."""
 
@@ -228,6 +275,7 @@ def begin() -> None:
     CLOCK.reset()
     _after_import(_C10D, _time_collectives)
     _after_import(_OPTIMIZER, _hook_optimizers)
+    _after_import(_AUTOGRAD, _time_backward)
 
 
 def finish() -> None:

@@ -48,7 +48,7 @@ def test_a_rank_50_ms_slower_per_step_is_named_the_straggler_within_20_steps(sgp
     assert sorted(times) == [0, 1] and [len(t) for t in times.values()] == [20, 20]
     assert all(t >= 0.05 for t in times[0] + times[1])  # both ranks' steps last as long: the collective evens them
     waits = job.metrics("step_collective_s")["step_collective_s"]
-    assert min(v for _, v in waits[0]) >= 0.03  # rank 0 spent its step waiting for rank 1 in all_reduce
+    assert statistics.median(v for _, v in waits[0]) >= 0.03  # rank 0 spent its step waiting for rank 1 in all_reduce
     straggler = job.straggler()
     assert straggler is not None and straggler.rank == 1 and straggler.ratio > 1.2 and straggler.steps == 20
     assert straggler.busy_s >= 0.05
@@ -139,3 +139,36 @@ def test_runtime_step_wins_over_the_optimizer_hook_and_a_new_job_counts_from_zer
     job = marks_and_steps.last_job
     assert [len(t) for t in job.step_times().values()] == [4, 4]
     assert [s for s, _ in job.metrics("step_time_s")["step_time_s"][0]] == [0, 1, 2, 3]
+
+
+@distributed(gpus=2, mlflow=False, widgets=False)
+def ddp_with_a_slow_rank(steps):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sgpu_magic import runtime
+
+    dist.init_process_group("gloo")
+    model = DDP(torch.nn.Linear(32, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        x = torch.randn(8, 32)
+        if runtime.get_global_rank() == 1:
+            time.sleep(0.04)  # a slow data shard: rank 0 waits in DDP's all-reduce, inside backward()
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()  # no runtime.step(): the optimizer's steps are the steps
+    dist.destroy_process_group()
+
+
+def test_a_slow_rank_of_a_ddp_loop_is_named_through_the_wait_in_backward(sgpu_home):
+    ddp_with_a_slow_rank.distributed(16)
+    job = ddp_with_a_slow_rank.last_job
+    assert [len(t) for t in job.step_times().values()] == [15, 15]
+    waits = job.metrics("step_collective_s")["step_collective_s"]
+    assert statistics.median(v for _, v in waits[0]) >= 0.02  # rank 0 waited for rank 1's gradients in backward()
+    straggler = job.straggler()
+    assert straggler is not None and straggler.rank == 1 and straggler.steps == 15
