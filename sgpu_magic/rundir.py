@@ -408,6 +408,21 @@ class RunDir:
         their names are in :func:`sgpu_magic._util.metrics.names_file` of it."""
         return self.metrics_dir / f"rank_{rank}.bin"
 
+    profile_dir = _entry(
+        "profile",
+        "a profiled job's (``profile=``): ``rank_<r>.trace.json``, each rank's ``torch.profiler`` Chrome trace, "
+        "``rank_<r>.json``, its breakdown and top ops (:mod:`sgpu_magic.rank.profile`), and ``trace.json``, the "
+        "traces merged by the kernel, one process per rank (made by the ranks, 0700, files 0600).",
+    )
+
+    def profile_trace_file(self, rank: int) -> Path:
+        """``profile/rank_<r>.trace.json``: rank ``rank``'s ``torch.profiler`` trace (Chrome trace format)."""
+        return self.profile_dir / f"rank_{rank}.trace.json"
+
+    def profile_summary_file(self, rank: int) -> Path:
+        """``profile/rank_<r>.json``: rank ``rank``'s profiled time by kind and its top ops."""
+        return self.profile_dir / f"rank_{rank}.json"
+
     def log_file(self, rank: int) -> Path:
         return self.logs_dir / f"rank_{rank}.log"
 

@@ -57,6 +57,8 @@ class LaunchSpec:
         stuck_after_s: seconds without a log byte or metric point from any rank, while all run, after which the job
             is reported possibly stuck, with each rank's stack (:mod:`sgpu_magic.launch.host.progress`); ``None``:
             never. Default 300.
+        profile_steps: profile this many steps on every rank with ``torch.profiler`` (after one step of wait and one
+            of warm-up: :mod:`sgpu_magic.rank.profile`); ``None``: no profiling. Default ``None``.
     """
 
     gpus: int
@@ -72,6 +74,7 @@ class LaunchSpec:
     cluster: str | None = None
     teardown_grace_s: float = DEFAULT_TEARDOWN_GRACE_S
     stuck_after_s: float | None = DEFAULT_STUCK_AFTER_S
+    profile_steps: int | None = None
 
 
 def shown(value: object) -> str:
@@ -250,6 +253,7 @@ def make_spec(
     cluster: object = None,
     teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S,
     stuck_after_s: object = DEFAULT_STUCK_AFTER_S,
+    profile_steps: object = None,
 ) -> LaunchSpec:
     """Validate user input into a :class:`LaunchSpec`.
 
@@ -274,7 +278,27 @@ def make_spec(
         cluster=_check_cluster(cluster, gpu_ids, max_restarts),
         teardown_grace_s=check_teardown_grace(teardown_grace_s),
         stuck_after_s=check_timeout(stuck_after_s, "stuck_after_s"),
+        profile_steps=check_profile_steps(profile_steps),
     )
+
+
+MAX_PROFILE_STEPS = 1000
+
+
+def check_profile_steps(steps: object, name: str = "profile") -> int | None:
+    """``steps`` (the option ``name``) as a number of steps to profile, ``None`` for no profiling.
+
+    Raises:
+        SpecError: not an int in 1..1000 or None, naming ``name`` and the value given.
+    """
+    if steps is None:
+        return None
+    if not _is_int(steps) or not 1 <= int(steps) <= MAX_PROFILE_STEPS:
+        raise SpecError(
+            f"{name} must be a number of steps to profile between 1 and {MAX_PROFILE_STEPS} (each rank's "
+            f"torch.profiler records that many steps), or None for none; got {shown(steps)}"
+        )
+    return int(steps)
 
 
 _ACCELERATOR_TYPE = re.compile(r"GPU_([0-9]+)x([A-Za-z0-9][A-Za-z0-9_-]*)", re.IGNORECASE)

@@ -200,6 +200,7 @@ def distributed(
     remote: bool = False,
     num_accelerators: int | None = None,
     accelerator_type: str | None = None,
+    profile: int | None = None,
     **unknown: Any,
 ) -> Callable[[Callable[..., Any]], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
@@ -253,11 +254,16 @@ def distributed(
         accelerator_type: the current API's hardware name, ``"GPU_<n>x<model>"`` (``"GPU_8xH100"``,
             ``"GPU_1xA10"``): ``<model>`` is the ``gpu_type``, and ``<n>`` the number of ranks unless
             ``gpus`` / ``num_accelerators`` gives fewer.
+        profile: profile this many steps on every rank with ``torch.profiler`` (steps as ``runtime.step()`` or
+            the optimizer mark them; after one step of wait and one of warm-up); the call then shows each rank's
+            time in compute, collectives, data loading and idle, and the top 10 ops, and ``fn.last_job.
+            profile_trace()`` gives one merged Chrome/Perfetto trace (also an MLflow artifact). Default ``None``:
+            no profiling. See ``docs/guide/performance.md``.
 
     Raises (at decoration time, before anything starts):
         SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``max_capture_bytes``,
             ``mlflow``, ``gpu_ids``, ``wait``, ``max_restarts``, ``teardown_grace_s``, ``remote``,
-            ``num_accelerators`` or ``accelerator_type`` (``widgets``, ``mlflow``, ``wait`` and ``remote`` take
+            ``num_accelerators``, ``accelerator_type`` or ``profile`` (``widgets``, ``mlflow``, ``wait`` and ``remote`` take
             ``True`` / ``False``, not strings); an old and a new name that disagree (``gpus=4,
             num_accelerators=8``); ``remote=True`` with no remote cluster configured; or a decorated object
             that cannot run on the ranks (not callable, a bound method, a generator or ``async def`` function,
@@ -290,6 +296,7 @@ def distributed(
         remote=remote,
         num_accelerators=num_accelerators,
         accelerator_type=accelerator_type,
+        profile=profile,
     )
     max_capture_bytes = check_max_capture_bytes(max_capture_bytes)
 

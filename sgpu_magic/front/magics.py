@@ -139,6 +139,7 @@ class DistributedMagics(Magics):
                 teardown_grace_s=self.teardown_grace_s,
                 stuck_after_s=self.stuck_after_s,
                 remote=args.remote,
+                profile=args.profile,
             )
         except SpecError as exc:
             raise UsageError(str(exc)) from None

@@ -58,6 +58,17 @@ JOB_OPTIONS = (
         "rank fails (torchrun's --max-restarts; ranks read TORCHELASTIC_RESTART_COUNT). Default 0.",
     ),
     argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=5,
+        default=None,
+        metavar="STEPS",
+        help="Profile STEPS steps (default 5) on every rank with torch.profiler, after one step of wait and one of "
+        "warm-up: a table of each rank's time in compute, collectives, data loading and idle, the top 10 ops, and "
+        "one merged trace (job.profile_trace()).",
+    ),
+    argument(
         "-o",
         "--output",
         default=None,

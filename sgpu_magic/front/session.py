@@ -39,7 +39,7 @@ from sgpu_magic.front.spec_options import FromConfig, job_spec, resolve_config
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.session.core import SessionCore, SessionState
-from sgpu_magic.spec import LaunchSpec, check_timeout, shown
+from sgpu_magic.spec import LaunchSpec, check_profile_steps, check_timeout, shown
 
 
 class Session:
@@ -239,9 +239,12 @@ class Session:
         filename: str | None = None,
         display_name: str | None = None,
         quiet: bool = False,
+        profile: int | None = None,
     ) -> Job:
-        """The Job of one cell, launched on the session's ranks (the caller follows it). See :meth:`run_cell`."""
+        """The Job of one cell, launched on the session's ranks (the caller follows it). See :meth:`run_cell`;
+        ``profile``: as :meth:`profile`'s ``steps``."""
         chosen, timeout_s = self._core.check_ranks(ranks), check_timeout(timeout)
+        profile_steps = check_profile_steps(profile)
         label = f"session {self.name} cell {self._core.cells_run + 1}"
         filename = filename or f"<{label}>"
 
@@ -252,7 +255,26 @@ class Session:
             payload.update(filename=filename, quiet=quiet, display_names={filename: display_name or label})
             return payload
 
-        return self._core.run_job(build, chosen, timeout_s, label)
+        return self._core.run_job(build, chosen, timeout_s, label, profile_steps)
+
+    def profile(
+        self, source: str, steps: int = 5, ranks: Sequence[int] | None = None, timeout: float | None = None
+    ) -> Job:
+        """Run ``source`` as :meth:`run_cell` does, profiling ``steps`` of its steps on every rank it runs on
+        (``torch.profiler``; steps as ``runtime.step()`` or the first optimizer's ``step()`` mark them, after one
+        step of wait and one of warm-up: :mod:`sgpu_magic.rank.profile`); the cell's output ends with the table of
+        each rank's time in compute, collectives, data loading and idle, and the top 10 ops.
+
+        Returns:
+            The cell's :class:`~sgpu_magic.Job` once it has ended: ``job.results``, ``job.profile_summary()``,
+            ``job.profile_trace()`` (the merged Chrome/Perfetto trace).
+
+        Raises:
+            SpecError: ``steps`` is not an int in 1..1000. Otherwise as :meth:`run_cell`.
+        """
+        job = self.submit_cell(source, _user_namespace(), ranks, timeout, profile=steps)
+        self.follow(job)
+        return job
 
     def run_cell(self, source: str, ranks: Sequence[int] | None = None, timeout: float | None = None) -> list[Any]:
         """Run ``source`` on the ranks (all, or ``ranks``) in their namespaces; block until each is done.

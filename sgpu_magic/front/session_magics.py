@@ -51,7 +51,7 @@ SESSION_OPTION = argument(
     default=None,
     metavar="NAME",
     help="Run the cell on a live session's ranks (%%distributed_session start; default: the latest); "
-    "with --ranks I,J, --timeout and -o only.",
+    "with --ranks I,J, --timeout, --profile and -o only.",
 )
 RANKS_OPTION = argument("--ranks", default=None, metavar="I,J", help="With --session: run only on these ranks.")
 """The options of ``%%distributed`` that pick a live session's ranks (both parsers show them)."""
@@ -61,6 +61,15 @@ RANKS_OPTION = argument("--ranks", default=None, metavar="I,J", help="With --ses
 @SESSION_OPTION
 @RANKS_OPTION
 @argument("--timeout", default=None, help="Seconds before the cell is interrupted (its state stays), or 'none'.")
+@argument(
+    "--profile",
+    type=int,
+    nargs="?",
+    const=5,
+    default=None,
+    metavar="STEPS",
+    help="Profile STEPS steps (default 5) of the cell on every rank (Session.profile).",
+)
 @argument("-o", "--output", default=None, metavar="NAME", help="Store the cell's Job (results, logs) in this variable.")
 def _session_cell_options(line: str, cell: str) -> None:
     """The options of a ``%%distributed --session`` cell."""
@@ -88,6 +97,7 @@ def run_session_cell(shell, line: str, cell: str):
             filename=f"<{label}>",  # the cell's In[N] while it runs (IPython 9)
             display_name=label,
             quiet=ends_quiet(source),
+            profile=args.profile,
         )
     except (SessionError, SpecError) as exc:
         raise UsageError(str(exc)) from None

@@ -19,6 +19,7 @@ from sgpu_magic.errors import SgpuError
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.lifecycle import CANCEL_WAIT_S, JobLifecycle
 from sgpu_magic.job.outcome import build_error, ending_notes, load_result, stopped_error
+from sgpu_magic.job.profile import merged_trace, summaries
 from sgpu_magic.job.registry import jobs, register
 from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.job.steps import Straggler, find_straggler
@@ -277,6 +278,32 @@ class Job(JobLifecycle):
         than the median rank over the last 50 steps (...)``)."""
         self._settle_metrics()
         return find_straggler(self._metrics.recent_steps(), self.world_size)
+
+    def profile_trace(self) -> Path:
+        """The path of the job's merged profile trace (``profile/trace.json`` in its run directory): every rank's
+        ``torch.profiler`` trace of the profiled steps, one process per rank, in the Chrome trace format that
+        Perfetto (ui.perfetto.dev) and ``chrome://tracing`` open. Made on the first call once the job has ended
+        (waits for it), then kept; a tracked job's MLflow run has it as the artifact ``profile/trace.json``.
+
+        Raises:
+            SgpuError: the job was not profiled (``profile=STEPS`` / ``--profile``), or no rank recorded a profiled
+                step; the message says why and what to do.
+        """
+        if self.spec.profile_steps is None:
+            raise SgpuError(
+                f"job {self.job_id} was not profiled: run it with profile=STEPS (@distributed(..., profile=5)) or "
+                f"%%distributed --profile 5"
+            )
+        self.wait()
+        return merged_trace(self._rd, self.world_size, self.job_id)
+
+    def profile_summary(self) -> dict[int, dict[str, Any]]:
+        """Each rank's profile of the profiled steps, as the cell's table shows it: ``{rank: {"steps", "wall_s",
+        "compute_s", "collective_s", "data_s", "idle_s", "device", "top_ops": [{"name", "calls", "self_cpu_s",
+        "cpu_s"}, ...]}}`` (seconds; ``"device_busy_s"`` and each op's ``"self_device_s"`` with CUDA;
+        :mod:`sgpu_magic.rank.profile` says how the time is split). ``{}`` for a job not profiled, or before its
+        ranks have saved their profiles."""
+        return summaries(self._rd, self.world_size) if self.spec.profile_steps is not None else {}
 
     def failure_locals(self, rank: int) -> dict[str, str]:
         """The locals of the frame where rank ``rank`` failed, as ``{name: repr}`` (at most 50, each repr about 200

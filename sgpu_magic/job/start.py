@@ -50,6 +50,8 @@ def start(
     plan, host_factory = launcher_for(spec, view.note)
     payload = build_payload(view.warn)  # warnings are shown as capture finds them
     payload.setdefault("argv", [spec.name])  # the ranks' sys.argv: a script run without arguments
+    if spec.profile_steps is not None:
+        payload["profile_steps"] = spec.profile_steps  # each rank's torch.profiler (rank/profile.py)
     _say_note(view, plan, spec)
     registry = LeaseRegistry(lease_dir) if plan.needs_lease else None
     return submit(

@@ -130,17 +130,20 @@ def _run_script(payload: dict, ns: dict) -> int:
     return 0
 
 
-def run_payload(payload: dict, ns: dict, held: list | None = None):
+def run_payload(payload: dict, ns: dict, held: list | None = None, run_dir: RunDir | None = None):
     """Run the captured cell, function or script in ``ns``; return its value (a script's: its exit status).
 
     ``held``: a list that keeps the function's frame, so its locals outlive its return until the
-    caller clears the list (:func:`sgpu_magic.rank.exit.call_holding_frame`).
+    caller clears the list (:func:`sgpu_magic.rank.exit.call_holding_frame`). ``run_dir``: the job's (or the
+    cell's) run directory, where a profiled payload (``payload["profile_steps"]``) writes its profile
+    (:mod:`sgpu_magic.rank.profile`).
 
     MLflow's async logging queue (on by default in tracked jobs) is flushed before this returns, so
     every point the user code logged is in the run before the rank reports; a value that is the future
     of an async ``mlflow.log_metric`` call (a cell ending with one) is ``None``, as with sync logging.
     """
-    steps.begin()
+    profile = payload.get("profile_steps")
+    steps.begin(profile if run_dir is not None else None, run_dir)
     try:
         if payload["kind"] == "script":
             return _run_script(payload, ns)

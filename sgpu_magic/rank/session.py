@@ -76,7 +76,7 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
         running.cell = True
         try:
             with cell_channel(fds[0], fds[1], {"seq": msg["seq"], "rank": rank}):
-                value = run_payload(payload, ns, held)
+                value = run_payload(payload, ns, held, rd)
         finally:
             running.cell = False
             held.clear()

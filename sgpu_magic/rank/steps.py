@@ -41,6 +41,8 @@ from typing import Any
 from sgpu_magic._compat import torch as torch_compat
 from sgpu_magic._util.imports import AfterImport
 from sgpu_magic._util.metrics import STEP_COLLECTIVE, STEP_TIME, WRITER
+from sgpu_magic.rank.profile import COLLECTIVE_SPAN, RankProfiler
+from sgpu_magic.rundir import RunDir
 
 COLLECTIVES = (
     "all_reduce",
@@ -78,6 +80,7 @@ class StepClock:
     """The open step of this process: when it began, the time in collectives since, and how steps are marked."""
 
     __slots__ = (
+        "profiler",
         "started",
         "collective_s",
         "depth",
@@ -95,6 +98,7 @@ class StepClock:
 
     def reset(self) -> None:
         """Forget every step: a new job or session cell begins (its steps count from 0)."""
+        self.profiler: RankProfiler | None = None
         self.started: float | None = None
         self.collective_s = 0.0
         self.depth = 0
@@ -111,6 +115,8 @@ class StepClock:
         now = time.perf_counter()
         if self.started is not None:
             self._record(now - self.started)
+        if self.profiler is not None:
+            self.profiler.step()
         self.started, self.collective_s = now, 0.0
 
     def end(self) -> None:
@@ -185,12 +191,15 @@ def _timed(fn: Any) -> Any:
         if clock.depth:
             return fn(*args, **kwargs)
         clock.depth = 1
+        span = _span() if clock.profiler is not None else None
         began = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             clock.collective_s += time.perf_counter() - began
             clock.depth = 0
+            if span is not None:
+                span.__exit__(None, None, None)
 
     collective.__sgpu_timed__ = True  # type: ignore[attr-defined] # a marker on the function object
     return collective
@@ -227,9 +236,15 @@ def _time_backward(autograd: Any) -> None:
         if CLOCK.started is None or root is None or queue is None or c10d is None or not c10d.is_initialized():
             return original(tensors, *args, **kwargs)
         computed: list[float] = []
+        spans: list[Any] = []
+
+        def computed_now() -> None:
+            computed.append(time.perf_counter())
+            if CLOCK.profiler is not None:  # the wait that follows is a collective span of the profile
+                spans.append(_span())
 
         def prehook(grad_outputs: Any) -> None:
-            queue(lambda: computed.append(time.perf_counter()))
+            queue(computed_now)
 
         handle = root.register_prehook(prehook)
         try:
@@ -238,6 +253,8 @@ def _time_backward(autograd: Any) -> None:
             handle.remove()
             if computed and not CLOCK.depth:
                 CLOCK.collective_s += time.perf_counter() - computed[0]
+            for span in spans:
+                span.__exit__(None, None, None)
 
     backward.__sgpu_timed__ = True  # type: ignore[attr-defined] # a marker on the function object
     autograd.backward = backward
@@ -269,10 +286,22 @@ def _after_import(name: str, callback: Any) -> None:
         sys.meta_path.insert(0, AfterImport(name, callback))
 
 
-def begin() -> None:
+def _span() -> Any:
+    """An entered ``torch.profiler.record_function`` span named :data:`~sgpu_magic.rank.profile.COLLECTIVE_SPAN`."""
+    from torch.profiler import record_function
+
+    span = record_function(COLLECTIVE_SPAN)
+    span.__enter__()
+    return span
+
+
+def begin(profile_steps: int | None = None, run_dir: RunDir | None = None) -> None:
     """A job's code or a session cell begins: steps count from 0, and the hooks are in place (now if torch is
-    loaded, a warm rank; else once the code imports it)."""
+    loaded, a warm rank; else once the code imports it). ``profile_steps``: profile that many steps, writing into
+    ``run_dir`` (:mod:`sgpu_magic.rank.profile`)."""
     CLOCK.reset()
+    if profile_steps is not None and run_dir is not None:
+        CLOCK.profiler = RankProfiler(profile_steps, run_dir, int(os.environ.get("RANK", "0")))
     _after_import(_C10D, _time_collectives)
     _after_import(_OPTIMIZER, _hook_optimizers)
     _after_import(_AUTOGRAD, _time_backward)
@@ -283,3 +312,9 @@ def finish() -> None:
     the mean of the steps it has not had."""
     CLOCK.started = None
     CLOCK.flush_mlflow()
+    profiler, CLOCK.profiler = CLOCK.profiler, None
+    if profiler is not None:
+        try:
+            profiler.stop()
+        except Exception as exc:  # noqa: BLE001 - the code's outcome stands; the kernel says the profile is missing
+            print(f"sgpu_magic: the profile could not be saved ({type(exc).__name__}: {exc})", file=sys.stderr)

@@ -122,7 +122,7 @@ def _run_and_record(run_dir: RunDir, rank: int, payload: dict, ns: dict, held: l
             serve(RunDir(payload["run_dir"]), ns)
             value = None
         else:
-            value = run_payload(payload, ns, held)
+            value = run_payload(payload, ns, held, run_dir)
         atomic_write_bytes(run_dir.result_file(rank), dump_result(value, rank))
         return 0
     except SystemExit as exc:

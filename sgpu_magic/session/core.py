@@ -331,16 +331,25 @@ class SessionCore:
         ranks: tuple[int, ...],
         timeout_s: float | None,
         label: str,
+        profile_steps: int | None = None,
     ) -> Job:
         """Make the Job of one cell (its run directory and sinks); the caller follows it (``job.follow()``).
 
         ``build_payload(names the ranks have, warn)`` captures the cell; ``warn`` shows a capture warning in the
-        cell's view."""
+        cell's view. ``profile_steps``: profile that many of the cell's steps (:mod:`sgpu_magic.rank.profile`)."""
         self.check_usable()
         assert self.job is not None  # usable: started
-        spec = replace(self.spec, timeout_s=timeout_s, name=label, mlflow=self.spec.mlflow and self.mlflow_per_cell)
+        spec = replace(
+            self.spec,
+            timeout_s=timeout_s,
+            name=label,
+            mlflow=self.spec.mlflow and self.mlflow_per_cell,
+            profile_steps=profile_steps,
+        )
         sinks = self.make_sinks(spec, self._parent_run)
         payload = build_payload(self.names_everywhere(ranks), getattr(sinks[-1], "warn", _no_warning))
+        if profile_steps is not None:
+            payload["profile_steps"] = profile_steps
         assert self._channel is not None  # usable: started
         relay = DebugRelay(self._channel, *self.debug_io)  # serves runtime.breakpoint() while the cell runs
         launcher = CellLauncher(self, ranks, timeout_s, relay)

@@ -424,6 +424,7 @@ class MlflowTracking(JobSink):
             self._client.set_tag(self.run_id, "sgpu_magic.state", raw)
             self._log_peaks(job)
             self._log_artifacts(RunDir(job.run_dir))
+            self._log_profile(job)
         except Exception as exc:  # noqa: BLE001 - the job's result matters more than its artifacts
             _warn(
                 f"could not attach the logs of job {job.job_id} to MLflow run {self.run_id}: "
@@ -505,6 +506,13 @@ class MlflowTracking(JobSink):
             stop_system_metrics(monitor)
         except Exception:  # noqa: BLE001 - system metrics are optional
             pass
+
+    def _log_profile(self, job: Job) -> None:
+        """A profiled job's merged trace as the artifact ``profile/trace.json`` (none when no rank recorded one)."""
+        if not job.profile_summary():
+            return
+        assert self._client is not None and self.run_id is not None  # called by finished, for a tracked job
+        self._client.log_artifact(self.run_id, str(job.profile_trace()), artifact_path="profile")
 
     def _log_artifacts(self, rd: RunDir) -> None:
         assert self._client is not None and self.run_id is not None  # called by finished, for a tracked job

@@ -28,7 +28,7 @@ from sgpu_magic.job.state import JobState
 from sgpu_magic.ui.header import header_html, metrics_html
 from sgpu_magic.ui.snapshot import SNAPSHOT_LINES, RankTail, close_tree, snapshot_bundle
 from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES, TerminalBuffer
-from sgpu_magic.ui.text import TextView, summary_line, summary_lines
+from sgpu_magic.ui.text import TextView, summary_line, summary_lines, summary_said
 
 if TYPE_CHECKING:
     from sgpu_magic.ui.charts import MetricsChart
@@ -256,12 +256,7 @@ class Panel(TextView):
         error = job.exception() if job.state is not JobState.SUCCEEDED else None
         root = getattr(error, "root_cause", None)
         self._render_header(job, job.state, error)
-        said = (
-            job.summary_on_success
-            or job.state is not JobState.SUCCEEDED
-            or bool(job.notes)
-            or job.straggler() is not None
-        )
+        said = summary_said(job)
         if said:
             for line in summary_lines(job):
                 self.note(line)

@@ -90,6 +90,47 @@ def straggler_lines(job: Job) -> list[str]:
     return [str(straggler)] if straggler is not None else []
 
 
+def profile_lines(job: Job) -> list[str]:
+    """A profiled job's table (:meth:`Job.profile_summary`): per rank, the profiled steps' wall time and its share
+    in compute, collectives, data loading and idle (and the device's busy time with CUDA), then the top 10 ops of
+    all ranks by self time, and where the merged trace is; one line saying so when no rank recorded a profiled
+    step; ``[]`` for a job not profiled."""
+    if job.spec.profile_steps is None:
+        return []
+    summary = job.profile_summary()
+    if not summary:
+        return [
+            "profile: no rank recorded a profiled step (the profiler waits one step and warms up one before it "
+            "records: mark steps with runtime.step(), or call optimizer.step(), at least 3 times)"
+        ]
+    cuda = any(s.get("device") == "cuda" for s in summary.values())
+    steps = max(int(s.get("steps", 0)) for s in summary.values())
+    lines = [
+        f"profile of {steps} step(s) per rank (torch.profiler; the merged trace: job.profile_trace()):",
+        "  rank   wall ms  compute  collective   data    idle" + ("  device busy" if cuda else ""),
+    ]
+    for rank, s in summary.items():
+        wall = float(s.get("wall_s", 0.0)) or 1e-12
+        shares = [100 * float(s.get(k, 0.0)) / wall for k in ("compute_s", "collective_s", "data_s", "idle_s")]
+        line = f"  {rank:>4} {wall * 1000:>9.1f}  {shares[0]:>6.1f}%  {shares[1]:>9.1f}%  {shares[2]:>5.1f}%  {shares[3]:>5.1f}%"
+        if cuda:
+            line += f"  {100 * float(s.get('device_busy_s', 0.0)) / wall:>10.1f}%"
+        lines.append(line)
+    key = "self_device_s" if cuda else "self_cpu_s"
+    ops: dict[str, list[float]] = {}
+    for s in summary.values():
+        for op in s.get("top_ops", []):
+            calls_and_time = ops.setdefault(str(op["name"]), [0, 0.0])
+            calls_and_time[0] += int(op.get("calls", 0))
+            calls_and_time[1] += float(op.get(key, 0.0))
+    top = sorted(ops.items(), key=lambda item: item[1][1], reverse=True)[:10]
+    if top:
+        width = min(40, max(len(name) for name, _ in top))
+        lines.append(f"top ops by self {'device' if cuda else 'CPU'} time, all ranks:")
+        lines += [f"  {name[:width]:<{width}}  {calls:>6} calls  {t * 1000:>9.2f} ms" for name, (calls, t) in top]
+    return lines
+
+
 def summary_lines(job: Job) -> list[str]:
     """:func:`summary_line`, one ``sgpu_magic: ...`` line per note on how ranks ended (:attr:`Job.notes`), the
     straggler (:func:`straggler_lines`), each rank's peak RSS (:func:`peak_rss_line`), then the last-value table of
@@ -97,10 +138,23 @@ def summary_lines(job: Job) -> list[str]:
     notes = (
         job.notes
         + straggler_lines(job)
+        + profile_lines(job)
         + peak_rss_line(dict(sorted(job.status.usage.items())))
         + metrics_table(job.last_metrics())
     )
     return [summary_line(job)] + [f"sgpu_magic: {note}" for note in notes]
+
+
+def summary_said(job: Job) -> bool:
+    """Whether the ended job's summary is said: always where the job asks (``summary_on_success``), when it did not
+    succeed, and when it has notes, a straggler or a profile."""
+    return (
+        job.summary_on_success
+        or job.state is not JobState.SUCCEEDED
+        or bool(job.notes)
+        or job.spec.profile_steps is not None
+        or job.straggler() is not None
+    )
 
 
 def restart_reason(job: Job) -> str:
@@ -222,7 +276,7 @@ class TextView(JobSink):
         for rank, held in sorted(self._held.items()):  # what the ranks' terminals show at the end
             self.lines(rank, list(held.lines) + ([held.current] if held.current else []))
         self._held.clear()
-        if job.summary_on_success or job.state is not JobState.SUCCEEDED or job.notes or job.straggler():
+        if summary_said(job):
             for line in summary_lines(job):
                 self.note(line)
         if job.background and job.state is not JobState.SUCCEEDED:

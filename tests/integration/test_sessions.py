@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 
@@ -96,6 +97,27 @@ def test_a_session_cell_times_its_own_steps_and_names_its_straggler(sess):
     even.result()
     assert [len(t) for t in slow.step_times().values()] == [12, 12] and slow.straggler().rank == 1
     assert [len(t) for t in even.step_times().values()] == [3, 3] and even.straggler() is None
+
+
+def test_a_profiled_session_cell_gives_its_own_trace_and_table_and_the_next_cell_is_not_profiled(sess, capsys):
+    code = (
+        "from sgpu_magic import runtime\n"
+        "for _ in range(6):\n"
+        "    with runtime.step():\n"
+        "        t = w @ torch.ones(3, 3)\n"
+        "        dist.all_reduce(t)\n"
+        "rank"
+    )
+    job = sess.profile(code, steps=3)
+    assert job.results == [0, 1]
+    summary = job.profile_summary()
+    assert sorted(summary) == [0, 1] and all(s["steps"] == 3 and s["collective_s"] > 0 for s in summary.values())
+    assert {e["pid"] for e in json.loads(job.profile_trace().read_bytes())["traceEvents"]} == {0, 1}
+    assert "profile of 3 step(s) per rank" in capsys.readouterr().out
+    plain = sess.submit_cell(code, {})
+    assert plain.result() == [0, 1] and plain.profile_summary() == {}
+    with pytest.raises(SpecError, match="profile must be a number of steps to profile between 1 and 1000"):
+        sess.profile(code, steps=0)
 
 
 def test_run_calls_a_function_in_the_ranks_namespace(sess):

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import html
 import io
+import json
+import stat
 import statistics
 from contextlib import redirect_stdout
 
+import pytest
+
 from sgpu_magic import distributed
 from sgpu_magic._util.metrics import read_points
+from sgpu_magic.errors import SgpuError, SpecError
 from sgpu_magic.job.steps import MIN_STEPS, find_straggler
 from sgpu_magic.ui.header import header_html
 
@@ -172,3 +177,89 @@ def test_a_slow_rank_of_a_ddp_loop_is_named_through_the_wait_in_backward(sgpu_ho
     assert statistics.median(v for _, v in waits[0]) >= 0.02  # rank 0 waited for rank 1's gradients in backward()
     straggler = job.straggler()
     assert straggler is not None and straggler.rank == 1 and straggler.steps == 15
+
+
+@distributed(gpus=2, mlflow=False, widgets=False, profile=5)
+def profiled_ddp(steps):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from sgpu_magic import runtime
+
+    dist.init_process_group("gloo")
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(64 * steps, 64), torch.randn(64 * steps, 1)), batch_size=64)
+    for x, y in loader:  # the quickstart's loop: DataLoader, DDP, SGD, no runtime.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    loss = torch.ones(1)
+    dist.all_reduce(loss)
+    dist.destroy_process_group()
+    return runtime.get_global_rank()
+
+
+def test_a_profiled_job_gives_a_merged_trace_per_rank_and_a_breakdown_that_sums_to_its_wall_time(sgpu_home):
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert profiled_ddp.distributed(10) == [0, 1]
+    job = profiled_ddp.last_job
+    summary = job.profile_summary()
+    assert sorted(summary) == [0, 1]
+    for rank, s in summary.items():
+        assert s["steps"] == 5 and s["device"] == "cpu" and s["wall_s"] > 0
+        parts = s["compute_s"] + s["collective_s"] + s["data_s"] + s["idle_s"]
+        assert abs(parts - s["wall_s"]) <= 0.05 * s["wall_s"], (rank, s)
+        assert s["compute_s"] > 0 and s["collective_s"] > 0 and s["data_s"] > 0  # DDP's all-reduce is a collective
+        names = [op["name"] for op in s["top_ops"]]
+        assert len(names) == 10 and "aten::addmm" in names, names
+    trace = json.loads(job.profile_trace().read_bytes())
+    assert job.profile_trace() == job.run_dir / "profile" / "trace.json"
+    events = trace["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}  # one process per rank
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    assert all(isinstance(e.get("ts"), (int, float)) and "ph" in e for e in events if e.get("ph") == "X")
+    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    assert sorted(e["pid"] for e in steps) == [0] * 5 + [1] * 5
+    text = out.getvalue()
+    assert "sgpu_magic: profile of 5 step(s) per rank (torch.profiler; the merged trace: job.profile_trace()):" in text
+    assert "top ops by self CPU time, all ranks:" in text and "aten::addmm" in text
+    for mode in (
+        stat.S_IMODE((job.run_dir / "profile").stat().st_mode),
+        stat.S_IMODE(job.profile_trace().stat().st_mode),
+    ):
+        assert mode in (0o700, 0o600)
+
+
+@distributed(gpus=1, mlflow=False, widgets=False, profile=3)
+def too_short_to_profile():
+    from sgpu_magic import runtime
+
+    runtime.step()
+    runtime.step()
+
+
+def test_a_profiled_job_with_too_few_steps_says_so_and_profile_trace_names_the_remedy(sgpu_home):
+    out = io.StringIO()
+    with redirect_stdout(out):
+        too_short_to_profile.distributed()
+    job = too_short_to_profile.last_job
+    assert "sgpu_magic: profile: no rank recorded a profiled step (the profiler waits one step" in out.getvalue()
+    assert job.profile_summary() == {}
+    with pytest.raises(SgpuError, match=r"has no profile trace: no rank recorded a profiled step .* at least 3 times"):
+        job.profile_trace()
+    not_profiled = distributed(gpus=1, mlflow=False, widgets=False)(too_short_to_profile.__wrapped__)
+    not_profiled.distributed()
+    with pytest.raises(SgpuError, match=r"was not profiled: run it with profile=STEPS"):
+        not_profiled.last_job.profile_trace()
+    assert not_profiled.last_job.profile_summary() == {}
+
+
+def test_profile_must_be_a_number_of_steps():
+    for bad in (0, -1, 1001, 2.5, "5", True):
+        with pytest.raises(SpecError, match=r"profile must be a number of steps to profile between 1 and 1000"):
+            distributed(gpus=1, profile=bad)
