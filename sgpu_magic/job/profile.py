@@ -77,7 +77,11 @@ def merged_trace(rd: RunDir, world_size: int, job_id: str) -> Path:
                 if shift_us and isinstance(event.get("ts"), (int, float)):
                     event["ts"] += shift_us
                 events.append(event)
-        merged = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"sgpu_magic job": job_id}}
+        merged: dict[str, Any] = {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {"sgpu_magic job": job_id},
+        }
         if base_ns is not None:
             merged["baseTimeNanoseconds"] = base_ns
         atomic_write_bytes(target, json.dumps(merged).encode())
