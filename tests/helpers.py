@@ -91,3 +91,37 @@ def interrupt_session_cell(sess, code: str, marker, ranks=(0, 1), timeout_s: flo
     assert not thread.is_alive(), "the interrupted cell did not end"
     assert len(errors) <= 1, errors
     return errors[0] if errors else None
+
+
+TRACE_EVENT_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "The Trace Event Format's JSON object form (as Perfetto and chrome://tracing load it), for the events "
+    "a merged sgpu_magic profile holds: one process (pid) per rank",
+    "type": "object",
+    "required": ["traceEvents"],
+    "properties": {
+        "displayTimeUnit": {"enum": ["ms", "ns"]},
+        "traceEvents": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["ph", "pid"],
+                "properties": {
+                    "ph": {"type": "string", "minLength": 1},
+                    "pid": {"type": "integer", "minimum": 0},
+                    "name": {"type": "string"},
+                    "ts": {"type": "number"},
+                    "dur": {"type": "number", "minimum": 0},
+                    "args": {"type": "object"},
+                },
+                "allOf": [
+                    {"if": {"properties": {"ph": {"const": "X"}}}, "then": {"required": ["name", "ts", "dur"]}},
+                    {"if": {"properties": {"ph": {"const": "M"}}}, "then": {"required": ["name", "args"]}},
+                ],
+            },
+        },
+    },
+}
+"""A JSON schema of the Trace Event Format (docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU)
+for what the tests check of a merged profile trace."""

@@ -327,8 +327,10 @@ class Panel(TextView):
             self._chart = MetricsChart(len(self.outputs))
             self.tabs.children = (*self.outputs, self._chart.widget)
             self.tabs.titles = (*[f"rank {r}" for r in range(len(self.outputs))], "metrics")
-            _forget_reply_route(self._chart.picker)
         self._chart.update(list(job.last_metrics()), job.metric_arrays)
+        # after each update: one that set the dropdown's choices published on its comm, which routes the user's pick
+        # back to the main shell (busy with a blocking cell) until dropped
+        _forget_reply_route(self._chart.picker)
 
     @staticmethod
     def _job_state(job: Job) -> JobState:
@@ -386,8 +388,9 @@ def _forget_reply_route(widget) -> None:
     thread while a cell runs. But ipykernel 7.4 sends a comm's incoming messages to the subshell that
     last published on that comm (``BaseComm._reply_subshell_for``, meant for replies to a request a
     cell waits on): for the panel's widgets, made by the running cell, that is the main shell, so a
-    click on Stop would wait until the cell ends. The Stop button and the tab bar send no replies, so
-    their route is dropped after they are shown. Nothing happens on kernels without that attribute.
+    click on Stop would wait until the cell ends. The Stop button, the tab bar and the Metrics dropdown send no
+    replies, so their route is dropped after they are shown (the dropdown's after each change of its choices,
+    which publishes on it again). Nothing happens on kernels without that attribute.
     """
     forget_reply_route(getattr(widget, "comm", None))
 

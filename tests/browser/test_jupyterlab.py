@@ -445,3 +445,61 @@ def test_the_metrics_tab_draws_each_rank_and_the_snapshot_keeps_the_chart(jupyte
     expect(reopened).to_contain_text("rank 1 done")
     expect(reopened.locator("svg polyline")).to_have_count(4)
     reopened.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}metrics-reopened.png"))
+
+
+STRAGGLER_CELL = """\
+%%distributed --gpus 2 --timeout 300
+import os, time
+import torch, torch.distributed as dist
+from sgpu_magic import runtime
+
+dist.init_process_group("gloo")
+rank = runtime.get_global_rank()
+for step in range(40):
+    with runtime.step():
+        x = torch.randn(200, 200) @ torch.randn(200, 200)
+        if rank == 1:
+            time.sleep(0.03)  # rank 1's shard is slower: rank 0 waits for it in all_reduce
+        dist.all_reduce(x)
+print(f"rank {rank} trained", flush=True)
+deadline = time.monotonic() + 240
+while not os.path.exists("go") and time.monotonic() < deadline:
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+def test_the_header_names_a_straggler_while_the_job_runs_and_the_snapshot_keeps_it(jupyter, page, screenshots):
+    """A 2-rank job whose rank 1 takes 30 ms longer per step: the running panel's header gets the straggler badge and
+    line; the Metrics tab charts step_time_s per rank; the ended job's snapshot still names it."""
+    from playwright.sync_api import expect
+
+    name = "straggler.ipynb"
+    (jupyter.root / "go").unlink(missing_ok=True)
+    write_notebook(jupyter.root / name, ["%load_ext sgpu_magic", STRAGGLER_CELL])
+    notebook = open_notebook(page, jupyter, name)
+    wait_cell_done(run_cell(page, notebook, 0), 120_000)
+    cell = run_cell(page, notebook, 1)
+    panel = panel_of(cell)
+    panel.wait_for(timeout=60_000)
+    expect(panel.locator(".widget-tab-contents .widget-output:visible")).to_contain_text(
+        "rank 0 trained", timeout=JOB_TIMEOUT_MS
+    )
+    header = header_of(panel)
+    expect(header).to_contain_text("straggler: rank 1 is", timeout=30_000)
+    expect(header).to_contain_text("slower than the median rank over the last 40 steps")
+    expect(header.locator("span", has_text=re.compile(r"^straggler$"))).to_have_count(1)
+    panel.locator(".lm-TabBar-tab", has_text="metrics").click()
+    lines = panel.locator(".bqplot.figure g.curve path.line")
+    expect(lines).to_have_count(2, timeout=30_000)
+    for index in (0, 1):  # each rank's line has its 40 steps (a path of 39 segments): step_collective_s, first
+        expect(lines.nth(index)).to_have_attribute("d", re.compile(r"^M[^ML]+(L[^ML]+){39}$"), timeout=30_000)
+    first = lines.nth(1).get_attribute("d")
+    panel.locator("select").select_option("step_time_s")
+    expect(lines.nth(1)).not_to_have_attribute("d", first, timeout=30_000)  # redrawn with rank 1's step times
+    expect(lines.nth(1)).to_have_attribute("d", re.compile(r"^M[^ML]+(L[^ML]+){39}$"))
+    panel.screenshot(path=str(screenshots / f"{jupyter.frontend.screenshot_prefix}straggler.png"))
+    (jupyter.root / "go").touch()
+    snapshot = snapshot_of(cell)
+    expect(snapshot).to_contain_text("succeeded", timeout=JOB_TIMEOUT_MS)
+    expect(snapshot).to_contain_text("straggler: rank 1 is")

@@ -44,6 +44,7 @@ PROPERTY = settings(
 
 LONG_OPTIONS = [
     "--gpus",
+    "--profile",
     "--gpu-type",
     "--timeout",
     "--port",
@@ -73,7 +74,7 @@ BASE_CELL_LINES = [
 ]
 ACCEPTED = (
     "gpus, gpu_type, timeout, port, widgets, max_capture_bytes, mlflow, gpu_ids, wait, max_restarts, cluster, "
-    "teardown_grace_s, remote, num_accelerators, accelerator_type"
+    "teardown_grace_s, remote, num_accelerators, accelerator_type, profile"
 )
 
 
@@ -160,6 +161,7 @@ def bad_lines(draw) -> tuple[str, str]:
                 "timeout",
                 "port",
                 "max-restarts",
+                "profile",
                 "gpu-ids",
                 "gpu-type",
                 "output",
@@ -194,6 +196,14 @@ def bad_lines(draw) -> tuple[str, str]:
                 r"an int between 0 and 1000 \(restarts of the whole rank group"
             ),
         )
+    elif kind == "profile":
+        value, refused = (
+            draw(_not_int_in(1, 1000)),
+            (
+                r"argument --profile: invalid int value: |profile must be a number of steps to profile between 1 "
+                r"and 1000 \(each rank's torch.profiler records that many steps\)"
+            ),
+        )
     elif kind == "timeout":
         value = draw(
             st.one_of(
@@ -226,6 +236,8 @@ def bad_lines(draw) -> tuple[str, str]:
             )
         )
         refused = r"-o/--output takes a Python variable name such as job, to store the Job in; got "
+    if kind == "profile":  # an optional value: one that starts with "-" (not a number) is a flag of its own
+        return f"{base} --profile {shlex.quote(value)}", rf"^({refused}|unrecognized arguments: )"
     if kind in ("gpus", "port", "max-restarts", "timeout", "gpu-ids", "gpu-type", "output"):
         option = "-o" if kind == "output" else f"--{kind}"
         # argparse takes a value that starts with "-" (not a negative number) for an option
@@ -412,6 +424,7 @@ def bad_decorator_kwargs(draw) -> tuple[dict, type, str]:
                 "remote",
                 "num_accelerators",
                 "accelerator_type",
+                "profile",
                 "unknown",
             ]
         )
@@ -471,6 +484,7 @@ def bad_decorator_kwargs(draw) -> tuple[dict, type, str]:
             st.just("GPU_0xH100"),
             st.text(_CHARS, max_size=8).filter(lambda t: "x" not in t.lower()),
         ),
+        "profile": st.one_of(st.integers(max_value=0), st.integers(min_value=1001), _NOT_AN_INT),
     }
     messages = {
         "gpus": r"^gpus must be (an int >= 1 \(the number of ranks\)|between 1 and 1024), got ",
@@ -488,6 +502,7 @@ def bad_decorator_kwargs(draw) -> tuple[dict, type, str]:
         "num_accelerators": r"^num_accelerators must be (an int >= 1 \(the number of ranks\)|between 1 and 1024), got ",
         "accelerator_type": r"^accelerator_type takes the serverless GPU API's form 'GPU_<n>x<model>' with n >= 1, "
         r"such as 'GPU_8xH100' or 'GPU_1xA10'; got ",
+        "profile": r"^profile must be a number of steps to profile between 1 and 1000 \(each rank's torch.profiler ",
     }
     if name in ("num_accelerators", "accelerator_type"):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("gpus", "gpu_ids")}  # no old name to disagree with

@@ -14,6 +14,7 @@ import stat
 import statistics
 from contextlib import redirect_stdout
 
+import jsonschema
 import pytest
 
 from sgpu_magic import distributed
@@ -21,6 +22,8 @@ from sgpu_magic._util.metrics import read_points
 from sgpu_magic.errors import SgpuError, SpecError
 from sgpu_magic.job.steps import MIN_STEPS, find_straggler
 from sgpu_magic.ui.header import header_html
+
+from helpers import TRACE_EVENT_SCHEMA
 
 
 @distributed(gpus=2, mlflow=False, widgets=False)
@@ -217,6 +220,7 @@ def test_a_profiled_job_gives_a_merged_trace_per_rank_and_a_breakdown_that_sums_
         names = [op["name"] for op in s["top_ops"]]
         assert len(names) == 10 and "aten::addmm" in names, names
     trace = json.loads(job.profile_trace().read_bytes())
+    jsonschema.validate(trace, TRACE_EVENT_SCHEMA)  # the JSON form Perfetto and chrome://tracing load
     assert job.profile_trace() == job.run_dir / "profile" / "trace.json"
     events = trace["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}  # one process per rank

@@ -84,6 +84,7 @@ def test_a_rank_imports_no_front_door_nor_kernel_side_library():
         "sgpu_magic.rank.exit",
         "sgpu_magic.rank.mlflow_guard",
         "sgpu_magic.rank.payload",
+        "sgpu_magic.rank.profile",
         "sgpu_magic.rank.steps",
         "sgpu_magic.rank.worker",
         "sgpu_magic.rundir",
