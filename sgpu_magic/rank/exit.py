@@ -30,7 +30,7 @@ import traceback
 
 from sgpu_magic._compat import stdlib
 from sgpu_magic._compat import torch as torch_compat
-from sgpu_magic._util.imports import AfterImport
+from sgpu_magic._util.imports import after_import
 
 _C10D = "torch.distributed.distributed_c10d"
 _kept_groups: list = []
@@ -45,10 +45,7 @@ def _keep_groups_of(c10d) -> None:
 def keep_process_groups() -> None:
     """Keep every process group this rank creates alive until the process ends: now if torch.distributed is
     loaded (a warm rank), else once the rank's code imports it (torch is not imported here)."""
-    if _C10D in sys.modules:
-        _keep_groups_of(sys.modules[_C10D])
-    elif not any(isinstance(f, AfterImport) and f.name == _C10D for f in sys.meta_path):
-        sys.meta_path.insert(0, AfterImport(_C10D, _keep_groups_of))
+    after_import(_C10D, _keep_groups_of)
 
 
 def call_holding_frame(fn, args: list, kwargs: dict, held: list):

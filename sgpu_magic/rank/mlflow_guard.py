@@ -36,7 +36,7 @@ import sys
 import time
 
 from sgpu_magic._compat.mlflow import tracking_store_built
-from sgpu_magic._util.imports import AfterImport
+from sgpu_magic._util.imports import after_import
 from sgpu_magic._util.metrics import WRITER, Point
 from sgpu_magic._util.mlflow_run import RUN_FILE_ENV, RUN_ID_ENV, job_run_id, run_env  # noqa: F401 - run_env: for Ray
 
@@ -62,18 +62,6 @@ def _patch(module, run_id: str) -> None:
     cls.set_terminated = set_terminated
 
 
-def _after_import(name: str, callback) -> None:
-    """``callback(module)`` now if ``name`` is imported, else once it is (one hook per module name)."""
-    if name in sys.modules:
-        callback(sys.modules[name])
-        return
-    for finder in sys.meta_path:
-        if isinstance(finder, AfterImport) and finder.name == name:
-            finder.callback = callback
-            return
-    sys.meta_path.insert(0, AfterImport(name, callback))
-
-
 def guard_job_run() -> None:
     """In a tracked rank (``SGPU_MAGIC_MLFLOW_RUN_FILE`` or ``SGPU_MAGIC_MLFLOW_RUN_ID`` set), once mlflow is
     imported: adopt the job's run (:func:`job_run_id`), keep this process from ending it, record
@@ -84,8 +72,8 @@ def guard_job_run() -> None:
         WRITER.forward = None
         return
     WRITER.forward = forward_metrics
-    _after_import(_CLIENT_MODULE, _patch_once_known)
-    _after_import(_FLUENT_MODULE, _patch_fluent_once_known)
+    after_import(_CLIENT_MODULE, _patch_once_known)
+    after_import(_FLUENT_MODULE, _patch_fluent_once_known)
 
 
 def _patch_once_known(module) -> None:

@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 from sgpu_magic._compat import torch as torch_compat
-from sgpu_magic._util.imports import AfterImport
+from sgpu_magic._util.imports import after_import
 from sgpu_magic._util.metrics import STEP_COLLECTIVE, STEP_TIME, WRITER
 from sgpu_magic.rank.profile import COLLECTIVE_SPAN, RankProfiler
 from sgpu_magic.rundir import RunDir
@@ -279,13 +279,6 @@ def _hook_optimizers(module: Any) -> None:
         _optimizer_hook.append(register(_optimizer_stepped))
 
 
-def _after_import(name: str, callback: Any) -> None:
-    if name in sys.modules:
-        callback(sys.modules[name])
-    elif not any(isinstance(f, AfterImport) and f.name == name and f.callback is callback for f in sys.meta_path):
-        sys.meta_path.insert(0, AfterImport(name, callback))
-
-
 def _span() -> Any:
     """An entered ``torch.profiler.record_function`` span named :data:`~sgpu_magic.rank.profile.COLLECTIVE_SPAN`."""
     from torch.profiler import record_function
@@ -302,9 +295,9 @@ def begin(profile_steps: int | None = None, run_dir: RunDir | None = None) -> No
     CLOCK.reset()
     if profile_steps is not None and run_dir is not None:
         CLOCK.profiler = RankProfiler(profile_steps, run_dir, int(os.environ.get("RANK", "0")))
-    _after_import(_C10D, _time_collectives)
-    _after_import(_OPTIMIZER, _hook_optimizers)
-    _after_import(_AUTOGRAD, _time_backward)
+    after_import(_C10D, _time_collectives)
+    after_import(_OPTIMIZER, _hook_optimizers)
+    after_import(_AUTOGRAD, _time_backward)
 
 
 def finish() -> None:

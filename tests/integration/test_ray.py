@@ -7,6 +7,7 @@ CPUs), as Ray's own tests do; jobs run with ``cluster=<its address>``. Skipped w
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -127,6 +128,36 @@ def test_remote_true_and_scripts_run_on_the_kernels_remote_cluster(cluster, ip, 
     assert "rank 1 argv ['--flag', 'x'] main __main__" in job.logs(1)
     ip.run_line_magic("distributed_run", f"--gpus 2 --remote --no-mlflow --no-widgets -o remote_job {script} y")
     assert ip.user_ns["remote_job"].result() == [0, 0] and "argv ['y']" in ip.user_ns["remote_job"].logs(0)
+
+
+def test_step_times_the_straggler_and_the_profile_come_back_from_the_nodes(cluster):
+    """The same figures as a local job's: each rank's steps (metrics files read from its node), the straggler, and a
+    profiled job's traces and figures brought back from both nodes into one merged trace."""
+
+    @distributed(gpus=2, cluster=cluster.address, timeout=300, mlflow=False, widgets=False, profile=3)
+    def uneven(steps):
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        from sgpu_magic import runtime
+
+        dist.init_process_group("gloo")
+        for _ in range(steps):
+            with runtime.step():
+                if runtime.get_global_rank() == 1:
+                    time.sleep(0.03)
+                dist.all_reduce(torch.ones(4))
+        dist.destroy_process_group()
+
+    uneven.distributed(12)
+    job = uneven.last_job
+    assert [len(t) for t in job.step_times().values()] == [12, 12]
+    assert job.straggler() is not None and job.straggler().rank == 1
+    assert sorted(job.profile_summary()) == [0, 1] and all(s["steps"] == 3 for s in job.profile_summary().values())
+    trace = json.loads(job.profile_trace().read_bytes())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
 
 
 def test_a_job_past_its_timeout_is_stopped(cluster):

@@ -7,6 +7,7 @@ the last ones break it, restart it and stop it. Skipped without Ray (``pip insta
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -114,6 +115,14 @@ def test_a_cells_metrics_come_back_from_the_nodes(sess):
     )
     job.result()
     assert job.metrics() == {"m": {0: [(0, 0.0), (1, 1.0), (2, 2.0)], 1: [(0, 1.0), (1, 2.0), (2, 3.0)]}}
+
+
+def test_a_profiled_cell_s_traces_come_back_from_the_nodes(sess):
+    code = "from sgpu_magic import runtime\nfor _ in range(5):\n    with runtime.step():\n        dist.all_reduce(w.clone())"
+    job = sess.profile(code, steps=2)
+    assert sorted(job.profile_summary()) == [0, 1] and all(s["steps"] == 2 for s in job.profile_summary().values())
+    assert [len(t) for t in job.step_times().values()] == [5, 5]
+    assert {e["pid"] for e in json.loads(job.profile_trace().read_bytes())["traceEvents"]} == {0, 1}
 
 
 def test_a_cell_error_fails_the_cell_and_keeps_the_ranks(sess):

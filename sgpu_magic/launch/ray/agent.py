@@ -35,9 +35,9 @@ AGENT_CONCURRENCY = 8
 """Calls one agent serves at once: the rank's ``run`` (the rank's whole life), a session's pending
 ``session_recv``, and the kernel's log reads, sends and interrupts beside them."""
 
-CELL_FILES = ("results", "errors", "metrics")
+CELL_FILES = ("results", "errors", "metrics", "profile")
 """The folders of a session cell's node-side run directory that go back to the kernel when the cell ends (its log
-is read as it grows, by ``read_log``)."""
+is read as it grows, by ``read_log``); ``profile`` is a profiled cell's (:mod:`sgpu_magic.rank.profile`)."""
 
 
 class SessionPipe:
@@ -125,8 +125,9 @@ class RankAgent:
         return free_port()
 
     def run(self, rank: int, payload: bytes, launch: dict, env: dict) -> dict:
-        """Run the rank to its end: ``{"exitcode", "result", "error", "teardown"}``. ``launch["session"]``: a live
-        session's rank, whose FIFOs are made here first."""
+        """Run the rank to its end: ``{"exitcode", "result", "error", "teardown", "profile"}`` (``profile``: a
+        profiled job's files of this rank, ``{name: bytes}``). ``launch["session"]``: a live session's rank, whose
+        FIFOs are made here first."""
         import subprocess
         import sys
 
@@ -152,7 +153,16 @@ class RankAgent:
             self.proc, rd, rank, DEFAULT_TEARDOWN_GRACE_S if grace_s is None else grace_s, 3.0
         )
         result = rd.result_file(rank).read_bytes() if rd.result_file(rank).exists() else None
-        return {"exitcode": code, "result": result, "error": read_json(rd.error_file(rank)), "teardown": ended}
+        profile = (
+            {p.name: p.read_bytes() for p in sorted(rd.profile_dir.glob("rank_*"))} if rd.profile_dir.is_dir() else {}
+        )
+        return {
+            "exitcode": code,
+            "result": result,
+            "error": read_json(rd.error_file(rank)),
+            "teardown": ended,
+            "profile": profile,
+        }
 
     def cleanup(self) -> None:
         """Stop the rank (its whole session) if it still runs, and remove this node's copy of its files."""

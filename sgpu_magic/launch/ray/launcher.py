@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic.launch.base import finish_job
@@ -229,6 +230,10 @@ class _Supervisor(threading.Thread):
             atomic_write_bytes(self.rd.result_file(rank), out["result"])
         if out["error"]:
             atomic_write_json(self.rd.error_file(rank), out["error"])
+        if out.get("profile"):  # a profiled rank's trace and figures, from its node
+            self.rd.profile_dir.mkdir(mode=0o700, exist_ok=True)
+            for name, data in out["profile"].items():
+                atomic_write_bytes(self.rd.profile_dir / Path(name).name, data)
         ended = out.get("teardown")
         if ended:  # it had not exited teardown_grace_s after its outcome: its agent ended it
             self.status.setdefault("teardown_ended", []).append(ended)
