@@ -1,5 +1,7 @@
 """GPU checks: run on a machine with an NVIDIA GPU (skipped elsewhere). One GPU means one nccl rank."""
 
+import json
+
 import pytest
 import torch
 
@@ -138,3 +140,39 @@ def test_an_nccl_session_rank_aborts_its_communicators_and_makes_its_group_again
         ) == [("nccl", "nccl", [1.0, 1.0], True)]
     finally:
         session.stop()
+
+
+def test_a_profiled_nccl_job_has_device_rows_and_its_steps_are_timed():
+    """``profile=`` on CUDA: the device's busy time and each top op's device time are in the figures, the trace
+    has the rank's CUDA events, and an optimizer loop's steps are timed (host times: docs/guide/performance.md)."""
+
+    from sgpu_magic import distributed
+
+    @distributed(gpus=1, mlflow=False, widgets=False, profile=3)
+    def train():
+        import torch
+        import torch.distributed as dist
+
+        from sgpu_magic import runtime
+
+        dist.init_process_group("nccl")
+        device = runtime.device()
+        torch.cuda.set_device(device)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1024, 1024).to(device))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(8):
+            opt.zero_grad()
+            model(torch.randn(256, 1024, device=device)).sum().backward()
+            opt.step()
+        torch.cuda.synchronize()
+        dist.destroy_process_group()
+
+    train.distributed()
+    job = train.last_job
+    summary = job.profile_summary()[0]
+    print("gpu profile:", {k: v for k, v in summary.items() if k != "top_ops"})
+    assert summary["device"] == "cuda" and summary["steps"] == 3
+    assert summary["device_busy_s"] > 0 and any(op.get("self_device_s", 0) > 0 for op in summary["top_ops"])
+    assert len(job.step_times()[0]) == 7
+    events = json.loads(job.profile_trace().read_bytes())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # the device's kernels, as Kineto names them
