@@ -143,6 +143,30 @@ def test_a_module_runs_as_python_m_does(ip, tmp_path, monkeypatch):
     assert json.loads((out / "main_0.json").read_text())["argv"] == [str(main), str(out)]
 
 
+TRAIN = """\
+import torch
+
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(6):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+"""
+
+
+def test_a_script_s_optimizer_steps_are_timed_and_profiled_by_the_magic_and_run_script(ip, tmp_path):
+    train = write(tmp_path / "train.py", TRAIN)
+    ip.user_ns.pop("job", None)
+    ip.run_line_magic("distributed_run", f"--gpus 2 --no-mlflow --no-widgets --profile 3 -o job {train}")
+    job = ip.user_ns["job"]
+    assert [len(t) for t in job.step_times().values()] == [5, 5]
+    assert sorted(job.profile_summary()) == [0, 1] and job.profile_summary()[1]["steps"] == 3
+    assert run_script(str(train), gpus=1, mlflow=False, widgets=False, profile=2) == [0]
+    with pytest.raises(SpecError, match=r"^profile must be a number of steps to profile between 1 and 1000"):
+        run_script(str(train), gpus=1, profile=0)
+
+
 def test_exit_status_is_the_result_and_sys_exit_3_fails_with_code_3(tmp_path):
     ok = write(tmp_path / "ok.py", "import sys\nprint('done')\nsys.exit(0)\n")
     assert run_script(str(ok), gpus=2, mlflow=False, widgets=False) == [0, 0]
