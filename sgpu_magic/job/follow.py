@@ -190,6 +190,10 @@ class JobSink:
     def finished(self, job: Job) -> None:
         """The job reached a final state; every line of its logs was delivered before this."""
 
+    def release(self) -> None:
+        """The ended job will not be shown again (a live session's cell, ten cells later): drop what only its live
+        view needed (the panel's widget objects). Called at most once, after :meth:`finished`."""
+
     def launch_failed(self, job_id: str, error: BaseException) -> None:
         """The launch failed after ``prepare`` (no ``started`` or ``finished`` follows): release what
         ``prepare`` set up."""

@@ -253,6 +253,13 @@ class Job(JobLifecycle):
         """``{name: {rank: last value}}`` of every metric logged so far (the summary's table)."""
         return self._metrics.last_values()
 
+    def release_views(self) -> None:
+        """Drop what the ended job's views held only to show it live (:meth:`JobSink.release`): its results,
+        logs, metrics and snapshot stay. Nothing happens to a job that has not ended."""
+        if self.done():
+            for sink in self._sinks:
+                sink.release()
+
     def step_times(self) -> dict[int, list[float]]:
         """Each rank's step times so far: the wall time of every step it marked (``runtime.step()``, else each
         ``optimizer.step()`` of its first optimizer: :mod:`sgpu_magic.rank.steps`), in seconds, in order.

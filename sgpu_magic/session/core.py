@@ -58,6 +58,11 @@ KEPT_CELLS = 100
 """A session keeps the handles of its last this many cells (:attr:`SessionCore.jobs`); a cell leaves the kernel's
 job list (``%distributed_jobs``) when it ends, so a long session's kernel does not grow with its cells."""
 
+LIVE_VIEW_CELLS = 10
+"""Of those, the last this many keep their views whole; an older cell's panel drops its closed widget objects
+(:meth:`~sgpu_magic.job.handle.Job.release_views`: its snapshot, results, logs and metrics stay), so a long session's
+kept cells hold a third of the memory."""
+
 
 @dataclass
 class Stuck:
@@ -369,6 +374,8 @@ class SessionCore:
         job.title = label  # the summary line says "session s1 cell 3 failed ..." (it is shown once the cell ends)
         job.summary_on_success = False  # a cell that succeeded shows its output only, as in IPython
         self.jobs.append(job)
+        if len(self.jobs) > LIVE_VIEW_CELLS:  # that cell's panel is long out of sight: its widget objects go
+            self.jobs[-LIVE_VIEW_CELLS - 1].release_views()
         self.cells_run += 1
         return job
 

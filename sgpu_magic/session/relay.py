@@ -44,6 +44,11 @@ class DebugRelay(JobSink):
         self._stash: collections.deque[dict[str, Any]] = collections.deque()
         self._job: Job | None = None
 
+    def finished(self, job: Job) -> None:
+        """The cell has ended: its request (replies, queues) and any frame stashed for it go."""
+        self.request = None
+        self._stash.clear()
+
     def tick(self, job: Job) -> None:
         """On each poll of the cell's job: serve what the ranks sent (blocks while the user types a line)."""
         self._job = job

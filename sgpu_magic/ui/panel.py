@@ -283,6 +283,12 @@ class Panel(TextView):
         self.outputs, self.footers, self._chart = [], [], None
         self.tabs.children = ()
 
+    def release(self) -> None:
+        """The ended job's closed widget objects go (the snapshot, already in the cell, stays); a session drops those
+        of its older cells so that each ended cell keeps only what it needs."""
+        with self._lock:
+            self.header = self.stop_button = self.tabs = self.widget = None  # the job has ended: none is used again
+
     def _relink(self, job: Job, tails: list[RankTail], metrics, summary: str) -> None:
         """The snapshot again, its header (and summary line) with the run's link, now that the run exists."""
         if job.run_url is None:

@@ -493,3 +493,26 @@ def test_a_run_made_after_its_job_ended_is_linked_in_the_snapshot():
     finally:
         gate.set()
         stop_ui()
+
+
+def test_a_session_s_cells_older_than_ten_drop_their_widgets_and_keep_their_snapshot_and_results(ip):
+    """A long session's kept cells (its last 100) hold what an ended cell needs; the panels of all but the last
+    ten let their closed widget objects go, and a cell's request (replies, queues) goes when it ends."""
+    from sgpu_magic import Session
+    from sgpu_magic.session.core import LIVE_VIEW_CELLS
+
+    sess = Session(gpus=1, widgets=True, mlflow=False, name="views")
+    try:
+        cells = [sess.submit_cell(f"print('cell {i}')\n{i}", {}) for i in range(1)]
+        cells[0].result()
+        for i in range(1, LIVE_VIEW_CELLS + 2):
+            cells.append(sess.submit_cell(f"print('cell {i}')\n{i}", {}))
+            cells[-1].result()
+        old, recent = cells[0], cells[-LIVE_VIEW_CELLS]
+        assert isinstance(old.view, Panel) and old.view.widget is None and old.view.header is None
+        assert "cell 0" in old.view.snapshot["text/plain"] and old.result() == [0] and "cell 0" in old.logs(0)
+        assert recent.view.widget is not None and recent.view.widget.comm is None  # closed, kept
+        relay = next(s for s in recent._sinks if type(s).__name__ == "DebugRelay")
+        assert relay.request is None
+    finally:
+        sess.stop()
