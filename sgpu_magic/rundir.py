@@ -259,6 +259,11 @@ def is_attempt_marker(line: str) -> bool:
     return line.startswith(ATTEMPT_MARK)
 
 
+ID_TRIES = 16
+"""A new run directory draws its id (:func:`new_job_id`) again when another has it (3 random bytes per second: a
+long session's 100 cells a second meet a drawn id about once in 3,000 seconds); this many draws at most."""
+
+
 def new_job_id() -> str:
     """A sortable, unique job id: ``20261130-015715-3fa2c1``."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
@@ -305,8 +310,16 @@ class RunDir:
         (:data:`RESERVE_LINK`).
         """
         runs = make_private_dir((root or default_root()) / "runs")
-        rd = cls(runs / (job_id or new_job_id()))
-        rd.path.mkdir(mode=0o700)
+        for _ in range(ID_TRIES - 1 if job_id is None else 0):
+            rd = cls(runs / new_job_id())
+            try:  # mkdir is atomic: of two kernels (or two cells) that drew the same id, one makes it
+                rd.path.mkdir(mode=0o700)
+                break
+            except FileExistsError:
+                continue
+        else:
+            rd = cls(runs / (job_id or new_job_id()))
+            rd.path.mkdir(mode=0o700)
         for sub in SUBDIRS:
             if not (lean and sub in ("elastic", "metrics")):  # a cell's ranks make metrics/ when they log
                 (rd.path / sub).mkdir(mode=0o700)

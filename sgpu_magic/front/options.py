@@ -5,6 +5,19 @@ from __future__ import annotations
 
 from IPython.core.magic_arguments import argument
 
+PROFILE_OPTION = argument(
+    "--profile",
+    type=int,
+    nargs="?",
+    const=5,
+    default=None,
+    metavar="STEPS",
+    help="Profile STEPS steps (default 5) on every rank with torch.profiler, after one step of wait and one of "
+    "warm-up: a table of each rank's time in compute, collectives, data loading and idle, the top 10 ops, and "
+    "one merged trace (job.profile_trace()).",
+)
+"""``--profile [STEPS]``: of every job magic and of a ``%%distributed --session`` cell."""
+
 JOB_OPTIONS = (
     argument(
         "--gpus",
@@ -57,17 +70,7 @@ JOB_OPTIONS = (
         help="Restart all ranks up to N times after a "
         "rank fails (torchrun's --max-restarts; ranks read TORCHELASTIC_RESTART_COUNT). Default 0.",
     ),
-    argument(
-        "--profile",
-        type=int,
-        nargs="?",
-        const=5,
-        default=None,
-        metavar="STEPS",
-        help="Profile STEPS steps (default 5) on every rank with torch.profiler, after one step of wait and one of "
-        "warm-up: a table of each rank's time in compute, collectives, data loading and idle, the top 10 ops, and "
-        "one merged trace (job.profile_trace()).",
-    ),
+    PROFILE_OPTION,
     argument(
         "-o",
         "--output",

@@ -20,6 +20,7 @@ from sgpu_magic.front.cell import (
     parse_timeout,
 )
 from sgpu_magic.front.magic_help import magic_help
+from sgpu_magic.front.options import PROFILE_OPTION
 from sgpu_magic.front.session import Session
 from sgpu_magic.front.sessions import current_session, find_session, sessions
 from sgpu_magic.front.spec_options import FromConfig
@@ -61,15 +62,7 @@ RANKS_OPTION = argument("--ranks", default=None, metavar="I,J", help="With --ses
 @SESSION_OPTION
 @RANKS_OPTION
 @argument("--timeout", default=None, help="Seconds before the cell is interrupted (its state stays), or 'none'.")
-@argument(
-    "--profile",
-    type=int,
-    nargs="?",
-    const=5,
-    default=None,
-    metavar="STEPS",
-    help="Profile STEPS steps (default 5) of the cell on every rank (Session.profile).",
-)
+@PROFILE_OPTION
 @argument("-o", "--output", default=None, metavar="NAME", help="Store the cell's Job (results, logs) in this variable.")
 def _session_cell_options(line: str, cell: str) -> None:
     """The options of a ``%%distributed --session`` cell."""

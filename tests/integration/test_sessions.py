@@ -99,7 +99,9 @@ def test_a_session_cell_times_its_own_steps_and_names_its_straggler(sess):
     assert [len(t) for t in even.step_times().values()] == [3, 3] and even.straggler() is None
 
 
-def test_a_profiled_session_cell_gives_its_own_trace_and_table_and_the_next_cell_is_not_profiled(sess, capsys):
+def test_a_profiled_session_cell_gives_its_own_trace_and_table_and_the_next_cell_is_not_profiled(
+    sess, capsys, run_cell, ip
+):
     code = (
         "from sgpu_magic import runtime\n"
         "for _ in range(6):\n"
@@ -116,6 +118,9 @@ def test_a_profiled_session_cell_gives_its_own_trace_and_table_and_the_next_cell
     assert "profile of 3 step(s) per rank" in capsys.readouterr().out
     plain = sess.submit_cell(code, {})
     assert plain.result() == [0, 1] and plain.profile_summary() == {}
+    result, out, _ = run_cell(f"%%distributed --session shared --profile 2 -o profiled\n{code}")
+    assert result.error_in_exec is None and "profile of 2 step(s) per rank" in out
+    assert ip.user_ns["profiled"].profile_summary()[1]["steps"] == 2
     with pytest.raises(SpecError, match="profile must be a number of steps to profile between 1 and 1000"):
         sess.profile(code, steps=0)
 
