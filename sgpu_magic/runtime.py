@@ -218,9 +218,10 @@ def log_metric(name: str, value: float, step: int | None = None) -> None:
 def step() -> _steps.Step:
     """Mark a training step of this rank, for step timing and straggler detection; returns a context manager.
 
-    ``with runtime.step(): ...`` times the block as one step; a bare ``runtime.step()`` at the top of each
-    iteration marks the boundary between steps instead (each call ends the step the previous call began; the
-    first begins the first step, and the step still open when the code ends is not recorded). Each step records two
+    ``with runtime.step(): ...`` around each iteration's work, or a bare ``runtime.step()`` at the top of each
+    iteration: a step runs from one mark to the next (a block's entry is its mark), so what the loop does between two
+    blocks, such as fetching the next batch, is part of the step (a slow data shard shows); the last block's step
+    ends where the block ends, and the step still open after the last bare call is not recorded. Each step records two
     metrics of the rank: ``step_time_s`` (its wall time) and ``step_collective_s`` (the part of it spent inside
     ``torch.distributed``'s blocking collectives), for the panel's Metrics tab, ``job.step_times()``, the straggler
     check (``Job.straggler``) and MLflow (``step_time_s/rank_<r>`` in a tracked job: the mean of the steps since its

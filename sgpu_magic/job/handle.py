@@ -305,10 +305,11 @@ class Job(JobLifecycle):
         return merged_trace(self._rd, self.world_size, self.job_id)
 
     def profile_summary(self) -> dict[int, dict[str, Any]]:
-        """Each rank's profile of the profiled steps, as the cell's table shows it: ``{rank: {"steps", "wall_s",
-        "compute_s", "collective_s", "data_s", "idle_s", "device", "top_ops": [{"name", "calls", "self_cpu_s",
-        "cpu_s"}, ...]}}`` (seconds; ``"device_busy_s"`` and each op's ``"self_device_s"`` with CUDA;
-        :mod:`sgpu_magic.rank.profile` says how the time is split). ``{}`` for a job not profiled, or before its
+        """Each rank's profile of the profiled steps, as the cell's table shows it: ``{rank: {"rank", "steps" (recorded),
+        "asked_steps", "device" ("cpu" or "cuda"), "wall_s", "compute_s", "collective_s", "data_s", "idle_s",
+        "top_ops": [{"name", "calls", "self_cpu_s", "cpu_s"}, ...], "save_s" (the rank's time to save it)}}``
+        (seconds; ``"device_busy_s"`` and each op's ``"self_device_s"`` with CUDA; :mod:`sgpu_magic.rank.profile`
+        says how the time is split). ``{}`` for a job not profiled, or before its
         ranks have saved their profiles."""
         return summaries(self._rd, self.world_size) if self.spec.profile_steps is not None else {}
 

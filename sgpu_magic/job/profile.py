@@ -18,6 +18,12 @@ from typing import Any
 from sgpu_magic.errors import SgpuError
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, read_json
 
+NO_PROFILED_STEP = (
+    "no rank recorded a profiled step (the profiler waits one step and warms up one before it records: mark steps "
+    "with runtime.step(), or call optimizer.step(), at least 3 times)"
+)
+"""Why a profiled job has no profile, and the remedy: the cell's line and ``Job.profile_trace``'s error say it."""
+
 MERGED_TRACE = "trace.json"
 """The merged trace's name in the run directory's ``profile/``."""
 
@@ -52,11 +58,7 @@ def merged_trace(rd: RunDir, world_size: int, job_id: str) -> Path:
             return target
         traces = {r: rd.profile_trace_file(r) for r in range(world_size) if rd.profile_trace_file(r).exists()}
         if not traces:
-            raise SgpuError(
-                f"job {job_id} has no profile trace: no rank recorded a profiled step (the profiler waits for one "
-                f"step and warms up for one before it records; mark steps with runtime.step(), or call "
-                f"optimizer.step(), at least 3 times)"
-            )
+            raise SgpuError(f"job {job_id} has no profile trace: {NO_PROFILED_STEP}")
         events: list[dict[str, Any]] = []
         base_ns: int | None = None
         for rank, path in sorted(traces.items()):

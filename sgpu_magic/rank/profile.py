@@ -88,7 +88,7 @@ class RankProfiler:
         trace = self.run_dir.profile_trace_file(self.rank)
         profiler.export_chrome_trace(str(trace))
         os.chmod(trace, 0o600)
-        summary = summarize(profiler.events(), profiler.key_averages(), self.device, complete)
+        summary = summarize(profiler.events(), self.device, complete)
         summary.update(rank=self.rank, asked_steps=self.steps, save_s=time.perf_counter() - started)
         atomic_write_json(self.run_dir.profile_summary_file(self.rank), summary)
 
@@ -119,9 +119,8 @@ def _clip(spans: list[tuple[float, float]], windows: list[tuple[float, float]]) 
     return _merged(out)
 
 
-def summarize(events: Any, averages: Any, device: str, complete: int) -> dict[str, Any]:
-    """The breakdown and top ops (module docstring) of a profiler's ``events()`` and ``key_averages()`` over its
-    first ``complete`` steps (a code that ended within a recorded step leaves that step out: it ran on into the
+def summarize(events: Any, device: str, complete: int) -> dict[str, Any]:
+    """The breakdown and top ops (module docstring) of a profiler's ``events()`` over its first ``complete`` steps (a code that ended within a recorded step leaves that step out: it ran on into the
     code's end); times in seconds."""
     steps = sorted((e for e in events if e.name.startswith(_STEP_PREFIX)), key=lambda e: e.time_range.start)
     steps = steps[:complete]
@@ -157,28 +156,29 @@ def summarize(events: Any, averages: Any, device: str, complete: int) -> dict[st
     }
     if device == "cuda":
         result["device_busy_s"] = _length(_clip(_merged(kinds["device"]), windows)) / 1e6
-    result["top_ops"] = _top_ops(averages, device)
+    result["top_ops"] = _top_ops(events, windows, device)
     return result
 
 
-def _top_ops(averages: Any, device: str) -> list[dict[str, Any]]:
-    """The :data:`TOP_OPS` ops with the most self time (device time with CUDA, else CPU), as
-    ``{"name", "calls", "self_cpu_s", "cpu_s"[, "self_device_s"]}``."""
-    rows = []
-    for avg in averages:
-        if avg.key.startswith((_STEP_PREFIX, COLLECTIVE_SPAN, _DATA_PREFIX)) or getattr(
-            avg, "is_user_annotation", False
-        ):
+def _top_ops(events: Any, windows: list[tuple[float, float]], device: str) -> list[dict[str, Any]]:
+    """The :data:`TOP_OPS` ops (by name, on any of the rank's threads) with the most self time in the recorded steps
+    (``windows``: an op of the step the code ended in is left out, as in the breakdown), device time with CUDA, else
+    CPU, as ``{"name", "calls", "self_cpu_s", "cpu_s"[, "self_device_s"]}``."""
+    rows: dict[str, dict[str, Any]] = {}
+    for e in events:
+        name = e.name
+        if name.startswith((_STEP_PREFIX, COLLECTIVE_SPAN, _DATA_PREFIX)) or getattr(e, "is_user_annotation", False):
             continue
-        row = {
-            "name": avg.key,
-            "calls": int(avg.count),
-            "self_cpu_s": avg.self_cpu_time_total / 1e6,
-            "cpu_s": avg.cpu_time_total / 1e6,
-        }
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue  # a kernel: its time is in the self device time of the op that launched it
+        start = e.time_range.start
+        if not any(low <= start < high for low, high in windows):
+            continue
+        row = rows.setdefault(name, {"name": name, "calls": 0, "self_cpu_s": 0.0, "cpu_s": 0.0})
+        row["calls"] += 1
+        row["self_cpu_s"] += e.self_cpu_time_total / 1e6
+        row["cpu_s"] += e.cpu_time_total / 1e6
         if device == "cuda":
-            row["self_device_s"] = getattr(avg, "self_device_time_total", 0.0) / 1e6
-        rows.append(row)
+            row["self_device_s"] = row.get("self_device_s", 0.0) + getattr(e, "self_device_time_total", 0.0) / 1e6
     key = "self_device_s" if device == "cuda" else "self_cpu_s"
-    rows.sort(key=lambda row: row[key], reverse=True)
-    return rows[:TOP_OPS]
+    return sorted(rows.values(), key=lambda row: row.get(key, 0.0), reverse=True)[:TOP_OPS]

@@ -5,8 +5,10 @@ kernel finds a straggler (:mod:`sgpu_magic.job.steps`).
 A step is marked in one of two ways:
 
 - :func:`sgpu_magic.runtime.step`: ``with runtime.step(): ...`` around a step, or a bare ``runtime.step()``
-  between steps (each call ends the step the previous call began and begins the next; the last one begun when the
-  code ends is not recorded). Once the code has called it, only it marks steps.
+  between steps. Either way a step runs from one mark to the next (a block's entry is its mark), so what the loop
+  does between two blocks (fetching the next batch: a slow data shard) is in the step; the last block's step ends
+  where the block ends, and the step still open after the last bare call is not recorded. Once the code has called
+  it, only it marks steps.
 - without it, ``optimizer.step()``: a global post-hook on ``torch.optim.Optimizer.step``
   (``torch.optim.optimizer.register_optimizer_step_post_hook``, torch's public API) ends a step each time the
   *first* optimizer that steps in the job (or session cell) steps again, so a loop of N optimizer steps records
@@ -82,6 +84,7 @@ class StepClock:
     __slots__ = (
         "profiler",
         "started",
+        "exited",
         "collective_s",
         "depth",
         "index",
@@ -100,6 +103,7 @@ class StepClock:
         """Forget every step: a new job or session cell begins (its steps count from 0)."""
         self.profiler: RankProfiler | None = None
         self.started: float | None = None
+        self.exited: float | None = None
         self.collective_s = 0.0
         self.depth = 0
         self.index = 0
@@ -112,18 +116,17 @@ class StepClock:
 
     def mark(self) -> None:
         """End the open step (if any) and begin the next."""
-        now = time.perf_counter()
-        if self.started is not None:
-            self._record(now - self.started)
-        if self.profiler is not None:
-            self.profiler.step()
-        self.started, self.collective_s = now, 0.0
-
-    def end(self) -> None:
-        """End the open step (if any); none is open after."""
         if self.started is not None:
             self._record(time.perf_counter() - self.started)
-            self.started = None
+        if self.profiler is not None:
+            self.profiler.step()  # (its start or export at a window's edge is in neither step's time)
+        self.started, self.exited, self.collective_s = time.perf_counter(), None, 0.0
+
+    def exit(self) -> None:
+        """A ``with runtime.step()`` block was left: its step stays open until the next mark (so the batch fetched
+        between two blocks counts), and ends here if none comes (:func:`finish`)."""
+        if self.started is not None:
+            self.exited = time.perf_counter()
 
     def _record(self, wall_s: float) -> None:
         time_ms = int(time.time() * 1000)
@@ -160,7 +163,10 @@ class Step:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        CLOCK.end()
+        CLOCK.exit()
+
+    def __repr__(self) -> str:
+        return "<sgpu_magic step mark: recorded in a rank of an sgpu_magic job, dropped elsewhere>"
 
 
 _STEP = Step()
@@ -301,8 +307,10 @@ def begin(profile_steps: int | None = None, run_dir: RunDir | None = None) -> No
 
 
 def finish() -> None:
-    """The code has ended: a step still open (a bare ``runtime.step()``'s last) is dropped, not recorded; MLflow gets
-    the mean of the steps it has not had."""
+    """The code has ended: the step of the last ``with runtime.step()`` block is recorded up to the block's end, a step
+    still open after a bare ``runtime.step()`` is dropped; MLflow gets the mean of the steps it has not had."""
+    if CLOCK.started is not None and CLOCK.exited is not None:  # the last with-block's step ends where it was left
+        CLOCK._record(CLOCK.exited - CLOCK.started)
     CLOCK.started = None
     CLOCK.flush_mlflow()
     profiler, CLOCK.profiler = CLOCK.profiler, None

@@ -8,6 +8,7 @@ import sys
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
+from sgpu_magic.job.profile import NO_PROFILED_STEP
 from sgpu_magic.job.state import JobState
 from sgpu_magic.launch.stacks import summary
 from sgpu_magic.rundir import RunDir, is_attempt_marker, is_traceback_marker
@@ -99,14 +100,13 @@ def profile_lines(job: Job) -> list[str]:
         return []
     summary = job.profile_summary()
     if not summary:
-        return [
-            "profile: no rank recorded a profiled step (the profiler waits one step and warms up one before it "
-            "records: mark steps with runtime.step(), or call optimizer.step(), at least 3 times)"
-        ]
+        return [f"profile: {NO_PROFILED_STEP}"]
     cuda = any(s.get("device") == "cuda" for s in summary.values())
     steps = max(int(s.get("steps", 0)) for s in summary.values())
+    asked = job.spec.profile_steps
+    short = f", of {asked} asked: the code ended first" if steps < asked else ""
     lines = [
-        f"profile of {steps} step(s) per rank (torch.profiler; the merged trace: job.profile_trace()):",
+        f"profile of {steps} step(s) per rank{short} (torch.profiler; the merged trace: job.profile_trace()):",
         "  rank   wall ms  compute  collective   data    idle" + ("  device busy" if cuda else ""),
     ]
     for rank, s in summary.items():

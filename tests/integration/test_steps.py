@@ -267,3 +267,69 @@ def test_profile_must_be_a_number_of_steps():
     for bad in (0, -1, 1001, 2.5, "5", True):
         with pytest.raises(SpecError, match=r"profile must be a number of steps to profile between 1 and 1000"):
             distributed(gpus=1, profile=bad)
+
+
+@distributed(gpus=2, mlflow=False, widgets=False)
+def slow_loader_outside_the_block(steps, delay_s):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from sgpu_magic import runtime
+
+    def collate(batch):
+        if runtime.get_global_rank() == 1:
+            time.sleep(delay_s)  # rank 1's shard is slow to load, outside the with-block
+        return torch.utils.data.default_collate(batch)
+
+    dist.init_process_group("gloo")
+    model = DDP(torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = TensorDataset(torch.randn(8 * steps, 16))
+    for (x,) in DataLoader(data, batch_size=8, collate_fn=collate):
+        with runtime.step():  # the docstring's loop: the batch is fetched between two blocks
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    dist.destroy_process_group()
+
+
+def test_a_slow_data_shard_fetched_between_with_blocks_is_in_the_step_and_its_rank_is_named(sgpu_home):
+    """A step runs from one block's entry to the next, so the batch fetched between them is part of it (found by a new
+    user: with the block alone timed, rank 0's wait for rank 1 looked like rank 0's own work and nobody was named)."""
+    slow_loader_outside_the_block.distributed(16, 0.04)
+    job = slow_loader_outside_the_block.last_job
+    times = job.step_times()
+    assert [len(t) for t in times.values()] == [16, 16]  # the last block's step ends with the block
+    assert statistics.median(times[1]) >= 0.04 and statistics.median(times[0]) >= 0.04
+    assert job.straggler() is not None and job.straggler().rank == 1
+
+
+@distributed(gpus=2, mlflow=False, widgets=False, profile=5)
+def ends_inside_the_profile():
+    import torch
+    import torch.distributed as dist
+
+    from sgpu_magic import runtime
+
+    dist.init_process_group("gloo")
+    for _ in range(6):  # 6 marks: 1 wait, 1 warm-up, 4 recorded, then the code ends within a fifth
+        runtime.step()
+        dist.all_reduce(torch.ones(8))
+    dist.destroy_process_group()
+
+
+def test_a_profile_cut_short_says_so_and_its_ops_are_those_of_the_recorded_steps(sgpu_home):
+    out = io.StringIO()
+    with redirect_stdout(out):
+        ends_inside_the_profile.distributed()
+    summary = ends_inside_the_profile.last_job.profile_summary()
+    assert all(s["steps"] == 4 and s["asked_steps"] == 5 for s in summary.values())
+    for s in summary.values():  # the all_reduce of the step the code ended in is left out, as in the breakdown
+        assert [op["calls"] for op in s["top_ops"] if op["name"] == "c10d::allreduce_"] == [4]
+    assert (
+        "sgpu_magic: profile of 4 step(s) per rank, of 5 asked: the code ended first (torch.profiler;" in out.getvalue()
+    )
