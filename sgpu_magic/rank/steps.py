@@ -141,6 +141,13 @@ class StepClock:
             WRITER.forward_only(None, (self.mlflow_name, self.mlflow_sum / self.mlflow_steps, step, time_ms))
             self.mlflow_due, self.mlflow_sum, self.mlflow_steps = now + MLFLOW_INTERVAL_S, 0.0, 0
 
+    def close(self) -> None:
+        """The code has ended: the last ``with`` block's step is recorded up to where the block was left; a step
+        still open after a bare mark is dropped."""
+        if self.started is not None and self.exited is not None:
+            self._record(self.exited - self.started)
+        self.started = self.exited = None
+
     def flush_mlflow(self) -> None:
         """Hand MLflow the mean of the steps not yet sent (the code has ended)."""
         if self.mlflow_steps:
@@ -309,9 +316,7 @@ def begin(profile_steps: int | None = None, run_dir: RunDir | None = None) -> No
 def finish() -> None:
     """The code has ended: the step of the last ``with runtime.step()`` block is recorded up to the block's end, a step
     still open after a bare ``runtime.step()`` is dropped; MLflow gets the mean of the steps it has not had."""
-    if CLOCK.started is not None and CLOCK.exited is not None:  # the last with-block's step ends where it was left
-        CLOCK._record(CLOCK.exited - CLOCK.started)
-    CLOCK.started = None
+    CLOCK.close()
     CLOCK.flush_mlflow()
     profiler, CLOCK.profiler = CLOCK.profiler, None
     if profiler is not None:

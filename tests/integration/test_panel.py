@@ -497,7 +497,7 @@ def test_a_run_made_after_its_job_ended_is_linked_in_the_snapshot():
 
 def test_a_session_s_cells_older_than_ten_drop_their_widgets_and_keep_their_snapshot_and_results(ip):
     """A long session's kept cells (its last 100) hold what an ended cell needs; the panels of all but the last
-    ten let their closed widget objects go, and a cell's request (replies, queues) goes when it ends."""
+    ten let their closed widget objects go (the memory figures: ``benchmarks.run --only session_soak``)."""
     from sgpu_magic import Session
     from sgpu_magic.session.core import LIVE_VIEW_CELLS
 
@@ -512,7 +512,5 @@ def test_a_session_s_cells_older_than_ten_drop_their_widgets_and_keep_their_snap
         assert isinstance(old.view, Panel) and old.view.widget is None and old.view.header is None
         assert "cell 0" in old.view.snapshot["text/plain"] and old.result() == [0] and "cell 0" in old.logs(0)
         assert recent.view.widget is not None and recent.view.widget.comm is None  # closed, kept
-        relay = next(s for s in recent._sinks if type(s).__name__ == "DebugRelay")
-        assert relay.request is None
     finally:
         sess.stop()
