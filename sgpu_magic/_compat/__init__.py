@@ -3,7 +3,7 @@
 sgpu_magic leans on a few private names of torch elastic, torch.distributed, multiprocessing's forkserver,
 ipykernel, MLflow and CPython. Each use is a small named function here, one module per library
 (:mod:`~sgpu_magic._compat.elastic`, :mod:`~sgpu_magic._compat.torch`, :mod:`~sgpu_magic._compat.forkserver`,
-:mod:`~sgpu_magic._compat.ipykernel`, :mod:`~sgpu_magic._compat.mlflow`, :mod:`~sgpu_magic._compat.stdlib`),
+:mod:`~sgpu_magic._compat.ipykernel`, :mod:`~sgpu_magic._compat.mlflow`, :mod:`~sgpu_magic._compat.stdlib`, :mod:`~sgpu_magic._compat.imports`),
 whose docstring names the private it uses, the versions it was checked against, and what happens when the
 private is missing: a fallback (the feature it speeds up or tidies is skipped) or :class:`CompatError`.
 

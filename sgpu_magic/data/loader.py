@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
+from sgpu_magic._compat.imports import import_mlflow
 from sgpu_magic._util.mlflow_run import job_run_id
 from sgpu_magic.data.dataset import rank_and_world
 
@@ -81,8 +82,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         run_id = job_run_id() or os.environ.get("MLFLOW_RUN_ID")  # the job's run (adopted now if need be), or one
         if not run_id:  # the code's own environment names (outside sgpu_magic)
             return
-        from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
+        _, entities, tracking = import_mlflow("mlflow.entities", "mlflow.tracking")  # never beside another thread's
+        Metric, MlflowClient = entities.Metric, tracking.MlflowClient
 
         rank, _ = rank_and_world()
         now = int(time.time() * 1000)

@@ -30,11 +30,11 @@ writer's thread.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import sys
 import time
 
+from sgpu_magic._compat.imports import import_mlflow
 from sgpu_magic._compat.mlflow import tracking_store_built
 from sgpu_magic._util.imports import after_import
 from sgpu_magic._util.metrics import WRITER, Point
@@ -182,8 +182,8 @@ def forward_metrics(batch: list[tuple[str | None, Point]]) -> None:
     if job_run is None:
         return
     try:
-        mlflow = importlib.import_module("mlflow")  # dynamic: the rank imports mlflow only once a point is logged
-        metric = importlib.import_module("mlflow.entities").Metric
+        mlflow, entities = import_mlflow("mlflow.entities")  # only once a point is logged; never beside another thread
+        metric = entities.Metric
         client = _client(mlflow)
         by_run: dict[str, list] = {}
         for run_id, (name, value, step, time_ms) in batch:

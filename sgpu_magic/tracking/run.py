@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sgpu_magic._compat.imports import import_mlflow
 from sgpu_magic._compat.mlflow import active_experiment_id, stop_system_metrics
 from sgpu_magic._util.kernel_log import divert_info
 from sgpu_magic._util.redact import redact
@@ -98,7 +99,7 @@ def warm_up() -> None:
 
     def _import() -> None:
         try:
-            import mlflow
+            (mlflow,) = import_mlflow()  # the notebook's own mlflow imports wait for it meanwhile
 
             uri = kernel_tracking_uri(mlflow)
             import_store_module(uri)
@@ -289,9 +290,8 @@ class MlflowTracking(JobSink):
         return {"registry_uri": self.tracking_uri if same else registry} if registry else {}
 
     def _create_run(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> None:
-        import mlflow
-        from mlflow import MlflowClient
-        from mlflow.entities import Param
+        mlflow, entities = import_mlflow("mlflow.entities")  # at once once imported (warm_up did, or the notebook)
+        MlflowClient, Param = mlflow.MlflowClient, entities.Param
 
         divert_info(*STORE_LOGGERS)  # a new store's "Creating initial MLflow database tables" is not for the cell
         uri = kernel_tracking_uri(mlflow)

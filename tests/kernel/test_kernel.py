@@ -454,3 +454,17 @@ def test_the_default_mlflow_store_stays_in_the_notebooks_folder_after_a_cd(tmp_p
     run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.artifact_uri.startswith((tmp_path / "mlruns").as_uri())
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == []  # no mlflow.db, no mlruns/ there
+
+
+@pytest.mark.parametrize("statement", ["from mlflow.entities import Metric", "import mlflow.tracking"])
+def test_the_notebooks_own_mlflow_import_right_after_load_ext_gets_all_of_mlflow(tmp_path, statement):
+    """``%load_ext`` has the kernel's tracking worker import mlflow in the background once its cell ends; a next
+    cell importing an mlflow submodule meanwhile got ``ImportError: cannot import name ... from partially initialized
+    module 'mlflow.entities'`` (or a protobuf ``databricks.proto`` error), every time: it now waits for that import."""
+    km, kc = start_kernel(cwd=tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})
+    try:
+        out = execute(kc, f"{statement}\nimport mlflow.entities\nprint(mlflow.entities.Run.__name__)")
+        assert out.error is None, out.error
+        assert out.stdout.strip() == "Run"
+    finally:
+        stop_kernel(km, kc)

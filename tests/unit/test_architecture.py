@@ -70,6 +70,7 @@ def test_a_rank_imports_no_front_door_nor_kernel_side_library():
     assert loaded == [
         "sgpu_magic",
         "sgpu_magic._compat",
+        "sgpu_magic._compat.imports",
         "sgpu_magic._compat.mlflow",
         "sgpu_magic._compat.stdlib",
         "sgpu_magic._compat.torch",

@@ -7,6 +7,7 @@ The error paths take the private away with ``monkeypatch`` (what such an upgrade
 
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing.forkserver
 import operator
@@ -310,6 +311,49 @@ def test_shut_down_threading_outside_the_main_thread_does_nothing():
     worker.start()
     worker.join()
     assert answers == [False]
+
+
+def test_import_mlflow_holds_another_threads_mlflow_import_until_it_is_done():
+    """The thread importing mlflow through the seam is inside mlflow's import when another thread runs ``from
+    mlflow.entities import Run``: that one waits (without the gate it got a partially initialised module)."""
+    run = _run("""
+        import sys, threading
+        from sgpu_magic._compat.imports import import_mlflow
+
+        errors = []
+        def other():
+            while "mlflow" not in sys.modules:  # once the first thread is inside mlflow's import
+                pass
+            try:
+                from mlflow.entities import Run
+                from mlflow.tracking import MlflowClient
+            except Exception as exc:
+                errors.append(repr(exc))
+        thread = threading.Thread(target=other)
+        thread.start()
+        mlflow, entities = import_mlflow("mlflow.entities")
+        thread.join()
+        print(errors, entities.Run.__name__, import_mlflow("mlflow.entities")[1] is entities)
+    """)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[] Run True"
+
+
+def test_inside_import_and_ready_tell_a_module_being_imported(tmp_path, monkeypatch):
+    """Read from the module's own code while it is imported: inside an import, and not yet ready; ready after."""
+    from sgpu_magic._compat import imports
+
+    (tmp_path / "sgpu_probe_module.py").write_text(
+        "import sys\n"
+        "from sgpu_magic._compat import imports\n"
+        "SEEN = (imports._inside_import(sys._getframe()), imports._ready(__name__))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "sgpu_probe_module", raising=False)
+    module = importlib.import_module("sgpu_probe_module")
+    assert module.SEEN == (True, False)
+    assert (imports._inside_import(sys._getframe()), imports._ready("sgpu_probe_module")) == (False, True)
+    assert imports._ready("sgpu_no_such_module") is False
 
 
 def test_compat_error_names_an_unknown_version():
