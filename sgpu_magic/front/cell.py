@@ -4,8 +4,10 @@ syntax (as IPython compiles it), and whether the cell ends with ``;``."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import keyword
 import shlex
+from collections.abc import Iterator
 
 from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
@@ -14,6 +16,19 @@ from sgpu_magic import capture
 from sgpu_magic.errors import CellSyntaxError
 from sgpu_magic.front.magic_help import usage_line
 from sgpu_magic.spec import shown
+
+
+@contextlib.contextmanager
+def as_usage_error(*kinds: type[BaseException]) -> Iterator[None]:
+    """The one boundary where an error of what the user typed becomes IPython's ``UsageError`` (shown as its
+    message, without a traceback): an error of one of ``kinds`` raised in the block (a
+    :class:`~sgpu_magic.errors.SpecError` naming a bad option, a :class:`~sgpu_magic.errors.SessionError` naming an
+    unknown session, a script path that does not exist) is re-raised as ``UsageError(str(error))``; anything else
+    (a rank's error, an interrupt) passes as it is."""
+    try:
+        yield
+    except kinds as exc:
+        raise UsageError(str(exc)) from None
 
 
 def parse_timeout(text: str | None, default: float | None) -> float | None:

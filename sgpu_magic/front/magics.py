@@ -16,6 +16,7 @@ from sgpu_magic.errors import SpecError
 from sgpu_magic.front import script
 from sgpu_magic.front.cell import (
     CELL_FILENAME,
+    as_usage_error,
     cell_label,
     check_output_name,
     checked_source,
@@ -123,7 +124,7 @@ class DistributedMagics(Magics):
 
     def _job_spec(self, args, name: str) -> LaunchSpec:
         """The job's spec from the options both magics share; a bad one is a UsageError naming it."""
-        try:
+        with as_usage_error(SpecError):
             return job_spec(
                 name,
                 args.gpus,
@@ -141,8 +142,6 @@ class DistributedMagics(Magics):
                 remote=args.remote,
                 profile=args.profile,
             )
-        except SpecError as exc:
-            raise UsageError(str(exc)) from None
 
     @magic_arguments(name="%distributed")  # a cell magic: the usage line reads %%distributed
     @job_options
@@ -243,10 +242,8 @@ class DistributedMagics(Magics):
         args = parse_line(self.distributed_run.parser, line, "%distributed_run")
         check_output_name(args.output)
         spec = self._job_spec(args, "script")
-        try:
+        with as_usage_error(FileNotFoundError, ValueError, ModuleNotFoundError):
             target = script.resolve(args.script, module=args.module)
-        except (FileNotFoundError, ValueError, ModuleNotFoundError) as exc:
-            raise UsageError(str(exc)) from None
         job = start(replace(spec, name=target.name), lambda warn: target.payload(args.args), background=args.background)
         if args.output:
             assert self.shell is not None  # a magic runs in the shell it is registered with

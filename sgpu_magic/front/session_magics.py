@@ -11,6 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from sgpu_magic.errors import SessionError, SpecError
 from sgpu_magic.front.cell import (
+    as_usage_error,
     cell_label,
     check_output_name,
     checked_source,
@@ -73,14 +74,12 @@ def run_session_cell(shell, line: str, cell: str):
     first rank run's) is the cell's output."""
     args = parse_line(_session_cell_options.parser, line, "%%distributed --session")
     check_output_name(args.output)
-    try:
+    with as_usage_error(SessionError):
         session = find_session(args.session)
         session.check_usable()
-    except SessionError as exc:
-        raise UsageError(str(exc)) from None
     label = cell_label(shell)
     source = checked_source(cell, shell.transform_cell(cell), label)
-    try:
+    with as_usage_error(SessionError, SpecError):
         timeout_s = parse_timeout(args.timeout, None)
         job = session.submit_cell(
             source,
@@ -92,8 +91,6 @@ def run_session_cell(shell, line: str, cell: str):
             quiet=ends_quiet(source),
             profile=args.profile,
         )
-    except (SessionError, SpecError) as exc:
-        raise UsageError(str(exc)) from None
     if args.output:
         shell.user_ns[args.output] = job
     values = session.follow(job)
@@ -154,7 +151,7 @@ class SessionMagics(Magics):
         """
         args = parse_line(self.distributed_session.parser, line, "%distributed_session")
         check_output_name(args.output)
-        try:
+        with as_usage_error(SessionError, SpecError):
             if args.action == "start":
                 return self._start(args)
             if args.action == "status":
@@ -168,8 +165,6 @@ class SessionMagics(Magics):
                 print(session.status())
             if not chosen:
                 print("no live session to stop")
-        except (SessionError, SpecError) as exc:
-            raise UsageError(str(exc)) from None
         return None
 
     def _start(self, args):
@@ -226,13 +221,11 @@ class SessionMagics(Magics):
         if args.job:
             show_saved_failure(args.job, args.rank)
             return
-        try:
+        with as_usage_error(SessionError):
             session = find_session(args.session) if args.session else _session_to_debug()
             if session is not None:
                 session.debug(args.rank)
                 return
-        except SessionError as exc:
-            raise UsageError(str(exc)) from None
         show_saved_failure(None, args.rank)
 
     @magic_arguments(name="distributed_push")
@@ -254,11 +247,9 @@ class SessionMagics(Magics):
         missing = [n for n in args.names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"%distributed_push: no name {', '.join(map(repr, missing))} in the kernel's namespace")
-        try:
+        with as_usage_error(SessionError):
             session = find_session(args.session)
             session.push(**{n: self.shell.user_ns[n] for n in args.names})
-        except SessionError as exc:
-            raise UsageError(str(exc)) from None
         print(f"sgpu_magic: {', '.join(args.names)} copied to the {session.world_size} ranks of session {session.name}")
 
     @magic_arguments(name="distributed_pull")
@@ -279,10 +270,8 @@ class SessionMagics(Magics):
         ``--rank``, else a list with one value per rank. The value is the magic's output."""
         args = parse_line(self.distributed_pull.parser, line, "%distributed_pull")
         check_output_name(args.output)
-        try:
+        with as_usage_error(SessionError):
             value = find_session(args.session).pull(args.name, rank=args.rank)
-        except SessionError as exc:
-            raise UsageError(str(exc)) from None
         if args.output:
             assert self.shell is not None  # a magic runs in the shell it is registered with
             self.shell.user_ns[args.output] = value
@@ -335,10 +324,8 @@ def show_saved_failure(job_id: str | None, rank: int | None) -> None:
     error = job.exception()
     if rank is None:
         rank = error.root_cause.rank if isinstance(error, RankFailedError) else job.ranks[0]
-    try:
+    with as_usage_error(IndexError, SgpuError):
         saved = job.failure_locals(rank)
-    except (IndexError, SgpuError) as exc:
-        raise UsageError(str(exc)) from None
     print(
         f"sgpu_magic: the ranks of {job.title} are gone (it was not a live session), so no debugger can attach; "
         f"what rank {rank} saved when it failed (--job ID for another job, --session NAME for a session's cell):"

@@ -6,6 +6,7 @@ A job is followed through its RunDir: the host's ``status.json``, each rank's lo
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import sys
 import threading
@@ -41,11 +42,15 @@ SETTLE_S = 60.0
 and a new store)."""
 
 
-class Job(JobLifecycle):
-    """A pending, running or finished distributed job (future-like).
+class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
+    """A pending, running or finished distributed job: a ``concurrent.futures.Future`` of its per-rank values.
 
     Returned at once by ``fn.submit(...)`` and ``%%distributed --background``; a blocking
-    ``fn.distributed(...)`` keeps it as ``fn.last_job``.
+    ``fn.distributed(...)`` keeps it as ``fn.last_job``. As a Future it works with
+    ``concurrent.futures.wait`` / ``as_completed`` (a failed job counts as one that
+    raised, for ``FIRST_EXCEPTION``), ``add_done_callback`` (``fn(job)`` once the job has ended, from the thread
+    that saw it end: a background job's own thread) and ``asyncio.wrap_future``; ``result(timeout=...)`` and
+    ``exception(timeout=...)`` take the Future's keyword as well as ``timeout_s``.
 
     Attributes:
         job_id: unique id, also the run directory's name.
@@ -79,6 +84,7 @@ class Job(JobLifecycle):
         ranks: Sequence[int] | None = None,
         listed_when_ended: bool = True,
     ) -> None:
+        concurrent.futures.Future.__init__(self)
         super().__init__(run_dir, spec, plan, get_host, sinks, registry)
         self.listed_when_ended = listed_when_ended
         self.ranks: tuple[int, ...] = tuple(range(plan.world_size) if ranks is None else ranks)
@@ -376,7 +382,26 @@ class Job(JobLifecycle):
         return state_from_status(self._status())
 
     def done(self) -> bool:
+        """Whether the job has ended (succeeded, failed, cancelled or timed out)."""
         return self.state.final
+
+    def running(self) -> bool:
+        """Whether its ranks are starting or running (``concurrent.futures.Future.running``)."""
+        return self.state in (JobState.STARTING, JobState.RUNNING)
+
+    def cancelled(self) -> bool:
+        """Whether the job ended cancelled (or interrupted)."""
+        return self.state is JobState.CANCELLED
+
+    def _settle_future(self) -> None:
+        """Complete the Future side once the job has ended: its waiters wake, its done callbacks run."""
+        if concurrent.futures.Future.done(self):  # the Future side is completed once, by the first end seen
+            return
+        error = None if self.state is JobState.SUCCEEDED else self.exception(timeout_s=0)
+        if error is None:  # the values stay in the run directory until result() reads them
+            concurrent.futures.Future.set_result(self, [])
+        else:
+            concurrent.futures.Future.set_exception(self, error)
 
     def start(self, background: bool = False) -> None:
         """Take the first try for the GPUs in the calling thread (so ``wait=False`` refuses at once); then launch
@@ -419,24 +444,28 @@ class Job(JobLifecycle):
             raise stopped_error(self._rd, "interrupted", self._final_status) from None
         return self.state
 
-    def cancel(self, _reason: str = "cancelled") -> None:
+    def cancel(self, _reason: str = "cancelled") -> bool:
         """Stop every rank (SIGTERM, then SIGKILL) and wait until they are gone; state becomes CANCELLED.
 
-        A job still waiting for GPUs leaves the queue. Nothing happens to a job that has ended."""
+        A job still waiting for GPUs leaves the queue. Nothing happens to a job that has ended. Returns whether the
+        job was still to end (``False``: it had ended already)."""
         if self.done():
-            return
+            return False
         self.request_cancel(_reason)
         if self._host is None and self._thread is None:
             self._write_final(_reason)
-            return
+            return True
         self._drain(CANCEL_WAIT_S)
+        return True
 
-    def exception(self, timeout_s: float | None = None) -> BaseException | None:
-        """Wait for the job (at most ``timeout_s``); return its error (``None`` on success).
+    def exception(self, timeout: float | None = None, *, timeout_s: float | None = None) -> BaseException | None:
+        """Wait for the job (at most ``timeout_s`` seconds; ``timeout`` is the Future's name for it, also the first
+        positional argument); return its error (``None`` on success).
 
         Raises:
             TimeoutError: ``timeout_s`` passed before the job ended.
         """
+        timeout_s = timeout if timeout_s is None else timeout_s
         self.wait(timeout_s)
         if not self.done():
             raise TimeoutError(f"job {self.job_id} is still {self.state.label} after {timeout_s:g} s")
@@ -444,9 +473,9 @@ class Job(JobLifecycle):
             self._error = build_error(self._rd, self._status(), self.spec, self.plan)
         return self._error
 
-    def result(self, timeout_s: float | None = None) -> list[Any]:
-        """Wait for the job (at most ``timeout_s``); return one value per rank that ran it (:attr:`ranks`), in rank
-        order (tensors on CPU).
+    def result(self, timeout: float | None = None, *, timeout_s: float | None = None) -> list[Any]:
+        """Wait for the job (at most ``timeout_s`` seconds; ``timeout`` is the Future's name for it, also the first
+        positional argument); return one value per rank that ran it (:attr:`ranks`), in rank order (tensors on CPU).
 
         Raises:
             RankFailedError: a rank failed; shows the root-cause rank's traceback and log path.
@@ -455,7 +484,7 @@ class Job(JobLifecycle):
             ResourceError: the job could not get its GPUs (``wait=False``).
             TimeoutError: ``timeout_s`` passed before the job ended.
         """
-        error = self.exception(timeout_s)
+        error = self.exception(timeout_s=timeout if timeout_s is None else timeout_s)
         if error is not None:
             raise error
         if self._results is None:

@@ -259,7 +259,8 @@ class JobLifecycle:
 
     def _end(self, status: dict[str, Any], finished: bool = True) -> None:
         """The one finalize sequence: keep the final status, release the lease and the status FIFO, tell the
-        sinks (``state_changed``, then ``finished`` unless the job never started), wake whoever waits."""
+        sinks (``state_changed``, then ``finished`` unless the job never started), wake whoever waits (and the
+        Future's waiters and done callbacks)."""
         self._final_status = status
         state = state_from_status(status)
         self._release()
@@ -270,6 +271,10 @@ class JobLifecycle:
             self._emit("finished", self)
         self._done.set()
         register()  # one more ended job: the oldest beyond MAX_ENDED_JOBS leaves the list
+        self._settle_future()
+
+    def _settle_future(self) -> None:
+        """What the handle does once the job has ended, after the sinks were told (``Job``: complete its Future)."""
 
     def _pump(self, final: bool = False) -> None:
         """Hand what the ranks wrote since the last call to the sinks; ``final``: all of it, then close the logs."""

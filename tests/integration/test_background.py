@@ -91,6 +91,44 @@ def test_a_failing_background_job_says_job_result_raises_its_traceback(ip, run_c
         job.result()
 
 
+def test_a_job_is_a_future_for_wait_as_completed_callbacks_and_asyncio(ip, run_cell, go):
+    """Jobs compose with concurrent.futures and asyncio: a failed job counts as one that raised, callbacks get the
+    job once it ended (one added after the end runs at once), and a cancelled job says so."""
+    import asyncio
+    import concurrent.futures
+
+    from sgpu_magic.errors import JobCancelledError, RankFailedError
+
+    run_cell(WAITER)
+    run_cell(
+        "@distributed(gpus=1, timeout=120)\n"
+        "def breaks():\n    raise ValueError('bad input')\n"
+        "ok = wait_for_go.submit(go, 'f')\nbad = breaks.submit()\nstopped = wait_for_go.submit(go, 's')"
+    )
+    ok, bad, stopped = (ip.user_ns[name] for name in ("ok", "bad", "stopped"))
+    ended = []
+    ok.add_done_callback(ended.append)
+    done, not_done = concurrent.futures.wait([ok, bad], timeout=120, return_when=concurrent.futures.FIRST_EXCEPTION)
+    assert done == {bad} and not_done == {ok} and ok.running() and ended == []
+    assert isinstance(bad.exception(timeout=0), RankFailedError) and not bad.cancelled()
+    with pytest.raises(RankFailedError, match=r"^rank 0 failed \(root cause\): ValueError: bad input"):
+        bad.result(timeout=0)
+    wait_for(lambda: "s started" in stopped.logs(0), 60, "the job to be cancelled to run")
+    assert stopped.cancel() is True and stopped.cancelled() and stopped.cancel() is False
+    assert isinstance(stopped.exception(), JobCancelledError)
+    go.touch()
+    assert set(concurrent.futures.as_completed([ok, bad, stopped], timeout=120)) == {ok, bad, stopped}
+    assert ended == [ok] and not ok.running()
+    late = []
+    ok.add_done_callback(late.append)
+    assert late == [ok]
+
+    async def awaited():
+        return await asyncio.wrap_future(ok)
+
+    assert asyncio.run(awaited()) == ok.result(timeout=0) == [0, 10]
+
+
 def test_background_magic_and_the_jobs_table_and_stop(ip, run_cell, go):
     result, out, err = run_cell(
         "%%distributed --gpus 2 --background -o bgjob\n"
