@@ -7,7 +7,7 @@ import codecs
 import os
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -213,6 +213,77 @@ class JobSink:
         return False
 
 
+def view_of(sinks: Sequence[JobSink]) -> JobSink | None:
+    """The job's view among its sinks: the last one (the panel or the text view; ``front.decorator`` and sessions
+    put it last), ``None`` without sinks. The one place that knows where the view is."""
+    return sinks[-1] if sinks else None
+
+
+class JobEvents(JobSink):
+    """A job's events, typed: each method hands the event to every sink in order (what the job emits and the log
+    pump calls); :attr:`view` is the sink that shows the job, which :meth:`note` and :meth:`warn` reach."""
+
+    def __init__(self, sinks: Sequence[JobSink]) -> None:
+        self.sinks = list(sinks)
+        self.view = view_of(self.sinks)
+
+    def note(self, text: str) -> None:
+        """A line for the user, through the view (if it shows notes)."""
+        note = getattr(self.view, "note", None)
+        if note is not None:
+            note(text)
+
+    def warn(self, text: str) -> None:
+        """A warning for the user, through the view (if it shows warnings)."""
+        warn = getattr(self.view, "warn", None)
+        if warn is not None:
+            warn(text)
+
+    def created(self, job: Job) -> None:
+        for sink in self.sinks:
+            sink.created(job)
+
+    def pending(self, job: Job, why: str) -> None:
+        for sink in self.sinks:
+            sink.pending(job, why)
+
+    def started(self, job: Job) -> None:
+        for sink in self.sinks:
+            sink.started(job)
+
+    def output(self, rank: int, text: str) -> None:
+        for sink in self.sinks:
+            sink.output(rank, text)
+
+    def skipped(self, rank: int, nbytes: int) -> None:
+        for sink in self.sinks:
+            sink.skipped(rank, nbytes)
+
+    def state_changed(self, job: Job, state: JobState) -> None:
+        for sink in self.sinks:
+            sink.state_changed(job, state)
+
+    def tick(self, job: Job) -> None:
+        for sink in self.sinks:
+            sink.tick(job)
+
+    def metrics_logged(self, job: Job) -> None:
+        for sink in self.sinks:
+            sink.metrics_logged(job)
+
+    def restarted(self, job: Job, attempt: int) -> None:
+        for sink in self.sinks:
+            sink.restarted(job, attempt)
+
+    def stuck_changed(self, job: Job) -> None:
+        for sink in self.sinks:
+            sink.stuck_changed(job)
+
+    def finished(self, job: Job) -> None:
+        for sink in self.sinks:
+            sink.finished(job)
+
+
 class StatusFeed:
     """A job's ``status.json`` as its launcher last wrote it, re-read only when the file was replaced; and the
     job's status FIFO, which the launch host writes a byte to after each write, so the follower sleeps on it
@@ -279,13 +350,14 @@ class StatusFeed:
 
 
 class LogPump:
-    """Hands what each rank wrote to the sinks (``emit("output", rank, text)``, ``emit("skipped", ...)``): every
+    """Hands what each rank wrote to the sinks (``events.output(rank, text)``, ``events.skipped(...)``): every
     line, or, when no sink needs them all, only the last lines of each log (read from its tail), reading the
     logs of ranks not on screen less often."""
 
-    def __init__(self, paths: list[Path], sinks: list[JobSink], emit: Callable[..., None]) -> None:
+    def __init__(self, paths: list[Path], events: JobEvents) -> None:
         self._followers = [LogFollower(path) for path in paths]
-        self._sinks, self._emit = sinks, emit
+        self._sinks, self._events = events.sinks, events
+        sinks = events.sinks
         # every line to each sink, or (when no sink needs them all) only the last tail_lines lines
         self._tail_lines = None if any(s.needs_every_line for s in sinks) else max([s.tail_lines for s in sinks] + [1])
         self._live_tail_lines = (
@@ -308,7 +380,7 @@ class LogPump:
             for rank, follower in enumerate(self._followers):
                 text = follower.read(final)
                 if text:
-                    self._emit("output", rank, text)
+                    self._events.output(rank, text)
             return
         live = self._live_tail_lines
         assert live is not None  # set whenever _tail_lines is
@@ -326,10 +398,10 @@ class LogPump:
                 # while running only the last live lines were read: the sinks keep the last tail lines,
                 # read again (the skip clears what they hold)
                 skipped, text = follower.reread_tail(tail)
-                self._emit("skipped", rank, skipped)
+                self._events.skipped(rank, skipped)
             else:
                 skipped, text = follower.read_tail(tail if final else live, final)
                 if skipped:
-                    self._emit("skipped", rank, skipped)
+                    self._events.skipped(rank, skipped)
             if text:
-                self._emit("output", rank, text)
+                self._events.output(rank, text)

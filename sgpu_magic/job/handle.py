@@ -141,8 +141,8 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
 
     @property
     def view(self) -> JobSink | None:
-        """What shows the job (the panel or the text view: its last sink), or ``None``."""
-        return self._sinks[-1] if self._sinks else None
+        """What shows the job (the panel or the text view), or ``None``."""
+        return self.events.view
 
     @property
     def gpus(self) -> list[int]:
@@ -408,7 +408,7 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         a blocking job here, or start the thread that launches and follows a background one (creating its
         MLflow run can take seconds). An interrupt before the launch ends the job as ``interrupted``."""
         self._cwd, self._sys_path = os.getcwd(), list(sys.path)
-        self._emit("created", self)
+        self.events.created(self)
         try:
             if self._try_lease() and not background:
                 self._launch()

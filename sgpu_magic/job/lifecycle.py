@@ -13,10 +13,10 @@ import contextvars
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic.errors import JobCancelledError, LauncherError, ResourceError, SgpuError
-from sgpu_magic.job.follow import PUMP_INTERVAL_S, JobSink, LogPump, StatusFeed
+from sgpu_magic.job.follow import PUMP_INTERVAL_S, JobEvents, JobSink, LogPump, StatusFeed
 from sgpu_magic.job.metrics import MetricsPump
 from sgpu_magic.job.outcome import stopped_error
 from sgpu_magic.job.registry import forget, register
@@ -27,6 +27,9 @@ from sgpu_magic.launch.resources import DevicePlan, Gpu
 from sgpu_magic.rundir import RunDir, atomic_write_json
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import StatusWriter
+
+if TYPE_CHECKING:
+    from sgpu_magic.job.handle import Job
 
 HOST_CHECK_S = 0.5
 """How often a followed job checks that its launch host process still runs."""
@@ -60,6 +63,7 @@ class JobLifecycle:
         self._lease: Lease | None = None
         self._skipped: dict[str, str] = {}  # free GPUs the last lease try passed over: uuid -> why
         self._sinks = list(sinks)
+        self.events = JobEvents(self._sinks)
         self._last_state: JobState | None = None
         self._stuck: dict[str, Any] | None = None
         self._attempt = 1
@@ -74,7 +78,7 @@ class JobLifecycle:
         self._host_checked = 0.0
         self._launched_at = 0.0  # time.monotonic() of the hand-over to the launcher
         self._said_preparing = False
-        self._logs = LogPump([run_dir.log_file(r) for r in range(plan.world_size)], self._sinks, self._emit)
+        self._logs = LogPump([run_dir.log_file(r) for r in range(plan.world_size)], self.events)
         self._metrics = MetricsPump([run_dir.metrics_file(r) for r in range(plan.world_size)])
         self._cwd: str = ""  # the caller's working directory and sys.path, taken by Job.start
         self._sys_path: list[str] = []
@@ -85,6 +89,11 @@ class JobLifecycle:
 
     job_id = property(lambda self: self._rd.job_id)
     world_size = property(lambda self: self.plan.world_size)
+
+    @property
+    def _handle(self) -> Job:
+        """The :class:`~sgpu_magic.job.handle.Job` this is the machinery of (itself): what the sinks are given."""
+        return cast("Job", self)
 
     @property
     def ended(self) -> bool:
@@ -102,10 +111,6 @@ class JobLifecycle:
                 self._host.cancel(self._rd, _reason)
             except LauncherError:
                 pass
-
-    def _emit(self, event: str, *args: Any) -> None:
-        for sink in self._sinks:
-            getattr(sink, event)(*args)
 
     def _status(self, stamp: tuple[Any, ...] | None = None) -> dict[str, Any]:
         """The job's status as last written (the final one once the job has ended); ``stamp``: the status
@@ -152,7 +157,7 @@ class JobLifecycle:
 
     def _set_pending(self, why: str) -> None:
         self.pending_reason = why
-        self._emit("pending", self, why)
+        self.events.pending(self._handle, why)
 
     def _wait_for_lease(self) -> None:
         assert self._registry is not None  # only a job whose plan needs a lease waits for one (_try_lease)
@@ -180,11 +185,10 @@ class JobLifecycle:
         self.plan = self.plan.with_gpus(lease.gpus)
         by_uuid = {g.uuid: g for g in self.plan.candidates}
         for uuid, reason in self._skipped.items():
-            if hasattr(self._sinks[-1], "warn"):
-                self._sinks[-1].warn(
-                    f"GPU {by_uuid[uuid].index} skipped: it runs processes outside sgpu_magic "
-                    f"({reason}); pass gpu_ids=[...] / --gpu-ids to use it anyway"
-                )
+            self.events.warn(
+                f"GPU {by_uuid[uuid].index} skipped: it runs processes outside sgpu_magic "
+                f"({reason}); pass gpu_ids=[...] / --gpu-ids to use it anyway"
+            )
 
     def _launch_record(self) -> dict[str, Any]:
         """``launch.json`` as the job's spec and plan make it (before the sinks add theirs)."""
@@ -240,7 +244,7 @@ class JobLifecycle:
                 sink.launch_failed(rd.job_id, exc)
             self._release()
             raise
-        self._emit("started", self)
+        self.events.started(self._handle)
         if self._cancel.is_set():
             self.request_cancel(self._cancel_reason)
 
@@ -266,9 +270,9 @@ class JobLifecycle:
         self._release()
         if state is not self._last_state:
             self._last_state = state
-            self._emit("state_changed", self, state)
+            self.events.state_changed(self._handle, state)
         if finished:
-            self._emit("finished", self)
+            self.events.finished(self._handle)
         self._done.set()
         register()  # one more ended job: the oldest beyond MAX_ENDED_JOBS leaves the list
         self._settle_future()
@@ -280,7 +284,7 @@ class JobLifecycle:
         """Hand what the ranks wrote since the last call to the sinks; ``final``: all of it, then close the logs."""
         self._logs.pump(final)
         if self._metrics.pump(final):
-            self._emit("metrics_logged", self)
+            self.events.metrics_logged(self._handle)
 
     def _poll_once(self) -> bool:
         if self._final_status is not None:
@@ -299,18 +303,18 @@ class JobLifecycle:
             self._set_pending(waiting)
         if status.get("attempt", 1) != self._attempt:
             self._attempt = status["attempt"]
-            self._emit("restarted", self, self._attempt)
+            self.events.restarted(self._handle, self._attempt)
         if state.final:
             self._pump(final=True)
             self._end(status)
             return True
         if state is not self._last_state:
             self._last_state = state
-            self._emit("state_changed", self, state)
+            self.events.state_changed(self._handle, state)
         if status.get("stuck") != self._stuck:
             self._stuck = status.get("stuck")
-            self._emit("stuck_changed", self)
-        self._emit("tick", self)
+            self.events.stuck_changed(self._handle)
+        self.events.tick(self._handle)
         if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
             assert self._host is not None  # _host_alive asked it
             message = (
@@ -329,8 +333,8 @@ class JobLifecycle:
             return
         self._said_preparing = True
         why = self._host.preparing()
-        if why and hasattr(self._sinks[-1], "note"):
-            self._sinks[-1].note(f"sgpu_magic: {why} ...")
+        if why:
+            self.events.note(f"sgpu_magic: {why} ...")
 
     def _host_alive(self, now: float) -> bool:
         self._host_checked = now

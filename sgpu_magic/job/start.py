@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol, cast
 
-from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.follow import JobSink, view_of
 from sgpu_magic.job.handle import Job
 from sgpu_magic.launch import launcher_for
 from sgpu_magic.launch.base import Launcher
@@ -46,7 +46,7 @@ def start(
     ``before_launch(run_dir)`` runs once the run directory holds the payload, before the job is handed over (a
     session makes its channel there).
     """
-    view = cast(_View, sinks[-1])  # the last sink is the job's view (front.decorator._sinks)
+    view = cast(_View, view_of(sinks))  # the panel or the text view (front.decorator._sinks)
     plan, host_factory = launcher_for(spec, view.note)
     payload = build_payload(view.warn)  # warnings are shown as capture finds them
     payload.setdefault("argv", [spec.name])  # the ranks' sys.argv: a script run without arguments
