@@ -21,6 +21,7 @@ _LAZY = {
     "run_script": "sgpu_magic.front.script",
     "Session": "sgpu_magic.front.session",
     "current_session": "sgpu_magic.front.sessions",
+    "release": "sgpu_magic.launch",
     "Job": "sgpu_magic.job",
     "JobState": "sgpu_magic.job",
     **dict.fromkeys(
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from sgpu_magic.front.session import Session
     from sgpu_magic.front.sessions import current_session
     from sgpu_magic.job import Job, JobState
+    from sgpu_magic.launch import release
 
 __all__ = [
     "distributed",
@@ -75,6 +77,7 @@ __all__ = [
     "run_script",
     "Session",
     "current_session",
+    "release",
     "Job",
     "JobState",
     "runtime",

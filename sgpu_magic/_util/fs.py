@@ -59,3 +59,18 @@ def count_lines(paths: list[Path]) -> dict[str, int]:
             continue
         counts[str(rank)] = n
     return counts
+
+
+def site_packages_fingerprint(sys_path: list[str]) -> tuple:
+    """The modification times of the ``site-packages`` / ``dist-packages`` folders on ``sys_path``: it changes when
+    a package is installed or removed there (``%pip install``), so a process that preloaded packages knows it is
+    stale. Folders that cannot be read are left out."""
+    stamps = []
+    for entry in sys_path:
+        if os.path.basename(entry.rstrip(os.sep)) not in ("site-packages", "dist-packages"):
+            continue
+        try:
+            stamps.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            continue
+    return tuple(stamps)

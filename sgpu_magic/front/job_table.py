@@ -17,12 +17,14 @@ class JobTable:
     The MLflow column has each tracked job's run id, linked to its run page whenever a server shows
     it now (a tracking server, or ``%mlflow_ui`` started before or after the job); the text form
     adds a ``run page`` column with those links. The ``what`` column names the function, cell or script,
-    and a live session (``session s1``) and each of its cells (``session s1 cell 3``).
+    and a live session (``session s1``) and each of its cells (``session s1 cell 3``). Below the table, a line for
+    what the kernel holds on a cluster between jobs (``held``: :func:`sgpu_magic.launch.held_warm`).
     """
 
     COLUMNS = ("job", "state", "world size", "GPUs", "elapsed", "MLflow run", "what")
 
-    def __init__(self, jobs: list[Job]) -> None:
+    def __init__(self, jobs: list[Job], held: Sequence[str] = ()) -> None:
+        self.held = list(held)
         self.rows, self.urls = [], []
         for job in jobs:
             elapsed = job.elapsed_s
@@ -40,6 +42,9 @@ class JobTable:
             self.urls.append(job.run_url)
 
     def __repr__(self) -> str:
+        return "\n".join([self._text(), *self.held])
+
+    def _text(self) -> str:
         if not self.rows:
             return "no sgpu_magic jobs in this kernel yet"
         columns: tuple[str, ...] = self.COLUMNS
@@ -51,6 +56,9 @@ class JobTable:
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [columns, *rows])
 
     def _repr_html_(self) -> str:
+        return self._html() + "".join(f"<p>{html.escape(line)}</p>" for line in self.held)
+
+    def _html(self) -> str:
         if not self.rows:
             return "<i>no sgpu_magic jobs in this kernel yet</i>"
         head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)

@@ -8,7 +8,7 @@ from dataclasses import replace
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Float, Int, Unicode
+from traitlets import Bool, Float, Int, Unicode, observe
 
 from sgpu_magic import capture
 from sgpu_magic._util.redact import redact
@@ -33,6 +33,8 @@ from sgpu_magic.front.options import job_options
 from sgpu_magic.front.session_magics import RANKS_OPTION, SESSION_OPTION, is_session_cell, run_session_cell
 from sgpu_magic.front.spec_options import job_spec
 from sgpu_magic.job.handle import jobs
+from sgpu_magic.launch import held_warm
+from sgpu_magic.launch.ray.warm import set_keep_warm_s
 from sgpu_magic.spec import DEFAULT_STUCK_AFTER_S, DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
 
 
@@ -121,6 +123,20 @@ class DistributedMagics(Magics):
         help="The cluster remote=True / --remote runs on, e.g. 'ray://head:10001' (a Ray "
         "address, as cluster=); default: $SGPU_MAGIC_REMOTE_CLUSTER.",
     ).tag(config=True)
+
+    ray_keep_warm_s = Float(
+        None,
+        allow_none=True,
+        min=0.0,
+        help="Seconds the placement group and rank agents of the last Ray job are kept, with no job, for the next "
+        "job of the same shape (which then forks its ranks on the nodes in well under a second instead of starting "
+        "them afresh); they hold the cluster's resources meanwhile. 0 keeps nothing; sgpu_magic.release() gives "
+        "them back at once. None: $SGPU_MAGIC_RAY_KEEP_WARM_S, else 180.",
+    ).tag(config=True)
+
+    @observe("ray_keep_warm_s")
+    def _keep_warm_changed(self, change) -> None:
+        set_keep_warm_s(change["new"])
 
     def _job_spec(self, args, name: str) -> LaunchSpec:
         """The job's spec from the options both magics share; a bad one is a UsageError naming it."""
@@ -267,11 +283,12 @@ class DistributedMagics(Magics):
         """Show this kernel's jobs: id, state, world size, GPUs, elapsed time and MLflow run.
 
         The MLflow run id links to its page whenever a server shows it (a tracking server, or
-        %mlflow_ui). Takes no arguments.
+        %mlflow_ui). A line below the table says what the kernel keeps warm on a Ray cluster between jobs
+        (DistributedMagics.ray_keep_warm_s; sgpu_magic.release() gives it back). Takes no arguments.
         """
         if line.strip():
             raise UsageError(f"%distributed_jobs takes no arguments, got {line.strip()!r}")
-        return JobTable(jobs())
+        return JobTable(jobs(), held_warm())
 
     @magic_arguments(name="distributed_stop")
     @argument("job_id", nargs="?", default=None, help="Job id (or a unique part of it), as %%distributed_jobs shows.")

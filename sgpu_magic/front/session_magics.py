@@ -25,6 +25,7 @@ from sgpu_magic.front.options import PROFILE_OPTION
 from sgpu_magic.front.session import Session
 from sgpu_magic.front.sessions import current_session, find_session, sessions
 from sgpu_magic.front.spec_options import FromConfig
+from sgpu_magic.launch import release
 
 
 def is_session_cell(line: str) -> bool:
@@ -165,6 +166,9 @@ class SessionMagics(Magics):
                 print(session.status())
             if not chosen:
                 print("no live session to stop")
+            if args.action == "stop":
+                for line in release("%distributed_session stop"):  # what the kernel kept warm goes too
+                    print(f"sgpu_magic: gave back {line}")
         return None
 
     def _start(self, args):

@@ -52,3 +52,28 @@ def session_channel_for(run_dir: RunDir, world_size: int, cluster: str | None) -
     from sgpu_magic.launch.ray import session_channel
 
     return session_channel.RaySessionChannel(run_dir, world_size)
+
+
+def held_warm() -> list[str]:
+    """What this kernel keeps warm on a cluster for its next job, one line each (``[]``: nothing; Ray is not
+    imported to say so)."""
+    import sys
+
+    warm = sys.modules.get("sgpu_magic.launch.ray.warm")
+    line = None if warm is None else warm.WARM.describe()
+    return [line] if line else []
+
+
+def release(why: str = "sgpu_magic.release()") -> list[str]:
+    """Give back to the cluster, now, what this kernel keeps warm for its next job: the placement group and rank
+    agents of its last Ray job (:mod:`sgpu_magic.launch.ray.warm`), which are otherwise kept for
+    ``DistributedMagics.ray_keep_warm_s`` seconds with no job. Running jobs and live sessions are not touched.
+
+    Returns:
+        One line for each thing given back (``[]``: nothing was held).
+    """
+    import sys
+
+    warm = sys.modules.get("sgpu_magic.launch.ray.warm")
+    line = None if warm is None else warm.WARM.release(why)
+    return [line] if line else []

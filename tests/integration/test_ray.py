@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 
 import psutil
@@ -23,9 +24,35 @@ from sgpu_magic import distributed  # noqa: E402
 from sgpu_magic.errors import JobCancelledError, RankFailedError, ResourceError  # noqa: E402
 
 from helpers import job_processes, wait_for  # noqa: E402
-from kernel_utils import start_kernel, stop_kernel  # noqa: E402
+from kernel_utils import execute, start_kernel, stop_kernel  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _nothing_kept_warm_after_a_test():
+    """Each test starts with the cluster's resources free: what a test's jobs kept warm is given back after it (the
+    warm tests below keep and take it within one test)."""
+    yield
+    import sgpu_magic
+
+    sgpu_magic.release()
+
+
+def _agent_processes(marks=("RankAgent", "sgpu_magic.launch.ray.zygote")) -> list[int]:
+    """The live processes of rank agents (Ray workers of the RankAgent actor) and of their zygotes on this machine."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and any(mark in cmdline for mark in marks):
+            found.append(p.pid)
+    return found
+
+
+def _placement_group_state(name: str) -> set[str]:
+    from ray.util.placement_group import placement_group_table
+
+    return {pg["state"] for pg in placement_group_table().values() if pg["name"] == name}
 
 
 def _status_file(job) -> dict:
@@ -217,9 +244,7 @@ def test_a_rank_that_wedges_after_returning_keeps_its_value_after_the_grace(clus
     assert wait_for(lambda: not job_processes(returns_then_wedges.last_job.job_id), 30, "the ranks to stop")
 
 
-def test_cancel_stops_every_rank_and_releases_the_placement_group(cluster):
-    from ray.util.placement_group import placement_group_table
-
+def test_cancel_stops_every_rank_and_release_gives_the_placement_group_back(cluster):
     @distributed(gpus=4, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)
     def sleeper():
         import time
@@ -233,8 +258,20 @@ def test_cancel_stops_every_rank_and_releases_the_placement_group(cluster):
     assert isinstance(job.exception(timeout_s=60), JobCancelledError)
     assert job.state.value == "cancelled"
     wait_for(lambda: not job_processes(job.job_id), 30, "the ranks to stop")
-    ours = [pg for pg in placement_group_table().values() if pg["name"] == f"sgpu_magic-{job.job_id}"]
-    assert all(pg["state"] == "REMOVED" for pg in ours), ours
+    pids = [int(p) for p in _status_file(job)["pids"].values()]
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    import sgpu_magic
+
+    # its bundles and agents are kept for the next job of its shape, until given back
+    (released,) = sgpu_magic.release()
+    assert re.fullmatch(
+        rf"4 warm rank agent\(s\) and placement group sgpu_magic-{job.job_id} \(4 x 1 CPU\) on the Ray cluster, "
+        r"held since \d\d:\d\d:\d\d",
+        released,
+    ), released
+    assert sgpu_magic.release() == []  # nothing held any more
+    wait_for(lambda: _placement_group_state(f"sgpu_magic-{job.job_id}") == {"REMOVED"}, 30, "the group's removal")
+    wait_for(lambda: not _agent_processes(), 60, "the agents and their zygotes to end")
 
 
 def test_a_cluster_too_small_says_so_and_no_wait_fails_at_once(cluster):
@@ -337,3 +374,110 @@ def test_a_kernel_connected_to_one_cluster_refuses_another(cluster):
         r"kernel uses one Ray cluster at a time",
     ):
         distributed(gpus=2, cluster="127.0.0.1:9", mlflow=False, widgets=False)(lambda: 1).distributed()
+
+
+def test_a_second_job_of_its_shape_forks_its_ranks_on_the_warm_agents_and_sees_a_module_edit(
+    cluster, ip, tmp_path, monkeypatch
+):
+    """Issue 34: the placement group and agents of a job are kept; the next job of its shape forks its ranks from each
+    agent's zygote (torch preloaded), with the same contract (rank env, collectives, results in rank order), and a
+    module of the notebook's edited between the jobs is imported afresh, as it is locally."""
+    from sgpu_magic.launch.ray.warm import WARM
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "sgpu_ray_mod.py"
+
+    @distributed(gpus=4, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)
+    def read_value():
+        import os
+
+        import sgpu_ray_mod
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print(f"rank {os.environ['RANK']} reads {sgpu_ray_mod.VALUE}", flush=True)
+        return sgpu_ray_mod.VALUE, t.item(), os.environ["RANK"], os.environ["LOCAL_RANK"], os.getpid()
+
+    module.write_text("VALUE = 1\n")
+    first = read_value.distributed()
+    assert [v[:2] for v in first] == [(1, 4.0)] * 4 and "warm_agents" not in _status_file(read_value.last_job)
+    held = WARM.held()
+    assert held is not None and held.name == f"sgpu_magic-{read_value.last_job.job_id}"
+    wait_for(lambda: all(ray.get([a.warm.remote() for a in held.actors])), 180, "the agents' zygotes to preload torch")
+    table = repr(ip.run_line_magic("distributed_jobs", ""))
+    assert f"Ray: 4 warm rank agent(s) and placement group {held.name} (4 x 1 CPU) on the Ray cluster" in table
+    assert "given back after 180 s with no job (sgpu_magic.release() now)" in table
+
+    module.write_text("VALUE = 22\n")  # edited between the jobs
+    second = read_value.distributed()
+    job = read_value.last_job
+    assert [v[:4] for v in second] == [(22, 4.0, str(r), str(r % 2)) for r in range(4)]
+    status = _status_file(job)
+    assert status["warm_agents"] is True and status["forked_ranks"] == 4
+    assert {v[4] for v in second}.isdisjoint(v[4] for v in first)  # fresh rank processes, forked
+    assert all(f"rank {r} reads 22" in job.logs(r) for r in range(4))  # the logs come back as from cold ranks
+    assert WARM.held() is not None and WARM.held().name == held.name  # parked again for the next one
+
+
+def test_a_job_of_another_shape_and_the_keep_warm_time_give_the_warm_set_back(cluster, ip):
+    """A job that needs other bundles gives the held set back first (so its own placement group gets the CPUs); an
+    idle set goes after ray_keep_warm_s, and with it its placement group and agents."""
+    from sgpu_magic.launch.ray.warm import WARM
+
+    two = distributed(gpus=2, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)(lambda: 2)
+    four = distributed(gpus=4, cluster=cluster.address, timeout=300, mlflow=False, widgets=False)(lambda: 4)
+    assert two.distributed() == [2, 2]
+    two_set = WARM.held().name
+    ip.run_line_magic("config", "DistributedMagics.ray_keep_warm_s = 2")
+    try:
+        assert four.distributed() == [4] * 4  # the 2 held CPUs are given back: 4 of 4 are needed
+        assert (two_set, "a job of another shape") in WARM.released
+        four_set = WARM.held().name
+        wait_for(lambda: WARM.held() is None, 60, "the idle set to be given back")
+        assert WARM.released[-1] == (four_set, "idle for 2 s")
+        wait_for(lambda: _placement_group_state(four_set) == {"REMOVED"}, 30, "its placement group's removal")
+        wait_for(lambda: not _agent_processes(), 60, "its agents and their zygotes to end")
+        ip.run_line_magic("config", "DistributedMagics.ray_keep_warm_s = 0")
+        assert two.distributed() == [2, 2] and WARM.held() is None  # 0 keeps nothing
+        last = f"sgpu_magic-{two.last_job.job_id}"
+        wait_for(lambda: _placement_group_state(last) == {"REMOVED"}, 30, "the group of a job with 0 keep-warm")
+    finally:
+        ip.run_line_magic("config", "DistributedMagics.ray_keep_warm_s = None")
+
+
+def test_a_bad_keep_warm_time_is_refused_before_the_job_starts(cluster, ip, monkeypatch, caplog):
+    from sgpu_magic.errors import SpecError
+    from sgpu_magic.launch.ray.warm import DEFAULT_KEEP_WARM_S, keep_warm_s
+
+    ip.run_line_magic("config", "DistributedMagics.ray_keep_warm_s = -5")  # %config logs a trait's refusal
+    assert "'ray_keep_warm_s' trait of a DistributedMagics instance should not be less than 0.0" in caplog.text
+    assert keep_warm_s() == DEFAULT_KEEP_WARM_S  # unchanged
+    monkeypatch.setenv("SGPU_MAGIC_RAY_KEEP_WARM_S", "three minutes")
+    with pytest.raises(
+        SpecError,
+        match=r"SGPU_MAGIC_RAY_KEEP_WARM_S='three minutes': give the seconds a Ray job's placement group and rank "
+        r"agents are kept for the next job, a number >= 0 \(0 keeps nothing warm\)",
+    ):
+        distributed(gpus=2, cluster=cluster.address, mlflow=False, widgets=False)(lambda: 1).distributed()
+
+
+def test_a_sigkilled_kernel_leaves_no_warm_agent_or_zygote(cluster, tmp_path):
+    """What a kernel keeps warm goes with it: Ray removes a dead driver's actors, and each zygote dies with its
+    agent."""
+    km, kc = start_kernel(cwd=tmp_path, env={"SGPU_MAGIC_WIDGETS": "0"})
+    try:
+        out = execute(kc, f"%%distributed --gpus 2 --cluster {cluster.address} --no-mlflow\n1 + 1", 300)
+        assert out.error is None and "2" in "".join(out.results)
+
+        wait_for(
+            lambda: len(_agent_processes(["sgpu_magic.launch.ray.zygote"])) == 2,
+            180,
+            "the kernel's two warm agents to start their zygotes",
+        )
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        wait_for(lambda: not _agent_processes(), 30, "Ray to end the dead kernel's warm agents, and their zygotes")
+    finally:
+        stop_kernel(km, kc)

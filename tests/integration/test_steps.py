@@ -54,7 +54,10 @@ def test_a_rank_50_ms_slower_per_step_is_named_the_straggler_within_20_steps(sgp
     job = slow_rank_one.last_job
     times = job.step_times()
     assert sorted(times) == [0, 1] and [len(t) for t in times.values()] == [20, 20]
-    assert all(t >= 0.05 for t in times[0] + times[1])  # both ranks' steps last as long: the collective evens them
+    assert all(t >= 0.05 for t in times[1])  # rank 1 sleeps 50 ms in each step
+    # rank 0's steps last about as long (the collective evens them); a step rank 0 starts late (descheduled on a
+    # loaded machine, or the first one, after the rendezvous) is shorter by that delay, so the median says it
+    assert statistics.median(times[0]) >= 0.04
     waits = job.metrics("step_collective_s")["step_collective_s"]
     assert statistics.median(v for _, v in waits[0]) >= 0.03  # rank 0 spent its step waiting for rank 1 in all_reduce
     straggler = job.straggler()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from sgpu_magic._compat.forkserver import fork_forkserver, forkserver_pid, stop_forkserver
-from sgpu_magic._util.fs import touch_private
+from sgpu_magic._util.fs import site_packages_fingerprint, touch_private
 from sgpu_magic._util.proc import die_with_parent
 from sgpu_magic.rundir import atomic_write_json, read_json
 
@@ -80,7 +80,7 @@ class WarmPool:
         """Start (or restart) the forkserver as needed; whether it has finished preloading."""
         import multiprocessing.forkserver as forkserver
 
-        fingerprint = _path_fingerprint(sys_path)
+        fingerprint = site_packages_fingerprint(sys_path)
         if self.fingerprint is not None and fingerprint != self.fingerprint:
             stop_forkserver()
             if os.path.exists(self.marker):
@@ -111,7 +111,7 @@ class WarmPool:
             Whether the forkserver is ready (its marker made).
         """
         host_pid = os.getpid()
-        self.fingerprint = _path_fingerprint(sys_path)
+        self.fingerprint = site_packages_fingerprint(sys_path)
         os.environ["SGPU_MAGIC_WARM_MARKER"] = self.marker
         os.environ["SGPU_MAGIC_HOST_PID"] = str(host_pid)
         self.started_s = time.time()
@@ -187,15 +187,3 @@ def _read_ratio(stats_path: Path | None) -> float | None:
     except (OSError, AttributeError):
         return None
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
-
-
-def _path_fingerprint(sys_path: list[str]) -> tuple:
-    stamps = []
-    for entry in sys_path:
-        if os.path.basename(entry.rstrip(os.sep)) not in ("site-packages", "dist-packages"):
-            continue
-        try:
-            stamps.append((entry, os.stat(entry or ".").st_mtime_ns))
-        except OSError:
-            continue
-    return tuple(stamps)

@@ -14,9 +14,10 @@ import pickle
 import select
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic._util.frames import read_frame, write_frame
+from sgpu_magic._util.fs import site_packages_fingerprint
 from sgpu_magic.launch.ray.cluster import ray_module
 from sgpu_magic.rundir import (
     RunDir,
@@ -104,14 +105,25 @@ def agent_class():
 
 class RankAgent:
     """One rank's agent on its node: runs the rank as a child process and serves its files (and, for a live
-    session's rank, its channel)."""
+    session's rank, its channel).
+
+    A fresh agent starts its first rank as a fresh interpreter. Once its job has ended and the kernel keeps it warm
+    (:mod:`sgpu_magic.launch.ray.warm`), :meth:`reset` clears the job's files and starts a zygote that preloads
+    torch (:mod:`~sgpu_magic.launch.ray.zygote`); the next job's rank is forked from it when it is ready, else
+    started cold."""
 
     def __init__(self) -> None:
         import tempfile
 
-        self.dir = Path(tempfile.mkdtemp(prefix="sgpu-ray-rank-"))  # 0700
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.root = Path(tempfile.mkdtemp(prefix="sgpu-ray-rank-"))  # 0700
+        self.dir = self.root / "job"
+        self.proc: subprocess.Popen[bytes] | _ForkedRank | None = None
         self.session: SessionPipe | None = None
+        self.zygote: _Zygote | None = None
+        self.jobs = 0
+        self.sys_path: list[str] = []  # the last job's (its packages are what the zygote preloads)
+        self.store: Any = None  # the rendezvous store it serves for the job (rank 0's agent of a warm set)
+        self._torch_loaded: Any = None  # a thread importing torch.distributed for the store
 
     def node(self) -> tuple[str, str, list[str]]:
         """(node id, node IP, the GPU ids Ray gave this actor)."""
@@ -124,33 +136,59 @@ class RankAgent:
 
         return free_port()
 
+    def warm(self) -> bool:
+        """Whether this agent's zygote has preloaded torch (the next rank is forked from it)."""
+        return self.zygote is not None and self.zygote.ready.is_set() and self.zygote.alive()
+
     def run(self, rank: int, payload: bytes, launch: dict, env: dict) -> dict:
-        """Run the rank to its end: ``{"exitcode", "result", "error", "teardown", "profile"}`` (``profile``: a
-        profiled job's files of this rank, ``{name: bytes}``). ``launch["session"]``: a live session's rank, whose
-        FIFOs are made here first."""
+        """Run the rank to its end: ``{"exitcode", "result", "error", "teardown", "profile", "warm"}`` (``profile``: a
+        profiled job's files of this rank, ``{name: bytes}``; ``warm``: it was forked by the agent's zygote).
+        ``launch["session"]``: a live session's rank, whose FIFOs are made here first."""
         import subprocess
         import sys
 
         from sgpu_magic.launch.teardown import wait_with_grace
         from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
 
+        self.jobs += 1
+        self.sys_path = list(launch.get("sys_path") or sys.path)
+        self.dir = self.root / str(launch.get("job_id") or "job")  # the job's own: an earlier job's rank may linger
         rd = RunDir(self.dir)
-        for folder in (rd.logs_dir, rd.results_dir, rd.errors_dir):
+        for folder in (rd.path, rd.logs_dir, rd.results_dir, rd.errors_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
         atomic_write_bytes(rd.payload_file, payload)
         atomic_write_json(rd.launch_file, launch)
         rd.log_file(rank).touch(mode=0o600)
         if launch.get("session"):
             self.session = SessionPipe(rd, rank)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "sgpu_magic.rank.worker", str(rd.path)],
-            env={**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())},
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        env = {**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())}
+        proc: subprocess.Popen[bytes] | _ForkedRank | None = None
+        packages = site_packages_fingerprint(list(launch.get("sys_path") or sys.path))
+        if self.zygote is not None and self.zygote.packages != packages:  # a %pip install since it preloaded
+            self.zygote.stop()
+            self.zygote = None
+        warm = self.warm()
+        if warm:
+            assert self.zygote is not None  # warm() says it is there
+            try:
+                proc = self.zygote.fork(rd, env)
+            except OSError:  # it died since: this rank starts cold
+                warm = False
+        if proc is None:
+            proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "sgpu_magic.rank.worker", str(rd.path)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.proc = proc
         grace_s = launch.get("teardown_grace_s")
         code, ended = wait_with_grace(
-            self.proc, rd, rank, DEFAULT_TEARDOWN_GRACE_S if grace_s is None else grace_s, 3.0
+            cast("subprocess.Popen[bytes]", proc),  # a _ForkedRank waits as a Popen does
+            rd,
+            rank,
+            DEFAULT_TEARDOWN_GRACE_S if grace_s is None else grace_s,
+            3.0,
         )
         result = rd.result_file(rank).read_bytes() if rd.result_file(rank).exists() else None
         profile = (
@@ -162,19 +200,62 @@ class RankAgent:
             "error": read_json(rd.error_file(rank)),
             "teardown": ended,
             "profile": profile,
+            "warm": warm,
         }
 
-    def cleanup(self) -> None:
-        """Stop the rank (its whole session) if it still runs, and remove this node's copy of its files."""
+    def cleanup(self, keep_agent: bool = False) -> None:
+        """Stop the rank (its whole session) if it still runs, and remove this node's copy of its files (with
+        ``keep_agent``, only the job's: the agent is kept for another job)."""
         import shutil
 
-        if self.proc is not None and self.proc.poll() is None:
+        proc = self.proc
+        if not keep_agent and self.zygote is not None:
+            self.zygote.stop()
+        if proc is not None and proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
             except OSError:
                 pass
-            self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+            proc.wait()
+        shutil.rmtree(self.dir if keep_agent else self.root, ignore_errors=True)
+
+    def open_store(self, host: str) -> int | None:
+        """Serve a fresh rendezvous store (``torch.distributed.TCPStore``) for the next job on ``host`` and a port
+        the OS picks, as torchrun's agent does (ranks connect with ``TORCHELASTIC_USE_AGENT_STORE``); its port,
+        or ``None`` while torch is not imported here yet (the job's rank 0 then serves it). Ranks forked together
+        would otherwise race rank 0's store: the others' first connects fail and back off for 0.5 s or more."""
+        loaded = self._torch_loaded
+        if loaded is None or loaded.is_alive():
+            return None
+        import torch.distributed as dist
+
+        self.close_store()
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return int(self.store.port)
+
+    def close_store(self) -> None:
+        self.store = None  # a TCPStore server stops with its last reference
+
+    def reset(self, serve_store: bool = False) -> bool:
+        """Make the agent ready for another job: :meth:`cleanup`, then start its zygote if it has none
+        (:mod:`sgpu_magic.launch.ray.zygote`; it preloads in the background, :meth:`warm` says when it is done).
+        With ``serve_store`` (rank 0's agent) it also imports torch, in the background, to serve the next job's
+        rendezvous store (:meth:`open_store`). Whether the agent can serve another job (not a live session's: its
+        FIFOs are its session's)."""
+        if self.session is not None:
+            self.cleanup()
+            return False
+        self.cleanup(keep_agent=True)
+        self.proc = None
+        self.close_store()
+        if self.zygote is None or not self.zygote.alive():
+            self.zygote = _Zygote(site_packages_fingerprint(self.sys_path))
+        if serve_store and self._torch_loaded is None:
+            import threading
+
+            self._torch_loaded = threading.Thread(target=__import__, args=("torch.distributed",), daemon=True)
+            self._torch_loaded.start()
+        return True
 
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
@@ -223,3 +304,122 @@ class RankAgent:
         if self.session is None:
             raise RuntimeError("this rank is not a live session's rank, or it has not started yet")
         return self.session
+
+
+class _Zygote:
+    """The agent's end of its zygote (:mod:`sgpu_magic.launch.ray.zygote`): a child that has imported torch and forks
+    ranks on request. A reader thread takes its replies: ``ready`` once preloaded, each rank's pid as it starts and
+    its exit code as it ends."""
+
+    def __init__(self, packages: tuple) -> None:
+        import subprocess
+        import sys
+        import threading
+
+        self.packages = packages
+        """The site-packages fingerprint it was started with (:func:`~sgpu_magic._util.fs.site_packages_fingerprint`)."""
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "sgpu_magic.launch.ray.zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "SGPU_MAGIC_HOST_PID": str(os.getpid())},
+            start_new_session=True,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # PIPE
+        self.ready = threading.Event()
+        self._lock = threading.Lock()  # one request at a time: its "started" reply is the next one
+        self._started: list[int] = []
+        self._started_cv = threading.Condition()
+        self._ranks: dict[int, _ForkedRank] = {}
+        self._exited: dict[int, int] = {}
+        threading.Thread(target=self._read, name="sgpu_magic zygote replies", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while True:
+            try:
+                frame = read_frame(fd)
+            except (OSError, EOFError):
+                frame = None
+            if frame is None:  # the zygote is gone: ranks not heard of ended with it
+                self.ready.clear()
+                with self._started_cv:
+                    for orphan in self._ranks.values():
+                        orphan.ended(-signal.SIGKILL)
+                    self._started.append(-1)
+                    self._started_cv.notify_all()
+                return
+            reply = pickle.loads(frame)
+            if reply[0] == "ready":
+                self.ready.set()
+            elif reply[0] == "started":
+                with self._started_cv:
+                    self._started.append(reply[1])
+                    self._started_cv.notify_all()
+            elif reply[0] == "exited":
+                with self._started_cv:
+                    rank = self._ranks.pop(reply[1], None)
+                    if rank is None:  # it ended before fork() took its pid: fork() gives it its code
+                        self._exited[reply[1]] = reply[2]
+                if rank is not None:
+                    rank.ended(reply[2])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(self, rd: RunDir, env: dict[str, str]) -> _ForkedRank:
+        """Fork a rank of the job in ``rd`` with ``env`` (its whole environment).
+
+        Raises:
+            OSError: the zygote is gone (the caller starts the rank cold)."""
+        assert self.proc.stdin is not None
+        with self._lock:
+            write_frame(self.proc.stdin.fileno(), pickle.dumps((str(rd.path), env)))
+            with self._started_cv:
+                while not self._started:
+                    self._started_cv.wait()
+                pid = self._started.pop(0)
+                if pid < 0:
+                    raise OSError("the agent's zygote ended")
+                rank = _ForkedRank(pid)
+                if pid in self._exited:
+                    rank.ended(self._exited.pop(pid))
+                else:
+                    self._ranks[pid] = rank
+        return rank
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.proc.wait()
+
+
+class _ForkedRank:
+    """A rank forked by the agent's zygote, waited for as a ``subprocess.Popen`` is (``wait``, ``poll``, ``pid``;
+    exit code ``-N`` for signal ``N``)."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        self.pid = pid
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def ended(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired("rank", timeout or 0.0)
+        assert self.returncode is not None  # set before the event
+        return self.returncode

@@ -25,6 +25,7 @@ the job's actors (and with them the ranks) and its placement group. Ray is optio
 from __future__ import annotations
 
 from sgpu_magic.errors import ResourceError, SpecError
+from sgpu_magic.launch.ray.warm import WARM, keep_warm_s
 from sgpu_magic.launch.resources import DevicePlan
 
 PENDING_NOTE_S = 5.0
@@ -105,8 +106,11 @@ def plan_on_cluster(spec) -> DevicePlan:
 
     Raises:
         ResourceError: the cluster cannot be reached, or it will never have ``spec.gpus`` bundles
-            (fewer in total), or ``wait=False`` and they are not free now.
+            (fewer in total), or ``wait=False`` and they are not free now (what this kernel keeps warm counts as
+            free: it is taken, or given back, when the job starts).
+        SpecError: ``$SGPU_MAGIC_RAY_KEEP_WARM_S`` is not a number >= 0.
     """
+    keep_warm_s()  # a bad SGPU_MAGIC_RAY_KEEP_WARM_S is refused before anything starts
     ray = connect(spec.cluster)
     total = ray.cluster_resources()
     gpu = total.get("GPU", 0) > 0
@@ -119,7 +123,8 @@ def plan_on_cluster(spec) -> DevicePlan:
             f"the {spec.gpus} ranks asked for; ask for fewer or add nodes"
         )
     if not spec.wait:
-        free = ray.available_resources().get(unit, 0)
+        held = WARM.held()  # given back, or taken, when the job starts: free for it
+        free = ray.available_resources().get(unit, 0) + (held.shape[0] if held is not None else 0)
         if free < spec.gpus:
             raise ResourceError(
                 f"the Ray cluster {spec.cluster!r} has {free:g} of {total.get(unit, 0):g} {unit}s free, "

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 from sgpu_magic.launch.base import finish_job
 from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
+from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
 from sgpu_magic.status import HostStatus, StatusWriter
@@ -94,6 +95,9 @@ class _Supervisor(threading.Thread):
         self.running = threading.Event()
         """Set once every rank has started (its actor's ``run`` called)."""
         self.pg: PlacementGroup | None = None
+        self.pg_name = f"sgpu_magic-{rd.job_id}"
+        self.bundle = _bundle(self.launch["backend"], gpu_type)
+        self.nodes: list[tuple[str, str, list[str]]] = []
 
     def stop(self, reason: str) -> None:
         self._stop_reason = reason  # read by the supervisor's loop within 0.1 s
@@ -121,10 +125,13 @@ class _Supervisor(threading.Thread):
         return "timed_out" if deadline is not None and time.time() > deadline else None
 
     def _run(self) -> None:
-        bundle = _bundle(self.launch["backend"], self.gpu_type)
-        reason = self._reserve(bundle)
-        if reason:
-            return self._finish(reason)
+        bundle = self.bundle
+        warm = None if self._session() else WARM.take(shape_of(self.world, bundle))
+        if warm is None or not self._adopt(warm):
+            reason = self._reserve(bundle)
+            if reason:
+                return self._finish(reason)
+            self._start_agents()
         refs = self._start_ranks()
         self.running.set()
         self._follow(refs)
@@ -134,10 +141,19 @@ class _Supervisor(threading.Thread):
         ray = ray_module()
         from ray.util.placement_group import placement_group
 
-        self.pg = placement_group(
-            [dict(bundle) for _ in range(self.world)], strategy="PACK", name=f"sgpu_magic-{self.rd.job_id}"
-        )
-        ready, noted = self.pg.ready(), 0.0
+        self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK", name=self.pg_name)
+        ready = self.pg.ready()
+        if not ray.wait([ready], timeout=0.1)[0]:
+            WARM.waiting(+1)  # nothing is kept warm while a job waits for the cluster's resources
+            try:
+                return self._wait_for(ready, bundle)
+            finally:
+                WARM.waiting(-1)
+        return None
+
+    def _wait_for(self, ready: Any, bundle: dict[str, float]) -> str | None:
+        ray = ray_module()
+        noted = 0.0
         while not ray.wait([ready], timeout=0.1)[0]:
             reason = self._should_stop()
             if reason:
@@ -153,9 +169,25 @@ class _Supervisor(threading.Thread):
         self.status.pop("waiting", None)
         return None
 
-    def _start_ranks(self) -> list:
-        """One rank actor per bundle, each running its rank with torchrun's env; the status says they run."""
-        ray = ray_module()
+    def _session(self) -> bool:
+        """Whether the job is a live session's ranks (its run directory has its session folder, made by its
+        channel): the agents make the FIFOs, and they are never kept for another job."""
+        return self.rd.session_dir.is_dir()
+
+    def _adopt(self, warm: WarmSet) -> bool:
+        """Take the kernel's warm placement group and agents (:mod:`~sgpu_magic.launch.ray.warm`) for this job;
+        ``False`` (given back) when an agent is gone, e.g. its node was lost."""
+        try:
+            self.nodes = ray_module().get([a.node.remote() for a in warm.actors], timeout=30)
+        except Exception:  # noqa: BLE001 - a dead agent or node: start afresh
+            give_back(warm)
+            return False
+        self.pg, self.actors, self.pg_name = warm.pg, warm.actors, warm.name
+        self.status["warm_agents"] = True
+        return True
+
+    def _start_agents(self) -> None:
+        """One rank agent per bundle of the job's placement group."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         assert self.pg is not None  # reserved by _reserve
@@ -169,11 +201,20 @@ class _Supervisor(threading.Thread):
             ).remote()
             for r in range(self.world)
         ]
-        nodes = ray.get([a.node.remote() for a in self.actors])
-        port = self.launch.get("port") or ray.get(self.actors[0].free_port.remote())
+        self.nodes = ray_module().get([a.node.remote() for a in self.actors])
+
+    def _start_ranks(self) -> list:
+        """Each agent runs its rank with torchrun's env; the status says they run."""
+        ray = ray_module()
+        nodes = self.nodes
+        port = None
+        if self.status.get("warm_agents") and not self.launch.get("port"):
+            port = ray.get(self.actors[0].open_store.remote(nodes[0][1]))  # rank 0's agent serves the store
+        agent_store = port is not None
+        port = port or self.launch.get("port") or ray.get(self.actors[0].free_port.remote())
         payload = self.rd.payload_file.read_bytes()
         refs = [
-            a.run.remote(r, payload, self._rank_launch(), self._rank_env(r, nodes, port))
+            a.run.remote(r, payload, self._rank_launch(), self._rank_env(r, nodes, port, agent_store))
             for r, a in enumerate(self.actors)
         ]
         pids = ray.get([a.pid.remote() for a in self.actors])
@@ -226,6 +267,8 @@ class _Supervisor(threading.Thread):
                 },
             }
         exitcodes[str(rank)] = out["exitcode"]
+        if out.get("warm"):  # forked from its warm agent's zygote
+            self.status["forked_ranks"] = self.status.get("forked_ranks", 0) + 1
         if out["result"] is not None:
             atomic_write_bytes(self.rd.result_file(rank), out["result"])
         if out["error"]:
@@ -256,8 +299,11 @@ class _Supervisor(threading.Thread):
             self._mlflow = run_env(run_file) if run_file else {}
         return self._mlflow
 
-    def _rank_env(self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int) -> dict[str, str]:
-        """torchrun's contract for ``rank``; ``nodes[r]`` = (node id, IP, Ray's GPU ids) of rank ``r``'s actor."""
+    def _rank_env(
+        self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int, agent_store: bool = False
+    ) -> dict[str, str]:
+        """torchrun's contract for ``rank``; ``nodes[r]`` = (node id, IP, Ray's GPU ids) of rank ``r``'s actor;
+        ``agent_store``: rank 0's agent serves the rendezvous store at ``port`` (else rank 0 does)."""
         from sgpu_magic.launch.client import rank_base_env
         from sgpu_magic.launch.env import cpu_framework_env, torchrun_env
 
@@ -269,7 +315,6 @@ class _Supervisor(threading.Thread):
         local = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
         env = {**rank_base_env(), **self.launch.get("env", {}), **self._mlflow_env()}
         env.pop(RUN_FILE_ENV, None)  # the kernel's run directory is not on the nodes: the run's identity is given
-        # rank 0 hosts the rendezvous store (no launcher process on the cluster serves one)
         env.update(
             torchrun_env(
                 self.rd.job_id,
@@ -281,7 +326,7 @@ class _Supervisor(threading.Thread):
                 len(order),
                 nodes[0][1],
                 port,
-                agent_store=False,
+                agent_store=agent_store,
             )
         )
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -330,6 +375,9 @@ class _Supervisor(threading.Thread):
     def _finish(self, state: str, **change) -> None:
         ray = ray_module()
         self._pull_logs()  # what the ranks wrote up to now, before their actors go
+        if self._park():
+            finish_job(self.writer, state, self.world, **change)
+            return
         cleanups = []
         for actor in self.actors:
             try:
@@ -346,6 +394,24 @@ class _Supervisor(threading.Thread):
             except Exception:  # noqa: BLE001
                 pass
         finish_job(self.writer, state, self.world, **change)
+
+    def _park(self) -> bool:
+        """Keep the job's placement group and agents warm for the next job of its shape (:mod:`~sgpu_magic.launch.
+        ray.warm`): each agent stops its rank, clears the job's files and starts its zygote; whether they
+        were kept (not for a session's ranks, nor when ``ray_keep_warm_s`` is 0 or an agent did not answer)."""
+        if not self.actors or self.pg is None or self._session() or keep_warm_s() <= 0:
+            return False
+        ray = ray_module()
+        try:
+            ready = ray.get([a.reset.remote(serve_store=r == 0) for r, a in enumerate(self.actors)], timeout=10)
+        except Exception:  # noqa: BLE001 - a dead or stuck agent: the job's actors go
+            return False
+        if not all(ready):
+            return False
+        warm = WarmSet(shape_of(self.world, self.bundle), self.pg, self.actors, driver_id(), self.pg_name)
+        self.pg = None  # the warm set holds it now (WARM gives it back)
+        WARM.park(warm)
+        return True
 
     def _release(self) -> None:
         if self.pg is not None:
