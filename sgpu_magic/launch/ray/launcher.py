@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from sgpu_magic.errors import SpecError
 from sgpu_magic.launch.base import finish_job
 from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
@@ -399,7 +400,11 @@ class _Supervisor(threading.Thread):
         """Keep the job's placement group and agents warm for the next job of its shape (:mod:`~sgpu_magic.launch.
         ray.warm`): each agent stops its rank, clears the job's files and starts its zygote; whether they
         were kept (not for a session's ranks, nor when ``ray_keep_warm_s`` is 0 or an agent did not answer)."""
-        if not self.actors or self.pg is None or self._session() or keep_warm_s() <= 0:
+        try:
+            keep_s = keep_warm_s()
+        except SpecError:  # the environment's value went bad since the job was planned: keep nothing
+            keep_s = 0.0
+        if not self.actors or self.pg is None or self._session() or keep_s <= 0:
             return False
         ray = ray_module()
         try:

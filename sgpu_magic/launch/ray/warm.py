@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgpu_magic.errors import SpecError
+
 DEFAULT_KEEP_WARM_S = 180.0
 """Seconds the kernel keeps its last Ray job's placement group and rank agents with no job to run: three minutes of
 an edit-and-rerun loop, and the cluster's resources back to everyone soon after."""
@@ -41,8 +43,6 @@ def _env_keep_warm_s() -> float:
     except ValueError:
         value = -1.0
     if not value >= 0:
-        from sgpu_magic.errors import SpecError
-
         raise SpecError(
             f"{KEEP_WARM_ENV}={raw!r}: give the seconds a Ray job's placement group and rank agents are kept for the "
             f"next job, a number >= 0 (0 keeps nothing warm), e.g. {KEEP_WARM_ENV}=180, or unset it"
@@ -149,14 +149,17 @@ class WarmRanks:
             return None
         if held.shape == shape and held.driver == driver_id():
             return held
-        give_back(held)
         self._note(held, "a job of another shape" if held.shape != shape else "Ray was shut down")
+        give_back(held)
         return None
 
     def park(self, warm: WarmSet) -> bool:
         """Keep ``warm`` for the next job of its shape (replacing a set held already); whether it was kept (not
         when ``keep_warm_s`` is 0 or a job waits for the cluster's resources: then it is given back at once)."""
-        keep_s = keep_warm_s()
+        try:
+            keep_s = keep_warm_s()
+        except SpecError:  # the environment's value went bad since the job was planned: keep nothing
+            keep_s = 0.0
         with self._lock:
             old, self._held = self._held, None
             self._cancel_timer()
@@ -167,11 +170,11 @@ class WarmRanks:
                 self._timer.daemon = True
                 self._timer.start()
         if old is not None:
-            give_back(old)
             self._note(old, "a newer job's set")
+            give_back(old)
         if not kept:
-            give_back(warm)
             self._note(warm, "a job waits for the cluster's resources" if keep_s > 0 else "ray_keep_warm_s is 0")
+            give_back(warm)
         return kept
 
     def release(self, why: str = "sgpu_magic.release()") -> str | None:
@@ -179,12 +182,12 @@ class WarmRanks:
         with self._lock:
             held, self._held = self._held, None
             self._cancel_timer()
+            if held is not None:
+                self._note(held, why)
         if held is None:
             return None
-        line = held.what()
         give_back(held)
-        self._note(held, why)
-        return line
+        return held.what()
 
     def waiting(self, delta: int) -> None:
         """A job starts (``+1``) or stops (``-1``) waiting for the cluster's resources; while one waits, a set is
@@ -199,8 +202,8 @@ class WarmRanks:
             if self._held is not warm:
                 return
             self._held, self._timer = None, None
+            self._note(warm, f"idle for {keep_warm_s():g} s")
         give_back(warm)
-        self._note(warm, f"idle for {keep_warm_s():g} s")
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -208,6 +211,8 @@ class WarmRanks:
             self._timer = None
 
     def _note(self, warm: WarmSet, why: str) -> None:
+        """Record why ``warm`` is given back: before it is (that takes Ray calls), so one who sees nothing held
+        sees why."""
         self.released = [*self.released[-19:], (warm.name, why)]
 
 
