@@ -415,7 +415,7 @@ class _Supervisor(threading.Thread):
             return False
         warm = WarmSet(shape_of(self.world, self.bundle), self.pg, self.actors, driver_id(), self.pg_name)
         self.pg = None  # the warm set holds it now (WARM gives it back)
-        WARM.park(warm)
+        WARM.park(warm, keep_s)
         return True
 
     def _release(self) -> None:

@@ -153,13 +153,10 @@ class WarmRanks:
         give_back(held)
         return None
 
-    def park(self, warm: WarmSet) -> bool:
-        """Keep ``warm`` for the next job of its shape (replacing a set held already); whether it was kept (not
-        when ``keep_warm_s`` is 0 or a job waits for the cluster's resources: then it is given back at once)."""
-        try:
-            keep_s = keep_warm_s()
-        except SpecError:  # the environment's value went bad since the job was planned: keep nothing
-            keep_s = 0.0
+    def park(self, warm: WarmSet, keep_s: float) -> bool:
+        """Keep ``warm`` for ``keep_s`` seconds with no job, for the next job of its shape (replacing a set held
+        already); whether it was kept (not when ``keep_s`` is 0 or a job waits for the cluster's resources: then it
+        is given back at once)."""
         with self._lock:
             old, self._held = self._held, None
             self._cancel_timer()
