@@ -12,8 +12,10 @@ path>``. Every process on the machine (ranks and their DataLoader workers) share
   removed (never the one just fetched) until the cache is at 90% of the bound. Eviction order is
   the files' mtime: a file looked up or fetched for a reader is pinned (mtime one day ahead) until
   the reader is handed it (:meth:`VolumeCache.served` sets the mtime to now), so files fetched ahead
-  go last. Keep the bound above what all readers fetch ahead (ranks x workers x ``prefetch_files``
-  files), or a file may still be evicted between being handed out and being opened.
+  go last. A pinned file is never evicted (an eviction reads each file's mtime again before it
+  unlinks it, and a lookup pins before it checks), so the bound may be exceeded while readers hold
+  more than it; a file fetched ahead that is gone when it is yielded anyway (the cache cleared by
+  hand) is fetched again.
 
 A cached copy is trusted when its size equals the size the listing reported (or the listing had
 no size, as for plain HTTP directory pages); files changed in place at the same size are not
@@ -75,10 +77,12 @@ class VolumeCache:
     def lookup(self, relative: str, size: int | None) -> str | None:
         """The cached copy's local path, or ``None`` when there is none yet (nothing is fetched)."""
         local = os.path.join(self._dir, relative)  # str paths: this is the per-file hot path of a cached epoch
+        # Pin before checking: a file checked and then pinned could be evicted in between (by a fetch thread
+        # of this reader or by another process), and the path handed out would name nothing.
+        if self.max_bytes is not None and not self._pin(local):
+            return None
         if not self._valid(local, size):
             return None
-        if self.max_bytes is not None:
-            self._pin(local)
         return local
 
     def get(self, relative: str, size: int | None, fetch: Callable[[str], object]) -> tuple[str, bool]:
@@ -113,13 +117,20 @@ class VolumeCache:
         return size is None or st.st_size == size
 
     @staticmethod
-    def _pin(local: str) -> None:
-        """Mark a file as about to be served: an mtime in the future puts it last in the eviction order."""
+    def _pin(local: str) -> bool:
+        """Mark a file as about to be served (an mtime in the future puts it last in the eviction order);
+        ``False`` when there is no such file."""
         now = time.time()
         try:
             os.utime(local, (now, now + PIN_S))
         except FileNotFoundError:
-            pass
+            return False
+        return True
+
+    def still_there(self, local: str) -> bool:
+        """Whether a path :meth:`lookup` or :meth:`get` handed out still exists (a bound too small for the
+        files read ahead, or an eviction that read the file's mtime just before it was pinned, can remove it)."""
+        return self.max_bytes is None or os.path.exists(local)
 
     def served(self, local: str) -> None:
         """Record that ``local`` was handed to the reader now (it becomes the most recently served file)."""
@@ -176,6 +187,12 @@ class VolumeCache:
             if held <= self.max_bytes * EVICT_TO or mtime > protected_after:
                 break  # the rest are pinned by live readers: the bound waits for them
             if str(path) == keep:
+                continue
+            try:  # read again: a reader may have pinned it since the walk
+                if os.stat(path).st_mtime > protected_after:
+                    continue
+            except FileNotFoundError:
+                held -= size
                 continue
             path.unlink(missing_ok=True)
             held -= size

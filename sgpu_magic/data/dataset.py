@@ -236,13 +236,17 @@ class VolumeDataset(torch.utils.data.IterableDataset[Any]):
                     cached = self.cache.lookup(relative, self._sizes.get(relative))
                     if cached is None and self.prefetch_files > 1:
                         pool = pool or concurrent.futures.ThreadPoolExecutor(self.prefetch_files, "sgpu-volume-fetch")
-                        window.append(pool.submit(self.fetch, relative))
+                        window.append((relative, pool.submit(self.fetch, relative)))
                     else:
-                        window.append(cached or self.fetch(relative))
+                        window.append((relative, cached or self.fetch(relative)))
                 if not window:
                     return
-                head = window.popleft()
+                relative, head = window.popleft()
                 local = head if isinstance(head, str) else head.result()
+                if not self.cache.still_there(
+                    local
+                ):  # evicted while queued: fetch it again rather than hand out nothing
+                    local = self.fetch(relative)
                 if reading is not None:
                     self.cache.served(reading)
                 reading = local

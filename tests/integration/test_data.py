@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -360,3 +361,50 @@ def test_files_queued_or_being_read_are_never_evicted(tmp_path):
     cache.served(a)  # its reader moved on
     d, _ = cache.get("d", 1000, write)
     assert not os.path.exists(a) and all(os.path.exists(p) for p in (b, c, d))
+
+
+def test_a_file_pinned_after_an_eviction_listed_the_cache_is_kept(tmp_path, monkeypatch):
+    """An eviction lists the cache, then unlinks the least recently served files; a reader that pinned one of
+    them in between (another process's lookup) kept a path to nothing (found by CI in random order)."""
+    from sgpu_magic.data.cache import VolumeCache
+
+    cache = VolumeCache(tmp_path / "cache", max_bytes=2500)
+
+    def write(path):
+        with open(path, "wb") as f:
+            f.write(bytes(1000))
+
+    a, b = (cache.get(name, 1000, write)[0] for name in "ab")
+    now = time.time()
+    os.utime(a, (now, now - 20))  # both served (unpinned), a first: a is the least recently served
+    os.utime(b, (now, now - 10))
+    listed = cache._entries
+
+    def listed_then_a_reader_pins_a():
+        entries = listed()
+        assert cache.lookup("a", 1000) == a
+        return entries
+
+    monkeypatch.setattr(cache, "_entries", listed_then_a_reader_pins_a)
+    cache.get("c", 1000, write)  # 3000 > 2500: evicts down to 2250, b first now
+    assert Path(a).read_bytes() == bytes(1000) and not os.path.exists(b)
+
+
+def test_a_queued_file_removed_from_the_cache_is_fetched_again_before_it_is_yielded(tmp_path):
+    """Files fetched ahead that are gone by the time they are yielded (the cache cleared, or evicted by another
+    process) are fetched again, never handed out as a path to nothing."""
+    root = tmp_path / "vol"
+    root.mkdir()
+    for i in range(6):
+        (root / f"f{i}").write_bytes(bytes([i]) * 100)
+    ds = VolumeDataset(root, cache_dir=tmp_path / "cache", cache_max_bytes=10_000, prefetch_files=4)
+
+    def read_and_clear_the_others(path):
+        for other in ds.cache.directory.iterdir():
+            if other.is_file() and not other.name.startswith(".") and str(other) != path:
+                other.unlink()
+        return Path(path).read_bytes()
+
+    ds.transform = read_and_clear_the_others
+    assert list(ds) == [bytes([i]) * 100 for i in range(6)]
+    assert ds.fetches > 6
