@@ -225,7 +225,7 @@ def step() -> _steps.Step:
     metrics of the rank: ``step_time_s`` (its wall time) and ``step_collective_s`` (the part of it spent inside
     ``torch.distributed``'s blocking collectives), for the panel's Metrics tab, ``job.step_times()``, the straggler
     check (``Job.straggler``) and MLflow (``step_time_s/rank_<r>`` in a tracked job: the mean of the steps since its
-    last point, at most once a second). Without any ``runtime.step()``
+    last point, at most once a second, logged by the kernel when the job ends). Without any ``runtime.step()``
     call, each ``optimizer.step()`` of the first optimizer that steps marks a boundary instead
     (:mod:`sgpu_magic.rank.steps`). A call costs 2-4 µs; outside an sgpu_magic job the points are dropped.
 

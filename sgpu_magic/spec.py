@@ -275,7 +275,7 @@ def make_spec(
         gpu_ids=_check_gpu_ids(gpu_ids, count),
         wait=check_switch("wait", wait, "queue for GPUs other jobs hold, or fail at once"),
         max_restarts=_check_max_restarts(max_restarts),
-        cluster=_check_cluster(cluster, gpu_ids, max_restarts),
+        cluster=_check_cluster(cluster, gpu_ids),
         teardown_grace_s=check_teardown_grace(teardown_grace_s),
         stuck_after_s=check_timeout(stuck_after_s, "stuck_after_s"),
         profile_steps=check_profile_steps(profile_steps),
@@ -333,7 +333,7 @@ def _accelerator_hint(value: object) -> str:
     return ""
 
 
-def _check_cluster(cluster: object, gpu_ids: object, max_restarts: object) -> str | None:
+def _check_cluster(cluster: object, gpu_ids: object) -> str | None:
     """``None``, ``"auto"``, ``"ray://host:port"`` or ``"host:port"``; what a cluster cannot honour is refused."""
     if cluster is None:
         return None
@@ -347,6 +347,4 @@ def _check_cluster(cluster: object, gpu_ids: object, max_restarts: object) -> st
         raise SpecError(f"cluster={cluster!r} is not a Ray address: give 'auto', 'ray://host:port' or 'host:port'")
     if gpu_ids is not None:
         raise SpecError("gpu_ids cannot be used with cluster=: Ray places the ranks; use gpu_type to choose GPUs")
-    if max_restarts:
-        raise SpecError("max_restarts is not supported with cluster= yet; leave it at 0")
     return cluster

@@ -216,15 +216,6 @@ class MetricsWriter:
         if self._thread is None:
             self._start_thread()
 
-    def forward_only(self, run_id: str | None, point: Point) -> None:
-        """Hand ``point`` to :attr:`forward` (MLflow) with the next batch, without writing it to the file."""
-        with self._lock:
-            if self._path is None or self.forward is None:
-                return
-            self._forwarded.append((run_id, point))
-        if self._thread is None:
-            self._start_thread()
-
     def _start_thread(self) -> None:
         with self._lock:
             if self._thread is not None:

@@ -242,7 +242,8 @@ def py_spy_path() -> str | None:
     return shutil.which("py-spy")
 
 
-def _failed(rank: int, pid: int, why: str) -> RankStack:
+def no_stack(rank: int, pid: int, why: str) -> RankStack:
+    """Rank ``rank``'s stack that could not be taken, saying ``why``."""
     return RankStack(rank, pid, f"no stack: {why}", f"rank {rank} (pid {pid}): no stack: {why}\n")
 
 
@@ -252,18 +253,18 @@ def _dump(exe: str, rank: int, pid: int, code: CodeMap, native: bool, timeout_s:
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        return _failed(rank, pid, f"py-spy took longer than {timeout_s:g} s")
+        return no_stack(rank, pid, f"py-spy took longer than {timeout_s:g} s")
     except OSError as exc:
-        return _failed(rank, pid, f"py-spy could not run ({exc})")
+        return no_stack(rank, pid, f"py-spy could not run ({exc})")
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         if not os.path.exists(f"/proc/{pid}"):
             why = "the process had ended"
-        return _failed(rank, pid, f"py-spy: {why}")
+        return no_stack(rank, pid, f"py-spy: {why}")
     try:
         return _parse(rank, pid, done.stdout, code)
     except (ValueError, TypeError, AttributeError) as exc:
-        return _failed(rank, pid, f"py-spy's output could not be read ({type(exc).__name__}: {exc})")
+        return no_stack(rank, pid, f"py-spy's output could not be read ({type(exc).__name__}: {exc})")
 
 
 def take_stacks(
@@ -282,12 +283,17 @@ def take_stacks(
     """
     exe = py_spy_path()
     if exe is None:
-        return {r: _failed(r, pid, "py-spy is not installed (pip install py-spy)") for r, pid in sorted(pids.items())}
+        return {r: no_stack(r, pid, "py-spy is not installed (pip install py-spy)") for r, pid in sorted(pids.items())}
     if not pids:
         return {}
     with ThreadPoolExecutor(max_workers=len(pids)) as pool:
         futures = {r: pool.submit(_dump, exe, r, pid, code, native, timeout_s) for r, pid in sorted(pids.items())}
         return {r: future.result() for r, future in futures.items()}
+
+
+STACK_STATES = frozenset({"timed_out", "cancelled", "interrupted"})
+"""The final states for which a launcher (the launch host, the Ray supervisor) takes the running ranks' stacks before
+it stops them."""
 
 
 def save_stacks(rd: RunDir, pids: dict[int, int]) -> dict[str, str]:
@@ -298,7 +304,12 @@ def save_stacks(rd: RunDir, pids: dict[int, int]) -> dict[str, str]:
     Returns:
         ``{rank: where}`` (string keys, for ``status.json``'s ``stacks``).
     """
-    stacks = take_stacks(pids, CodeMap.read(rd.code_map_file))
+    return write_stacks(rd, take_stacks(pids, CodeMap.read(rd.code_map_file)))
+
+
+def write_stacks(rd: RunDir, stacks: dict[int, RankStack]) -> dict[str, str]:
+    """Write ``stacks`` (taken here or by the ranks' Ray agents on their nodes) to ``stacks/rank_<r>.txt`` (0600 in
+    a 0700 folder); ``{rank: where}`` as :func:`save_stacks` returns it."""
     if stacks:
         rd.stacks_dir.mkdir(mode=0o700, exist_ok=True)
     for rank, stack in stacks.items():

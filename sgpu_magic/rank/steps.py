@@ -24,8 +24,9 @@ gradient computation to ``backward()``'s return is what counts (``torch.autograd
 it; FSDP's reduce-scatter wait is counted the same way). On CUDA, collectives run on the device asynchronously, so
 these are host times (see ``docs/guide/performance.md``).
 
-MLflow, in a tracked job, gets ``step_time_s/rank_<r>`` at most once a second per rank (:data:`MLFLOW_INTERVAL_S`:
-the mean of the steps since its last point), so step timing adds no MLflow load a fast loop would notice.
+MLflow, in a tracked job, gets ``step_time_s/rank_<r>`` from the kernel when the job (or session cell) has ended, read
+from the metrics files (:func:`sgpu_magic.tracking.run.step_time_points`): a rank never imports mlflow for its step
+times (a rank that did paid 1-4 s at its end for the import and the store, on every training job).
 
 Cost: a step mark is a ``perf_counter`` and two points buffered by the metrics writer (about 2-4 µs,
 ``benchmarks.metrics_cost``); a wrapped collective adds two ``perf_counter`` calls. Imports nothing beyond the
@@ -69,10 +70,6 @@ COLLECTIVES = (
 )
 """The ``torch.distributed`` functions whose time counts as time in collectives."""
 
-MLFLOW_INTERVAL_S = 1.0
-"""A tracked rank sends MLflow one ``step_time_s/rank_<r>`` point at most this often: the mean wall time of the steps
-since the last, at the last one's step (the metrics file, hence the panel and ``job.step_times()``, has every step)."""
-
 _C10D = "torch.distributed.distributed_c10d"
 _OPTIMIZER = "torch.optim.optimizer"
 _AUTOGRAD = "torch.autograd"
@@ -90,10 +87,6 @@ class StepClock:
         "index",
         "explicit",
         "optimizer",
-        "mlflow_name",
-        "mlflow_due",
-        "mlflow_sum",
-        "mlflow_steps",
     )
 
     def __init__(self) -> None:
@@ -109,10 +102,6 @@ class StepClock:
         self.index = 0
         self.explicit = False
         self.optimizer: int | None = None
-        self.mlflow_name = f"{STEP_TIME}/rank_{os.environ.get('RANK', '0')}"
-        self.mlflow_due = 0.0
-        self.mlflow_sum = 0.0
-        self.mlflow_steps = 0
 
     def mark(self) -> None:
         """End the open step (if any) and begin the next."""
@@ -134,12 +123,6 @@ class StepClock:
         self.index += 1
         WRITER.record(STEP_TIME, wall_s, step, time_ms, None, forward=False)
         WRITER.record(STEP_COLLECTIVE, min(self.collective_s, wall_s), step, time_ms, None, forward=False)
-        self.mlflow_sum += wall_s
-        self.mlflow_steps += 1
-        now = time.monotonic()
-        if now >= self.mlflow_due:  # MLflow gets the mean of the steps since its last point, at most once a second
-            WRITER.forward_only(None, (self.mlflow_name, self.mlflow_sum / self.mlflow_steps, step, time_ms))
-            self.mlflow_due, self.mlflow_sum, self.mlflow_steps = now + MLFLOW_INTERVAL_S, 0.0, 0
 
     def close(self) -> None:
         """The code has ended: the last ``with`` block's step is recorded up to where the block was left; a step
@@ -147,13 +130,6 @@ class StepClock:
         if self.started is not None and self.exited is not None:
             self._record(self.exited - self.started)
         self.started = self.exited = None
-
-    def flush_mlflow(self) -> None:
-        """Hand MLflow the mean of the steps not yet sent (the code has ended)."""
-        if self.mlflow_steps:
-            point = (self.mlflow_name, self.mlflow_sum / self.mlflow_steps, self.index - 1, int(time.time() * 1000))
-            WRITER.forward_only(None, point)
-            self.mlflow_sum, self.mlflow_steps = 0.0, 0
 
 
 CLOCK = StepClock()
@@ -315,9 +291,8 @@ def begin(profile_steps: int | None = None, run_dir: RunDir | None = None) -> No
 
 def finish() -> None:
     """The code has ended: the step of the last ``with runtime.step()`` block is recorded up to the block's end, a step
-    still open after a bare ``runtime.step()`` is dropped; MLflow gets the mean of the steps it has not had."""
+    still open after a bare ``runtime.step()`` is dropped."""
     CLOCK.close()
-    CLOCK.flush_mlflow()
     profiler, CLOCK.profiler = CLOCK.profiler, None
     if profiler is not None:
         try:

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 from sgpu_magic._compat.imports import import_mlflow
 from sgpu_magic._compat.mlflow import active_experiment_id, stop_system_metrics
 from sgpu_magic._util.kernel_log import divert_info
+from sgpu_magic._util.metrics import STEP_TIME, Point
 from sgpu_magic._util.redact import redact
 from sgpu_magic.errors import SgpuError
 from sgpu_magic.job.follow import JobSink
@@ -139,6 +140,31 @@ def import_store_module(uri: str) -> bool:
 _EXPERIMENTS: dict[tuple[str, str], str] = {}
 """The experiment id of each ``(tracking URI, experiment name)`` a run was made in (used on the tracking worker only):
 a job's run is made without looking its experiment up again (one store round trip less per job)."""
+
+
+STEP_TIME_INTERVAL_S = 1.0
+"""MLflow gets one ``step_time_s/rank_<r>`` point per rank for at most this much of the run's time: the mean wall time
+of the steps since the last point, at the last one's step (the metrics file, hence the panel and
+``job.step_times()``, has every step), so a fast loop adds little to the store."""
+
+
+def step_time_points(points: list[Point], rank: int) -> list[Point]:
+    """The ``step_time_s/rank_<r>`` points MLflow gets of a rank's metric ``points`` (its metrics file, in order): the
+    first step, then the mean of the steps since at the first step :data:`STEP_TIME_INTERVAL_S` or more after the
+    last point, and the mean of the rest at the last step."""
+    name, out = f"{STEP_TIME}/rank_{rank}", []
+    due_ms, total, count = -1, 0.0, 0
+    for metric, value, step, time_ms in points:
+        if metric != STEP_TIME:
+            continue
+        total, count = total + value, count + 1
+        if time_ms >= due_ms:
+            out.append((name, total / count, step, time_ms))
+            due_ms, total, count = time_ms + int(STEP_TIME_INTERVAL_S * 1000), 0.0, 0
+        last = (step, time_ms)
+    if count:
+        out.append((name, total / count, *last))
+    return out
 
 
 def _warn(text: str) -> None:
@@ -423,6 +449,7 @@ class MlflowTracking(JobSink):
             assert self._client is not None  # set with run_id (_create)
             self._client.set_tag(self.run_id, "sgpu_magic.state", raw)
             self._log_peaks(job)
+            self._log_step_times(RunDir(job.run_dir), job.world_size)
             self._log_artifacts(RunDir(job.run_dir))
             self._log_profile(job)
         except Exception as exc:  # noqa: BLE001 - the job's result matters more than its artifacts
@@ -481,6 +508,24 @@ class MlflowTracking(JobSink):
                 if u.peak_gpu_memory_bytes is not None
             ]
             self._client.log_batch(self.run_id, metrics=metrics, synchronous=True)
+
+    def _log_step_times(self, rd: RunDir, world_size: int) -> None:
+        """Each rank's step times (:func:`sgpu_magic.runtime.step`, or its optimizer's steps) as
+        ``step_time_s/rank_<r>``, read from its metrics file here (:func:`step_time_points`), so no rank imports mlflow
+        for them."""
+        from mlflow.entities import Metric
+
+        from sgpu_magic._util.metrics import read_points
+
+        assert self._client is not None and self.run_id is not None  # called by _finish, for a tracked job
+        metrics = []
+        for rank in range(world_size):
+            path = rd.metrics_file(rank)
+            if path.exists():
+                points = step_time_points(read_points(path), rank)
+                metrics += [Metric(name, value, time_ms, step) for name, value, step, time_ms in points]
+        for start in range(0, len(metrics), 1000):  # MLflow's limit per batch
+            self._client.log_batch(self.run_id, metrics=metrics[start : start + 1000], synchronous=True)
 
     def _end_rank_runs(self, status: str, ended_s: float) -> None:
         """End the ranks' own runs (``mlflow.start_run()`` in a rank) that are still RUNNING (a rank killed inside

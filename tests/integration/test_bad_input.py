@@ -896,8 +896,7 @@ def test_bad_cluster_arguments_are_refused_before_anything_starts():
         distributed(gpus=2, cluster="nowhere")
     with pytest.raises(SpecError, match=r"gpu_ids cannot be used with cluster="):
         distributed(gpus=2, cluster="auto", gpu_ids=[0, 1])
-    with pytest.raises(SpecError, match=r"max_restarts is not supported with cluster= yet"):
-        distributed(gpus=2, cluster="auto", max_restarts=1)
+    assert distributed(gpus=2, cluster="auto", max_restarts=1)(len).spec.max_restarts == 1  # restarts on Ray too
 
 
 def test_cluster_without_ray_installed_says_how_to_get_it(monkeypatch):

@@ -12,6 +12,7 @@ import os
 import queue
 import re
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
@@ -187,18 +188,130 @@ def test_step_times_the_straggler_and_the_profile_come_back_from_the_nodes(clust
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
 
 
-def test_a_job_past_its_timeout_is_stopped(cluster):
+def _line_of(text: str) -> int:
+    """The line of this file that holds ``text`` (where a rank's stack names it)."""
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.strip() == text)
+
+
+def test_stacks_of_ray_ranks_are_taken_on_their_nodes_live_and_when_the_job_times_out(cluster):
+    """The twin of test_stacks.py's hang on one machine: rank 0 waits in dist.broadcast for rank 1, which sleeps in
+    a loop. job.stacks() reads both through their agents (py-spy on each rank's node) while they run, and the
+    timeout stops the job (test_a_job_past_its_timeout_is_stopped, before) and its error names where each rank
+    was, their stacks kept in the run directory as locally."""
     from sgpu_magic.errors import JobTimeoutError
 
     @distributed(gpus=2, cluster=cluster.address, timeout=40, mlflow=False, widgets=False)
-    def too_long():
+    def hangs():
         import time
 
-        time.sleep(600)
+        import torch
+        import torch.distributed as dist
 
-    with pytest.raises(JobTimeoutError, match=r"ran longer than its timeout of 40 s"):
-        too_long.distributed()
-    assert wait_for(lambda: not job_processes(too_long.last_job.job_id), 30, "the ranks to stop")
+        dist.init_process_group("gloo")
+        t = torch.zeros(1)
+        if dist.get_rank() == 0:
+            dist.broadcast(t, src=1)  # ray stacks: rank 0 waits here
+        while True:
+            time.sleep(0.05)  # ray stacks: rank 1 loops here
+
+    here = f"{__file__} line "
+    at0 = f"dist.broadcast at {here}{_line_of('dist.broadcast(t, src=1)  # ray stacks: rank 0 waits here')}"
+    at1 = f"time.sleep at {here}{_line_of('time.sleep(0.05)  # ray stacks: rank 1 loops here')}"
+
+    def in_place(job):
+        if job.state.value != "running":
+            return None
+        stacks = job.stacks()
+        firsts = [stacks[r].splitlines()[0] for r in (0, 1)]
+        return stacks if firsts[0].endswith(at0) and firsts[1].endswith(at1) else None
+
+    job = hangs.submit()
+    stacks = wait_for(lambda: in_place(job), 35, "rank 0 in dist.broadcast and rank 1 in time.sleep")
+    assert re.fullmatch(rf"rank 0 \(pid \d+\): {re.escape(at0)}", stacks[0].splitlines()[0])
+    assert "        dist.broadcast(t, src=1)  # ray stacks: rank 0 waits here" in stacks[0].splitlines()
+    error = job.exception(timeout_s=90)
+    assert isinstance(error, JobTimeoutError) and "ran longer than its timeout of 40 s; every rank was stopped" in str(
+        error
+    )
+    assert wait_for(lambda: not job_processes(job.job_id), 30, "the ranks to stop")
+    stacks_dir = job.run_dir / "stacks"
+    assert f"Where the ranks still running were: rank 0: {at0}; rank 1: {at1} (their stacks: {stacks_dir})" in str(
+        error
+    )
+    assert job.status.stacks == {0: at0, 1: at1}
+    for rank, at in ((0, at0), (1, at1)):
+        path = stacks_dir / f"rank_{rank}.txt"
+        assert oct(path.stat().st_mode & 0o777) == "0o600" and path.read_text().splitlines()[0].endswith(at)
+    assert oct(stacks_dir.stat().st_mode & 0o777) == "0o700"
+    with pytest.raises(Exception, match=rf"^job {job.job_id} has ended \(timed_out\): its ranks are gone; the stacks"):
+        job.stacks()
+
+
+def _flaky(how: str, fail_attempts: int):
+    """test_restarts.py's ``flaky``: rank 1 fails (``how``: "kill" = SIGKILL itself, "raise" = ValueError) on the
+    first ``fail_attempts`` attempts."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print(f"rank {rank} starts attempt with restart count {attempt}", flush=True)
+    if rank == 1 and attempt < fail_attempts:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError(f"rank 1 fails on restart count {attempt}")
+    dist.barrier()
+    return {"rank": rank, "restart_count": attempt, "max_restarts": int(os.environ["TORCHELASTIC_MAX_RESTARTS"])}
+
+
+def _flaky_on(cluster):
+    return distributed(gpus=2, cluster=cluster.address, max_restarts=2, mlflow=False, widgets=False, timeout=300)(
+        _flaky
+    )
+
+
+def test_a_ray_rank_killed_once_is_restarted_on_its_agents_and_attempt_2_succeeds(cluster):
+    """test_restarts.py's twin: torchrun's restart policy on the cluster (every rank again, same agents, a fresh
+    store), each attempt's record kept, the logs going on after a line naming the attempt."""
+    from sgpu_magic.job.state import JobState
+
+    flaky = _flaky_on(cluster)
+    results = flaky.distributed("kill", 1)
+    assert results == [
+        {"rank": 0, "restart_count": 1, "max_restarts": 2},
+        {"rank": 1, "restart_count": 1, "max_restarts": 2},
+    ]
+    job = flaky.last_job
+    assert job.state is JobState.SUCCEEDED and job.attempt == 2
+    (first,) = job.attempts
+    assert first["attempt"] == 1 and [(f["rank"], f["exitcode"]) for f in first["failures"]] == [(1, -9)]
+    for rank in (0, 1):
+        log = job.logs(rank).splitlines()
+        starts = [i for i, line in enumerate(log) if line.startswith(f"rank {rank} starts attempt")]
+        marker = log.index(
+            "[sgpu_magic] attempt 2 of 3: all ranks restarted after rank 1 failed (killed by signal SIGKILL (9))"
+        )
+        assert log[starts[-1]] == f"rank {rank} starts attempt with restart count 1" and marker < starts[-1]
+    assert "rank 1 starts attempt with restart count 0" in job.logs(1)  # the first attempt's lines stay
+
+
+def test_each_failed_ray_attempts_errors_are_kept_and_the_last_one_fails_the_job(cluster):
+    with pytest.raises(
+        RankFailedError,
+        match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails on restart count 2"
+        r"(.|\n)*attempt 3 of 3 failed, after 2 restart\(s\); job.attempts lists the earlier failures",
+    ):
+        (flaky := _flaky_on(cluster)).distributed("raise", 3)
+    job = flaky.last_job
+    assert job.attempt == 3 and [a["attempt"] for a in job.attempts] == [1, 2]
+    assert job.attempts[0]["exitcodes"][1] == 1  # rank keys are ints
+    for k in (1, 2):
+        kept = json.loads((job.run_dir / "errors" / f"attempt_{k}" / "rank_1.json").read_text())
+        assert kept["message"] == f"rank 1 fails on restart count {k - 1}"
 
 
 def test_the_first_failing_rank_is_the_root_cause_and_the_rest_stop(cluster):
@@ -410,6 +523,11 @@ def test_a_second_job_of_its_shape_forks_its_ranks_on_the_warm_agents_and_sees_a
     table = repr(ip.run_line_magic("distributed_jobs", ""))
     assert f"Ray: 4 warm rank agent(s) and placement group {held.name} (4 x 1 CPU) on the Ray cluster" in table
     assert "given back after 180 s with no job (sgpu_magic.release() now)" in table
+    from sgpu_magic.front.doctor import diagnose
+
+    (ray_row,) = [row for row in diagnose().rows if row.name == "ray"]  # the doctor says it too
+    assert f"this kernel is connected to the Ray cluster {cluster.address!r}" in ray_row.details
+    assert f"4 warm rank agent(s) and placement group {held.name}" in ray_row.details
 
     module.write_text("VALUE = 22\n")  # edited between the jobs
     second = read_value.distributed()

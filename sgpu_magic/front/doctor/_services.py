@@ -280,11 +280,16 @@ def _reachable(address: str, timeout_s: float) -> str | None:
 
 
 def ray_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
-    from sgpu_magic.launch.ray.cluster import is_connected
+    from sgpu_magic.launch import held_warm
+    from sgpu_magic.launch.ray import cluster
 
     address, source = _ray_address(config)
     version = version_of("ray") if _importable("ray") else None
     installed = f"Ray {version} installed" if version else "Ray not installed (pip install 'sgpu_magic[ray]' for it)"
+    if cluster.is_connected():  # whatever is configured: what this kernel's jobs use, and what it holds there
+        held = "; ".join(held_warm()) or "nothing kept warm on it"
+        named = cluster.connected_to() or address or "initialised in the notebook"
+        return [ok("ray", f"this kernel is connected to the Ray cluster {named!r}; Ray {version}; {held}")]
     if address is None:
         return [ok("ray", f"no cluster configured: jobs run on this machine; {installed}")]
     if version is None:
@@ -295,8 +300,6 @@ def ray_rows(config: DoctorConfig, facts: Facts) -> list[Check]:
                 "pip install 'sgpu_magic[ray]' (or pip install ray), the same version as the cluster's",
             )
         ]
-    if is_connected():
-        return [ok("ray", f"this kernel is connected to a Ray cluster ({source}: {address!r}); Ray {version}")]
     target = _auto_address() if address == "auto" else address
     if target is None:
         return [

@@ -21,7 +21,7 @@ from sgpu_magic.launch.host.forensics import OomWatch
 from sgpu_magic.launch.host.progress import ProgressWatch
 from sgpu_magic.launch.host.usage import UsageSampler
 from sgpu_magic.launch.host.warm_pool import WarmPool
-from sgpu_magic.launch.stacks import save_stacks
+from sgpu_magic.launch.stacks import STACK_STATES, save_stacks
 from sgpu_magic.launch.teardown import TeardownGuard
 from sgpu_magic.rundir import RunDir, attempt_marker, read_json
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 handler up), redacted."""
 
 GRACE_S = 3.0
-
-STACK_STATES = frozenset({"timed_out", "cancelled", "interrupted"})
-"""The final states for which the host takes the running ranks' stacks before it stops them."""
 
 
 STORE_TIMEOUT_S = 1800.0

@@ -36,6 +36,11 @@ AGENT_CONCURRENCY = 8
 """Calls one agent serves at once: the rank's ``run`` (the rank's whole life), a session's pending
 ``session_recv``, and the kernel's log reads, sends and interrupts beside them."""
 
+ZYGOTE_WAIT_S = 30.0
+"""Seconds a rank waits for its agent's zygote to finish preloading torch before it starts cold instead: the zygote
+is ahead of a cold start (which imports torch from scratch, beside it, on the same cores), so waiting is quicker
+(a 4-rank job right after the last one on a 2-core machine: cold beside the preloading zygotes 15.8 s)."""
+
 CELL_FILES = ("results", "errors", "metrics", "profile")
 """The folders of a session cell's node-side run directory that go back to the kernel when the cell ends (its log
 is read as it grows, by ``read_log``); ``profile`` is a profiled cell's (:mod:`sgpu_magic.rank.profile`)."""
@@ -124,6 +129,9 @@ class RankAgent:
         self.sys_path: list[str] = []  # the last job's (its packages are what the zygote preloads)
         self.store: Any = None  # the rendezvous store it serves for the job (rank 0's agent of a warm set)
         self._torch_loaded: Any = None  # a thread importing torch.distributed for the store
+        import threading
+
+        self._started = threading.Event()  # set once run() has started its rank (pid() waits for it)
 
     def node(self) -> tuple[str, str, list[str]]:
         """(node id, node IP, the GPU ids Ray gave this actor)."""
@@ -158,7 +166,9 @@ class RankAgent:
             folder.mkdir(mode=0o700, exist_ok=True)
         atomic_write_bytes(rd.payload_file, payload)
         atomic_write_json(rd.launch_file, launch)
-        rd.log_file(rank).touch(mode=0o600)
+        for last in (rd.result_file(rank), rd.error_file(rank), rd.exit_file(rank)):  # a restarted job's last try's
+            last.unlink(missing_ok=True)
+        rd.log_file(rank).touch(mode=0o600)  # a restarted job's log goes on
         if launch.get("session"):
             self.session = SessionPipe(rd, rank)
         env = {**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())}
@@ -167,7 +177,7 @@ class RankAgent:
         if self.zygote is not None and self.zygote.packages != packages:  # a %pip install since it preloaded
             self.zygote.stop()
             self.zygote = None
-        warm = self.warm()
+        warm = self.zygote is not None and self.zygote.wait_ready(ZYGOTE_WAIT_S)
         if warm:
             assert self.zygote is not None  # warm() says it is there
             try:
@@ -182,6 +192,7 @@ class RankAgent:
                 start_new_session=True,
             )
         self.proc = proc
+        self._started.set()
         grace_s = launch.get("teardown_grace_s")
         code, ended = wait_with_grace(
             cast("subprocess.Popen[bytes]", proc),  # a _ForkedRank waits as a Popen does
@@ -203,20 +214,39 @@ class RankAgent:
             "warm": warm,
         }
 
-    def cleanup(self, keep_agent: bool = False) -> None:
-        """Stop the rank (its whole session) if it still runs, and remove this node's copy of its files (with
-        ``keep_agent``, only the job's: the agent is kept for another job)."""
-        import shutil
-
+    def stop_rank(self) -> None:
+        """Stop the rank (its whole session, SIGKILL) if it still runs and wait for it; its files stay (a job that
+        restarts stops every rank this way, and its agents' ``run`` calls return)."""
+        self._started.clear()  # the next run() starts the next one
         proc = self.proc
-        if not keep_agent and self.zygote is not None:
-            self.zygote.stop()
         if proc is not None and proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except OSError:
                 pass
             proc.wait()
+
+    def stacks(self, rank: int, labels: dict[str, str], sources: dict[str, str], native: bool) -> Any:
+        """The rank's stack, taken by py-spy on this node (:func:`sgpu_magic.launch.stacks.take_stacks`; the rank
+        names this agent its tracer, so Yama's ``ptrace_scope`` 1 lets the agent's py-spy read it), read with the
+        notebook's names for its code (``labels``, ``sources``: the job's
+        :class:`~sgpu_magic.launch.stacks.CodeMap`); a :class:`~sgpu_magic.launch.stacks.RankStack`, or ``None``
+        when the rank is not running."""
+        from sgpu_magic.launch.stacks import CodeMap, take_stacks
+
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return None
+        return take_stacks({rank: proc.pid}, CodeMap(labels, sources), native)[rank]
+
+    def cleanup(self, keep_agent: bool = False) -> None:
+        """Stop the rank (its whole session) if it still runs, and remove this node's copy of its files (with
+        ``keep_agent``, only the job's: the agent is kept for another job)."""
+        import shutil
+
+        if not keep_agent and self.zygote is not None:
+            self.zygote.stop()
+        self.stop_rank()
         shutil.rmtree(self.dir if keep_agent else self.root, ignore_errors=True)
 
     def open_store(self, host: str) -> int | None:
@@ -257,8 +287,11 @@ class RankAgent:
             self._torch_loaded.start()
         return True
 
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
+    def pid(self, wait_s: float = 0.0) -> int | None:
+        """The process id of the rank that :meth:`run` started, waiting up to ``wait_s`` seconds for it to start
+        (calls to a threaded actor may run out of order); ``None`` when none has."""
+        self._started.wait(wait_s)
+        return None if self.proc is None or not self._started.is_set() else self.proc.pid
 
     def read_log(self, rank: int, offset: int, cell: str = "") -> bytes:
         """Up to 8 MiB of rank ``rank``'s log from byte ``offset``: the job's, or the session cell ``cell``'s."""
@@ -367,6 +400,16 @@ class _Zygote:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for the zygote to have preloaded; whether it has and still runs."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.wait(0.05):
+            if not self.alive() or time.monotonic() > deadline:
+                return False
+        return self.alive()
 
     def fork(self, rd: RunDir, env: dict[str, str]) -> _ForkedRank:
         """Fork a rank of the job in ``rd`` with ``env`` (its whole environment).

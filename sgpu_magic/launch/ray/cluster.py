@@ -64,6 +64,11 @@ _connected_to: str | None = None
 """The address this kernel's jobs connected Ray to (``None`` until then, or when the user initialised Ray)."""
 
 
+def connected_to() -> str | None:
+    """The address this kernel's jobs connected Ray to; ``None`` before, or when the notebook initialised Ray."""
+    return _connected_to
+
+
 def is_connected() -> bool:
     """Whether this kernel is connected to a Ray cluster already (without importing Ray when it is not)."""
     import sys

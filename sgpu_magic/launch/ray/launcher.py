@@ -3,6 +3,7 @@ a supervisor thread in the kernel writes the job's status as the launch host doe
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -10,20 +11,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from sgpu_magic.errors import SpecError
+from sgpu_magic.errors import SgpuError, SpecError, describe_exit
 from sgpu_magic.launch.base import finish_job
 from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
 from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
+from sgpu_magic.launch.stacks import REPLY_WAIT_S, STACK_STATES, CodeMap, RankStack, no_stack, write_stacks
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, attempt_marker, read_json
 from sgpu_magic.status import HostStatus, StatusWriter
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
+log = logging.getLogger(__name__)
+
 LOG_PULL_S = 0.2
 """How often the supervisor copies new log bytes from the ranks' nodes."""
+
+STOP_WAIT_S = 30.0
+"""Seconds a restarting job waits for its agents to stop the ranks still running (SIGKILL, so it is quick)."""
 
 
 def _bundle(backend: str, gpu_type: str | None) -> dict[str, float]:
@@ -52,10 +59,24 @@ class RayLauncher:
         return None  # a job waiting for the cluster's resources says so itself (its status' "waiting")
 
     def stacks(self, run_dir: RunDir, status: Callable[[], HostStatus], native: bool) -> dict[int, str]:
-        """The ranks' stacks, taken by py-spy from the kernel (:func:`sgpu_magic.launch.stacks.live_stacks`)."""
+        """The running ranks' stacks, each taken by py-spy on its node by the rank's agent (its tracer).
+
+        Raises:
+            SgpuError: the job's ranks are not running (not yet, or between attempts), or it has ended (saying
+                where the stacks taken when it was stopped are: :func:`sgpu_magic.launch.stacks.live_stacks`)."""
         from sgpu_magic.launch.stacks import live_stacks
 
-        return live_stacks(run_dir, status, native)
+        sup = self._jobs.get(run_dir.job_id)
+        if sup is not None and sup.running.is_set() and not sup.finished:
+            taken = sup.take_stacks(range(sup.world), native)
+            if taken:
+                return {rank: stack.text for rank, stack in taken.items()}
+        now = status()
+        if not now.final:
+            raise SgpuError(
+                f"job {run_dir.job_id} has no running ranks yet (state {now.state}); take its stacks once it runs"
+            )
+        return live_stacks(run_dir, status, native)  # raises: it has ended, and where its saved stacks are
 
     def launch(self, run_dir: RunDir) -> None:
         sup = _Supervisor(run_dir, self.cluster, self.gpu_type)
@@ -99,6 +120,7 @@ class _Supervisor(threading.Thread):
         self.pg_name = f"sgpu_magic-{rd.job_id}"
         self.bundle = _bundle(self.launch["backend"], gpu_type)
         self.nodes: list[tuple[str, str, list[str]]] = []
+        self.attempt, self.max_restarts = 1, int(self.launch.get("max_restarts") or 0)
 
     def stop(self, reason: str) -> None:
         self._stop_reason = reason  # read by the supervisor's loop within 0.1 s
@@ -218,11 +240,11 @@ class _Supervisor(threading.Thread):
             a.run.remote(r, payload, self._rank_launch(), self._rank_env(r, nodes, port, agent_store))
             for r, a in enumerate(self.actors)
         ]
-        pids = ray.get([a.pid.remote() for a in self.actors])
+        pids = ray.get([a.pid.remote(wait_s=10.0) for a in self.actors])
         self._write(
             state="running",
             port=port,
-            attempt=1,
+            attempt=self.attempt,
             master_addr=nodes[0][1],
             nodes={str(r): ip for r, (_, ip, _) in enumerate(nodes)},
             pids={str(r): p for r, p in enumerate(pids) if p is not None},
@@ -230,8 +252,9 @@ class _Supervisor(threading.Thread):
         return refs
 
     def _follow(self, refs: list) -> None:
-        """Copy the ranks' logs and record each rank's outcome as it ends; finish on the first failure, a stop or
-        the timeout, else once every rank has succeeded."""
+        """Copy the ranks' logs and record each rank's outcome as it ends; on the first failure restart every rank
+        (up to ``max_restarts`` times, as torchrun) or finish; on a stop or the timeout take the running ranks'
+        stacks and finish; else finish once every rank has succeeded."""
         ray = ray_module()
         pending = dict(zip(refs, range(self.world)))
         exitcodes: dict[str, int | None] = {}
@@ -241,14 +264,89 @@ class _Supervisor(threading.Thread):
             if time.monotonic() - last_pull > LOG_PULL_S:
                 last_pull = time.monotonic()
                 self._pull_logs()
+            failed = False
             for ref in done:
                 rank = pending.pop(ref)
                 if not self._record_outcome(rank, ref, exitcodes):
-                    return self._finish("failed", exitcodes=exitcodes)
+                    failed = True
+                    break
+            if failed and self.attempt > self.max_restarts:
+                return self._finish("failed", exitcodes=exitcodes)
+            if failed:
+                pending, exitcodes = self._restart(pending, exitcodes), {}
+                continue
             reason = self._should_stop()
             if reason:
+                if reason in STACK_STATES:
+                    self._save_stacks(sorted(pending.values()))
                 return self._finish(reason, exitcodes=exitcodes)
         self._finish("succeeded", exitcodes=exitcodes)
+
+    def _restart(self, pending: dict[Any, int], exitcodes: dict[str, int | None]) -> dict[Any, int]:
+        """torchrun's restart policy, as the launch host's (:meth:`sgpu_magic.launch.host.job.HostJob._restart`):
+        stop every rank still running, keep the failed attempt's record (``attempts`` in the status, its error files
+        in ``errors/attempt_<k>/``), drop its results, mark the next attempt in every rank's log and start every
+        rank again on the same agents, with a fresh rendezvous store; the new attempt's ``{ref: rank}``."""
+        ray = ray_module()
+        try:
+            ray.get([a.stop_rank.remote() for a in self.actors], timeout=STOP_WAIT_S)
+        except Exception:  # noqa: BLE001 - a dead agent: its rank's outcome below says so
+            pass
+        keep = self.rd.attempt_errors_dir(self.attempt)
+        for ref, rank in pending.items():  # stopped: their errors (a peer's broken connection) are the attempt's
+            try:
+                out = ray.get(ref, timeout=STOP_WAIT_S)
+            except Exception:  # noqa: BLE001 - its actor died
+                exitcodes[str(rank)] = -9
+                continue
+            exitcodes[str(rank)] = out["exitcode"]
+            if out["error"]:
+                keep.mkdir(mode=0o700, exist_ok=True)
+                atomic_write_json(keep / self.rd.error_file(rank).name, out["error"])
+        self._pull_logs()  # the attempt's last lines, before the marker
+        failed = self.status.pop("failures")
+        self.status.setdefault("attempts", []).append(
+            {"attempt": self.attempt, "failures": failed, "ended_s": time.time(), "exitcodes": exitcodes}
+        )
+        for rank in range(self.world):
+            self.rd.result_file(rank).unlink(missing_ok=True)
+            error = self.rd.error_file(rank)
+            if error.exists():
+                keep.mkdir(mode=0o700, exist_ok=True)
+                os.replace(error, keep / error.name)
+        why = ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failed)
+        self.attempt += 1
+        line = attempt_marker(self.attempt, self.max_restarts + 1, why) + "\n"
+        for rank in range(self.world):  # the kernel's copy: the node's log goes on from the offset copied so far
+            with open(self.rd.log_file(rank), "a") as rank_log:
+                rank_log.write(line)
+        return dict(zip(self._start_ranks(), range(self.world)))
+
+    def take_stacks(self, ranks: Any, native: bool = False) -> dict[int, RankStack]:
+        """The stacks of ``ranks`` that still run, each taken on its node by its agent, all at once."""
+        ray = ray_module()
+        code = CodeMap.read(self.rd.code_map_file)
+        actors = self.actors
+        refs = {r: actors[r].stacks.remote(r, code.labels, code.sources, native) for r in ranks}
+        taken: dict[int, RankStack] = {}
+        for rank, ref in refs.items():
+            try:
+                stack = ray.get(ref, timeout=REPLY_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 - a dead or stuck agent
+                stack = no_stack(rank, 0, f"its Ray agent did not answer ({type(exc).__name__})")
+            if stack is not None:
+                taken[rank] = stack
+        return taken
+
+    def _save_stacks(self, ranks: list[int]) -> None:
+        """Before a timed-out or cancelled job's ranks are stopped: their stacks into ``stacks/`` and their summary
+        into the status, as the launch host saves them (:func:`~sgpu_magic.launch.stacks.save_stacks`)."""
+        try:
+            stacks = self.take_stacks(ranks)
+            if stacks:
+                self.status["stacks"] = write_stacks(self.rd, stacks)
+        except Exception as exc:  # noqa: BLE001 - logged, never raised: the ranks are stopped all the same
+            log.warning(f"sgpu_magic: could not take the stacks of job {self.rd.job_id}: {exc!r}")
 
     def _record_outcome(self, rank: int, ref: Any, exitcodes: dict[str, int | None]) -> bool:
         """Write rank ``rank``'s result or error into the run dir; whether it succeeded (an agent that ended a rank
@@ -327,6 +425,8 @@ class _Supervisor(threading.Thread):
                 len(order),
                 nodes[0][1],
                 port,
+                restart_count=self.attempt - 1,
+                max_restarts=self.max_restarts,
                 agent_store=agent_store,
             )
         )
