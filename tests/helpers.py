@@ -125,3 +125,70 @@ TRACE_EVENT_SCHEMA = {
 }
 """A JSON schema of the Trace Event Format (docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU)
 for what the tests check of a merged profile trace."""
+
+
+def flaky_rank(how: str, fail_attempts: int):
+    """A job's code for the restart tests (max_restarts=2), on one machine and on Ray: rank 1 fails (``how``: "kill" = SIGKILL itself, "raise" = ValueError) on the
+    first ``fail_attempts`` attempts."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print(f"rank {rank} starts attempt with restart count {attempt}", flush=True)
+    if rank == 1 and attempt < fail_attempts:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError(f"rank 1 fails on restart count {attempt}")
+    dist.barrier()
+    return {"rank": rank, "restart_count": attempt, "max_restarts": int(os.environ["TORCHELASTIC_MAX_RESTARTS"])}
+
+
+def check_killed_once_and_restarted(flaky) -> None:
+    """``flaky`` (:func:`flaky_rank`, decorated) with rank 1 killed once: every rank restarted, attempt 2 succeeds, the
+    first attempt's record kept and the logs going on after the attempt's line."""
+    from sgpu_magic import JobState
+
+    results = flaky.distributed("kill", 1)
+    assert results == [
+        {"rank": 0, "restart_count": 1, "max_restarts": 2},
+        {"rank": 1, "restart_count": 1, "max_restarts": 2},
+    ]
+    job = flaky.last_job
+    assert job.state is JobState.SUCCEEDED and job.attempt == 2
+    (first,) = job.attempts
+    assert first["attempt"] == 1 and [(f["rank"], f["exitcode"]) for f in first["failures"]] == [(1, -9)]
+    for rank in (0, 1):
+        log = job.logs(rank).splitlines()
+        starts = [i for i, line in enumerate(log) if line.startswith(f"rank {rank} starts attempt")]
+        marker = log.index(
+            "[sgpu_magic] attempt 2 of 3: all ranks restarted after rank 1 failed (killed by signal SIGKILL (9))"
+        )
+        assert log[starts[-1]] == f"rank {rank} starts attempt with restart count 1" and marker < starts[-1]
+    assert "rank 1 starts attempt with restart count 0" in job.logs(1)  # the first attempt's lines stay
+
+
+def check_each_failed_attempt_kept(flaky) -> None:
+    """``flaky`` failing every attempt: the last one fails the job, each earlier one's errors kept."""
+    import json
+
+    import pytest
+
+    from sgpu_magic.errors import RankFailedError
+
+    with pytest.raises(
+        RankFailedError,
+        match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails on restart count 2"
+        r"(.|\n)*attempt 3 of 3 failed, after 2 restart\(s\); job.attempts lists "
+        r"the earlier failures",
+    ):
+        flaky.distributed("raise", 3)
+    job = flaky.last_job
+    assert job.attempt == 3 and [a["attempt"] for a in job.attempts] == [1, 2]
+    assert job.attempts[0]["exitcodes"][1] == 1  # rank keys are ints
+    for k in (1, 2):
+        kept = json.loads((job.run_dir / "errors" / f"attempt_{k}" / "rank_1.json").read_text())
+        assert kept["message"] == f"rank 1 fails on restart count {k - 1}"

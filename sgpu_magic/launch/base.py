@@ -9,11 +9,13 @@ Two launchers implement it: the kernel's client of its local launch host
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from sgpu_magic._util.fs import count_lines
-from sgpu_magic.rundir import RunDir
+from sgpu_magic.errors import describe_exit
+from sgpu_magic.rundir import RunDir, attempt_marker
 from sgpu_magic.status import HostStatus, StatusWriter
 
 
@@ -72,3 +74,30 @@ def finish_job(writer: StatusWriter, state: str, world_size: int, **change: Any)
         pass
     log_lines = count_lines([run_dir.log_file(r) for r in range(world_size)])
     return writer.finish(state, log_lines=log_lines, **change)
+
+
+def close_attempt(
+    rd: RunDir, world_size: int, attempt: int, max_restarts: int, failed: list[dict[str, Any]]
+) -> list[tuple[int, OSError]]:
+    """Between attempt ``attempt`` (1-based) and the next, as every launcher restarts (``max_restarts``, torchrun's
+    policy): each rank's result and exit files are dropped (the next attempt is judged on its own), its error file
+    moves to ``errors/attempt_<attempt>/``, and every rank log gets the next attempt's line, naming the ``failed``
+    ranks (``[{"rank", "exitcode"}]``). The ranks whose log could not be marked, with why (the restart goes on)."""
+    keep = rd.attempt_errors_dir(attempt)
+    for rank in range(world_size):
+        rd.result_file(rank).unlink(missing_ok=True)
+        rd.exit_file(rank).unlink(missing_ok=True)
+        error = rd.error_file(rank)
+        if error.exists():
+            keep.mkdir(mode=0o700, exist_ok=True)
+            os.replace(error, keep / error.name)
+    why = ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failed)
+    line = attempt_marker(attempt + 1, max_restarts + 1, why) + "\n"
+    unmarked = []
+    for rank in range(world_size):
+        try:
+            with open(rd.log_file(rank), "a") as rank_log:
+                rank_log.write(line)
+        except OSError as exc:
+            unmarked.append((rank, exc))
+    return unmarked

@@ -24,7 +24,13 @@ ray = pytest.importorskip("ray")
 from sgpu_magic import distributed  # noqa: E402
 from sgpu_magic.errors import JobCancelledError, RankFailedError, ResourceError  # noqa: E402
 
-from helpers import job_processes, wait_for  # noqa: E402
+from helpers import (  # noqa: E402
+    check_each_failed_attempt_kept,
+    check_killed_once_and_restarted,
+    flaky_rank,
+    job_processes,
+    wait_for,
+)
 from kernel_utils import execute, start_kernel, stop_kernel  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -248,70 +254,20 @@ def test_stacks_of_ray_ranks_are_taken_on_their_nodes_live_and_when_the_job_time
         job.stacks()
 
 
-def _flaky(how: str, fail_attempts: int):
-    """test_restarts.py's ``flaky``: rank 1 fails (``how``: "kill" = SIGKILL itself, "raise" = ValueError) on the
-    first ``fail_attempts`` attempts."""
-    import os
-    import signal
-
-    import torch.distributed as dist
-
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    print(f"rank {rank} starts attempt with restart count {attempt}", flush=True)
-    if rank == 1 and attempt < fail_attempts:
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise ValueError(f"rank 1 fails on restart count {attempt}")
-    dist.barrier()
-    return {"rank": rank, "restart_count": attempt, "max_restarts": int(os.environ["TORCHELASTIC_MAX_RESTARTS"])}
-
-
 def _flaky_on(cluster):
     return distributed(gpus=2, cluster=cluster.address, max_restarts=2, mlflow=False, widgets=False, timeout=300)(
-        _flaky
+        flaky_rank
     )
 
 
 def test_a_ray_rank_killed_once_is_restarted_on_its_agents_and_attempt_2_succeeds(cluster):
     """test_restarts.py's twin: torchrun's restart policy on the cluster (every rank again, same agents, a fresh
     store), each attempt's record kept, the logs going on after a line naming the attempt."""
-    from sgpu_magic.job.state import JobState
-
-    flaky = _flaky_on(cluster)
-    results = flaky.distributed("kill", 1)
-    assert results == [
-        {"rank": 0, "restart_count": 1, "max_restarts": 2},
-        {"rank": 1, "restart_count": 1, "max_restarts": 2},
-    ]
-    job = flaky.last_job
-    assert job.state is JobState.SUCCEEDED and job.attempt == 2
-    (first,) = job.attempts
-    assert first["attempt"] == 1 and [(f["rank"], f["exitcode"]) for f in first["failures"]] == [(1, -9)]
-    for rank in (0, 1):
-        log = job.logs(rank).splitlines()
-        starts = [i for i, line in enumerate(log) if line.startswith(f"rank {rank} starts attempt")]
-        marker = log.index(
-            "[sgpu_magic] attempt 2 of 3: all ranks restarted after rank 1 failed (killed by signal SIGKILL (9))"
-        )
-        assert log[starts[-1]] == f"rank {rank} starts attempt with restart count 1" and marker < starts[-1]
-    assert "rank 1 starts attempt with restart count 0" in job.logs(1)  # the first attempt's lines stay
+    check_killed_once_and_restarted(_flaky_on(cluster))
 
 
 def test_each_failed_ray_attempts_errors_are_kept_and_the_last_one_fails_the_job(cluster):
-    with pytest.raises(
-        RankFailedError,
-        match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails on restart count 2"
-        r"(.|\n)*attempt 3 of 3 failed, after 2 restart\(s\); job.attempts lists the earlier failures",
-    ):
-        (flaky := _flaky_on(cluster)).distributed("raise", 3)
-    job = flaky.last_job
-    assert job.attempt == 3 and [a["attempt"] for a in job.attempts] == [1, 2]
-    assert job.attempts[0]["exitcodes"][1] == 1  # rank keys are ints
-    for k in (1, 2):
-        kept = json.loads((job.run_dir / "errors" / f"attempt_{k}" / "rank_1.json").read_text())
-        assert kept["message"] == f"rank 1 fails on restart count {k - 1}"
+    check_each_failed_attempt_kept(_flaky_on(cluster))
 
 
 def test_the_first_failing_rank_is_the_root_cause_and_the_rest_stop(cluster):

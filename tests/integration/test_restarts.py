@@ -7,71 +7,25 @@ attempt's error files move to ``errors/attempt_<k>/``.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from IPython.core.error import UsageError
 
 from sgpu_magic import JobState, distributed
-from sgpu_magic.errors import RankFailedError, SpecError
+from sgpu_magic.errors import SpecError
 from sgpu_magic.testing import start_job
 from sgpu_magic.ui.panel import Panel
 
+from helpers import check_each_failed_attempt_kept, check_killed_once_and_restarted, flaky_rank
 
-@distributed(gpus=2, max_restarts=2, mlflow=False, timeout=180)
-def flaky(how: str, fail_attempts: int):
-    """Rank 1 fails (``how``: "kill" = SIGKILL itself, "raise" = ValueError) on the first ``fail_attempts`` attempts."""
-    import os
-    import signal
-
-    import torch.distributed as dist
-
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    print(f"rank {rank} starts attempt with restart count {attempt}", flush=True)
-    if rank == 1 and attempt < fail_attempts:
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise ValueError(f"rank 1 fails on restart count {attempt}")
-    dist.barrier()
-    return {"rank": rank, "restart_count": attempt, "max_restarts": int(os.environ["TORCHELASTIC_MAX_RESTARTS"])}
+flaky = distributed(gpus=2, max_restarts=2, mlflow=False, timeout=180)(flaky_rank)
 
 
 def test_a_rank_killed_once_is_restarted_and_attempt_2_succeeds():
-    results = flaky.distributed("kill", 1)
-    assert results == [
-        {"rank": 0, "restart_count": 1, "max_restarts": 2},
-        {"rank": 1, "restart_count": 1, "max_restarts": 2},
-    ]
-    job = flaky.last_job
-    assert job.state is JobState.SUCCEEDED and job.attempt == 2
-    (first,) = job.attempts
-    assert first["attempt"] == 1 and [(f["rank"], f["exitcode"]) for f in first["failures"]] == [(1, -9)]
-    for rank in (0, 1):
-        log = job.logs(rank).splitlines()
-        starts = [i for i, line in enumerate(log) if line.startswith(f"rank {rank} starts attempt")]
-        marker = log.index(
-            "[sgpu_magic] attempt 2 of 3: all ranks restarted after rank 1 failed (killed by signal SIGKILL (9))"
-        )
-        assert log[starts[-1]] == f"rank {rank} starts attempt with restart count 1" and marker < starts[-1]
-    assert "rank 1 starts attempt with restart count 0" in job.logs(1)  # the first attempt's lines stay
+    check_killed_once_and_restarted(flaky)
 
 
 def test_each_failed_attempts_errors_are_kept_and_the_last_one_fails_the_job():
-    with pytest.raises(
-        RankFailedError,
-        match=r"rank 1 failed \(root cause\): ValueError: rank 1 fails on restart count 2"
-        r"(.|\n)*attempt 3 of 3 failed, after 2 restart\(s\); job.attempts lists "
-        r"the earlier failures",
-    ):
-        flaky.distributed("raise", 3)
-    job = flaky.last_job
-    assert job.attempt == 3 and [a["attempt"] for a in job.attempts] == [1, 2]
-    assert job.attempts[0]["exitcodes"][1] == 1  # rank keys are ints
-    for k in (1, 2):
-        kept = json.loads((job.run_dir / "errors" / f"attempt_{k}" / "rank_1.json").read_text())
-        assert kept["message"] == f"rank 1 fails on restart count {k - 1}"
+    check_each_failed_attempt_kept(flaky)
 
 
 def test_the_panel_header_names_the_attempt():

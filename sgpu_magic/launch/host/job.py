@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic._compat import elastic
-from sgpu_magic.errors import describe_exit
-from sgpu_magic.launch.base import finish_job
+from sgpu_magic.launch.base import close_attempt, finish_job
 from sgpu_magic.launch.env import rank_env
 from sgpu_magic.launch.flight_recorder import flight_recorder_env
 from sgpu_magic.launch.host.cleanup import kill_leftovers, release_lease
@@ -23,7 +22,7 @@ from sgpu_magic.launch.host.usage import UsageSampler
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import STACK_STATES, save_stacks
 from sgpu_magic.launch.teardown import TeardownGuard
-from sgpu_magic.rundir import RunDir, attempt_marker, read_json
+from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
 from sgpu_magic.status import StatusWriter
 
@@ -257,24 +256,11 @@ class HostJob:
                 "exitcodes": {str(r): code for r, code in elastic.exitcodes(self.ctx).items()},
             }
         )
-        keep = self.run_dir.attempt_errors_dir(self.attempt)
         self.guard.reset()
-        for rank in range(world):
-            self.run_dir.result_file(rank).unlink(missing_ok=True)
-            self.run_dir.exit_file(rank).unlink(missing_ok=True)
-            error = self.run_dir.error_file(rank)
-            if error.exists():
-                keep.mkdir(mode=0o700, exist_ok=True)
-                os.replace(error, keep / error.name)
-        why = ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failed)
+        unmarked = close_attempt(self.run_dir, world, self.attempt, self.max_restarts, failed)
         self.attempt += 1
-        line = attempt_marker(self.attempt, self.max_restarts + 1, why)
-        for rank in range(world):
-            try:
-                with open(self.run_dir.log_file(rank), "a") as rank_log:
-                    rank_log.write(line + "\n")
-            except OSError as exc:
-                log.warning(f"sgpu_magic host: could not mark attempt {self.attempt} in rank {rank}'s log ({exc})")
+        for rank, exc in unmarked:
+            log.warning(f"sgpu_magic host: could not mark attempt {self.attempt} in rank {rank}'s log ({exc})")
         self.store = None  # a fresh store per attempt, as torchrun's agent makes (stale keys of the last one go)
         self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
         self._start_attempt()

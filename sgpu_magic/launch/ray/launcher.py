@@ -11,14 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from sgpu_magic.errors import SgpuError, SpecError, describe_exit
-from sgpu_magic.launch.base import finish_job
+from sgpu_magic.errors import SgpuError, SpecError
+from sgpu_magic.launch.base import close_attempt, finish_job
 from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
 from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
 from sgpu_magic.launch.stacks import REPLY_WAIT_S, STACK_STATES, CodeMap, RankStack, no_stack, write_stacks
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, attempt_marker, read_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
 from sgpu_magic.status import HostStatus, StatusWriter
 
 if TYPE_CHECKING:
@@ -292,7 +292,6 @@ class _Supervisor(threading.Thread):
             ray.get([a.stop_rank.remote() for a in self.actors], timeout=STOP_WAIT_S)
         except Exception:  # noqa: BLE001 - a dead agent: its rank's outcome below says so
             pass
-        keep = self.rd.attempt_errors_dir(self.attempt)
         for ref, rank in pending.items():  # stopped: their errors (a peer's broken connection) are the attempt's
             try:
                 out = ray.get(ref, timeout=STOP_WAIT_S)
@@ -300,26 +299,16 @@ class _Supervisor(threading.Thread):
                 exitcodes[str(rank)] = -9
                 continue
             exitcodes[str(rank)] = out["exitcode"]
-            if out["error"]:
-                keep.mkdir(mode=0o700, exist_ok=True)
-                atomic_write_json(keep / self.rd.error_file(rank).name, out["error"])
+            if out["error"]:  # kept with the attempt's, by close_attempt
+                atomic_write_json(self.rd.error_file(rank), out["error"])
         self._pull_logs()  # the attempt's last lines, before the marker
         failed = self.status.pop("failures")
         self.status.setdefault("attempts", []).append(
             {"attempt": self.attempt, "failures": failed, "ended_s": time.time(), "exitcodes": exitcodes}
         )
-        for rank in range(self.world):
-            self.rd.result_file(rank).unlink(missing_ok=True)
-            error = self.rd.error_file(rank)
-            if error.exists():
-                keep.mkdir(mode=0o700, exist_ok=True)
-                os.replace(error, keep / error.name)
-        why = ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failed)
+        # the marker goes into the kernel's copy of each log: the node's log goes on from the offset copied so far
+        close_attempt(self.rd, self.world, self.attempt, self.max_restarts, failed)
         self.attempt += 1
-        line = attempt_marker(self.attempt, self.max_restarts + 1, why) + "\n"
-        for rank in range(self.world):  # the kernel's copy: the node's log goes on from the offset copied so far
-            with open(self.rd.log_file(rank), "a") as rank_log:
-                rank_log.write(line)
         return dict(zip(self._start_ranks(), range(self.world)))
 
     def take_stacks(self, ranks: Any, native: bool = False) -> dict[int, RankStack]:
