@@ -515,15 +515,18 @@ class MlflowTracking(JobSink):
         for them."""
         from mlflow.entities import Metric
 
-        from sgpu_magic._util.metrics import read_points
+        from sgpu_magic._util.metrics import decode_records, name_id
 
         assert self._client is not None and self.run_id is not None  # called by _finish, for a tracked job
         metrics = []
         for rank in range(world_size):
             path = rd.metrics_file(rank)
-            if path.exists():
-                points = step_time_points(read_points(path), rank)
-                metrics += [Metric(name, value, time_ms, step) for name, value, step, time_ms in points]
+            if not path.exists():
+                continue
+            records, _ = decode_records(path.read_bytes())
+            steps = records[records["name"] == name_id(STEP_TIME)].tolist()  # only these become Python objects
+            points = step_time_points([(STEP_TIME, value, step, time_ms) for _, value, step, time_ms in steps], rank)
+            metrics += [Metric(name, value, time_ms, step) for name, value, step, time_ms in points]
         for start in range(0, len(metrics), 1000):  # MLflow's limit per batch
             self._client.log_batch(self.run_id, metrics=metrics[start : start + 1000], synchronous=True)
 

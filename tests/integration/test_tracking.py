@@ -958,9 +958,13 @@ def test_nothing_tracked_is_lost_off_the_path_200_session_cells_and_50_jobs(expe
     @distributed(gpus=2, widgets=False)
     def job(i):
         if i % 10 == 0:  # a rank's first MLflow call imports mlflow there (2 s of CPU): every tenth job logs
+            import os
+
             import mlflow
 
-            mlflow.log_metric("job_value", i)
+            # each rank's own step: MLflow keeps one of two equal points (key, value, step, ms), and the ranks
+            # can log in the same millisecond
+            mlflow.log_metric("job_value", i, step=int(os.environ["RANK"]))
         return i
 
     ids = []
@@ -982,6 +986,7 @@ def test_nothing_tracked_is_lost_off_the_path_200_session_cells_and_50_jobs(expe
     for i, run_id in enumerate(ids):
         run = client.get_run(run_id)
         assert run.info.status == "FINISHED" and run.data.params["gpus"] == "2", i
-        assert [m.value for m in client.get_metric_history(run_id, "job_value")] == [float(i)] * 2 * (i % 10 == 0), i
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "job_value"))
+        assert history == [(rank, float(i)) for rank in (0, 1)] * (i % 10 == 0), i
         assert run.data.tags["sgpu_magic.state"] == "succeeded" and run.info.end_time is not None
         assert artifact_paths(client, run_id, "logs") == ["logs/rank_0.log", "logs/rank_1.log"]

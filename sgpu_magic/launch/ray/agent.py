@@ -179,7 +179,7 @@ class RankAgent:
             self.zygote = None
         warm = self.zygote is not None and self.zygote.wait_ready(ZYGOTE_WAIT_S)
         if warm:
-            assert self.zygote is not None  # warm() says it is there
+            assert self.zygote is not None  # wait_ready() says it is there
             try:
                 proc = self.zygote.fork(rd, env)
             except OSError:  # it died since: this rank starts cold
