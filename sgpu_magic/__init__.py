@@ -22,6 +22,8 @@ _LAZY = {
     "Session": "sgpu_magic.front.session",
     "current_session": "sgpu_magic.front.sessions",
     "release": "sgpu_magic.launch",
+    "attach": "sgpu_magic.front.detached",
+    "detached_runs": "sgpu_magic.front.detached",
     "Job": "sgpu_magic.job",
     "JobState": "sgpu_magic.job",
     **dict.fromkeys(
@@ -65,6 +67,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         UnpicklableGlobalError,
     )
     from sgpu_magic.front.decorator import DistributedFunction, distributed
+    from sgpu_magic.front.detached import attach, detached_runs
     from sgpu_magic.front.script import run_script
     from sgpu_magic.front.session import Session
     from sgpu_magic.front.sessions import current_session
@@ -78,6 +81,8 @@ __all__ = [
     "Session",
     "current_session",
     "release",
+    "attach",
+    "detached_runs",
     "Job",
     "JobState",
     "runtime",

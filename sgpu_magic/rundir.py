@@ -362,6 +362,13 @@ class RunDir:
         "Left by the kernel once it has ended the job's MLflow run (else the launch host ends it on its way out).",
     )
 
+    attach_file = _entry(
+        "attach.pkl",
+        "A detached job's spec, device plan and run keeper (pid, log), pickled by the kernel that started it once the "
+        "keeper has the job: what :func:`sgpu_magic.attach` rebuilds the Job handle from (read through the "
+        "private-read check).",
+    )
+
     code_map_file = _entry(
         "code.json",
         "The notebook's names for the job's code (``Cell In[4]``) and its sources, so stack frames "
@@ -451,3 +458,19 @@ class RunDir:
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
+
+
+def keeper_dir(root: Path | None = None) -> Path:
+    """``<root>/keeper`` (0700, made if needed): the run keeper's socket, start lock and logs.
+
+    Raises:
+        PermissionError: the folder (or ``root``) is another user's (:func:`make_private_dir`).
+    """
+    return make_private_dir((root or default_root()) / "keeper")
+
+
+def detached_index(root: Path | None = None) -> Path:
+    """``<root>/keeper/runs`` (0700): one empty file per detached job, named by its id, made when the run keeper
+    took it: what ``%distributed_jobs --all`` and :func:`sgpu_magic.attach` look through (``<root>/runs`` holds
+    every job)."""
+    return make_private_dir(keeper_dir(root) / "runs")

@@ -59,6 +59,9 @@ class LaunchSpec:
             never. Default 300.
         profile_steps: profile this many steps on every rank with ``torch.profiler`` (after one step of wait and one
             of warm-up: :mod:`sgpu_magic.rank.profile`); ``None``: no profiling. Default ``None``.
+        detach: run the ranks under the user's run keeper (:mod:`sgpu_magic.launch.host.keeper`) instead of the
+            kernel's launch host, so the job outlives the kernel and any kernel of the user may attach to it
+            (:func:`sgpu_magic.attach`). This machine only. Default ``False``: no rank outlives the kernel.
     """
 
     gpus: int
@@ -75,6 +78,7 @@ class LaunchSpec:
     teardown_grace_s: float = DEFAULT_TEARDOWN_GRACE_S
     stuck_after_s: float | None = DEFAULT_STUCK_AFTER_S
     profile_steps: int | None = None
+    detach: bool = False
 
 
 def shown(value: object) -> str:
@@ -254,6 +258,7 @@ def make_spec(
     teardown_grace_s: object = DEFAULT_TEARDOWN_GRACE_S,
     stuck_after_s: object = DEFAULT_STUCK_AFTER_S,
     profile_steps: object = None,
+    detach: object = False,
 ) -> LaunchSpec:
     """Validate user input into a :class:`LaunchSpec`.
 
@@ -264,6 +269,12 @@ def make_spec(
         SpecError: naming the bad option, the value given (shortened to about 80 characters) and what is allowed.
     """
     count = check_gpus(gpus)
+    detached = check_switch("detach", detach, "run under the run keeper, so the job outlives the kernel")
+    if detached and cluster is not None:
+        raise SpecError(
+            f"detach=True runs the job under this machine's run keeper, and cluster={shown(cluster)} runs it on a "
+            f"Ray cluster: a Ray job cannot detach yet; leave out one of them"
+        )
     return LaunchSpec(
         gpus=count,
         gpu_type=_check_gpu_type(gpu_type),
@@ -279,6 +290,7 @@ def make_spec(
         teardown_grace_s=check_teardown_grace(teardown_grace_s),
         stuck_after_s=check_timeout(stuck_after_s, "stuck_after_s"),
         profile_steps=check_profile_steps(profile_steps),
+        detach=detached,
     )
 
 

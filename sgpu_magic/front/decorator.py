@@ -201,6 +201,7 @@ def distributed(
     num_accelerators: int | None = None,
     accelerator_type: str | None = None,
     profile: int | None = None,
+    detach: bool = False,
     **unknown: Any,
 ) -> Callable[[Callable[..., Any]], DistributedFunction]:
     """Decorate a function so ``fn.distributed(...)`` runs it on ``gpus`` ranks.
@@ -259,15 +260,19 @@ def distributed(
             time in compute, collectives, data loading and idle, and the top 10 ops, and ``fn.last_job.
             profile_trace()`` gives one merged Chrome/Perfetto trace (also an MLflow artifact). Default ``None``:
             no profiling. See ``docs/guide/performance.md``.
+        detach: run the ranks under the user's run keeper instead of the kernel's launch host: the job outlives the
+            kernel (a kill, a restart), and ``sgpu_magic.attach(job_id)`` / ``%distributed_attach`` in any kernel of
+            the same user gives its handle back with every line so far. Default ``False``: no rank outlives the
+            kernel. Not with ``cluster`` / ``remote=True``. See ``docs/guide/detached.md``.
 
     Raises (at decoration time, before anything starts):
         SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``max_capture_bytes``,
             ``mlflow``, ``gpu_ids``, ``wait``, ``max_restarts``, ``teardown_grace_s``, ``remote``,
-            ``num_accelerators``, ``accelerator_type`` or ``profile`` (``widgets``, ``mlflow``, ``wait`` and ``remote`` take
-            ``True`` / ``False``, not strings); an old and a new name that disagree (``gpus=4,
-            num_accelerators=8``); ``remote=True`` with no remote cluster configured; or a decorated object
-            that cannot run on the ranks (not callable, a bound method, a generator or ``async def`` function,
-            a partial or callable instance).
+            ``num_accelerators``, ``accelerator_type``, ``profile`` or ``detach`` (``widgets``, ``mlflow``, ``wait``,
+            ``remote`` and ``detach`` take ``True`` / ``False``, not strings); ``detach`` with a cluster; an old and
+            a new name that disagree (``gpus=4, num_accelerators=8``); ``remote=True`` with no remote cluster
+            configured; or a decorated object that cannot run on the ranks (not callable, a bound method, a
+            generator or ``async def`` function, a partial or callable instance).
         TypeError: an argument this signature does not have (e.g. ``gpu=2``), naming it and the accepted ones.
     """
     if unknown:
@@ -297,6 +302,7 @@ def distributed(
         num_accelerators=num_accelerators,
         accelerator_type=accelerator_type,
         profile=profile,
+        detach=detach,
     )
     max_capture_bytes = check_max_capture_bytes(max_capture_bytes)
 

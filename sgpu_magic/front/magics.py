@@ -12,7 +12,7 @@ from traitlets import Bool, Float, Int, Unicode, observe
 
 from sgpu_magic import capture
 from sgpu_magic._util.redact import redact
-from sgpu_magic.errors import SpecError
+from sgpu_magic.errors import SgpuError, SpecError
 from sgpu_magic.front import script
 from sgpu_magic.front.cell import (
     CELL_FILENAME,
@@ -157,6 +157,7 @@ class DistributedMagics(Magics):
                 stuck_after_s=self.stuck_after_s,
                 remote=args.remote,
                 profile=args.profile,
+                detach=args.detach,
             )
 
     @magic_arguments(name="%distributed")  # a cell magic: the usage line reads %%distributed
@@ -270,25 +271,81 @@ class DistributedMagics(Magics):
         job.result()
         return None
 
+    @magic_arguments(name="distributed_jobs")
+    @argument(
+        "--all",
+        action="store_true",
+        help="Your detached runs on this machine, from any kernel: running, and ended in the last day.",
+    )
+    @argument("--stop", default=None, metavar="JOB_ID", help="Stop your detached run JOB_ID (or a unique part of it).")
     @magic_help(
         "%distributed_jobs",
         examples="""
         %distributed_jobs
         job                     state      world size  GPUs  elapsed  MLflow run
         20261201-101500-a1b2c3  succeeded  2           cpu   3.2 s    3f1c0e...
+
+        %distributed_jobs --all                   # detached runs (--detach) of every kernel of yours
+        %distributed_jobs --stop a1b2c3
         """,
     )
     @line_magic
-    def distributed_jobs(self, line: str) -> JobTable:
-        """Show this kernel's jobs: id, state, world size, GPUs, elapsed time and MLflow run.
+    def distributed_jobs(self, line: str):
+        """Show this kernel's jobs: id, state, world size, GPUs, elapsed time and MLflow run; with --all, your
+        detached runs on this machine (started with detach=True / --detach by any of your kernels, running or
+        ended in the last day); with --stop JOB_ID, stop one of them.
 
         The MLflow run id links to its page whenever a server shows it (a tracking server, or
         %mlflow_ui). A line below the table says what the kernel keeps warm on a Ray cluster between jobs
-        (DistributedMagics.ray_keep_warm_s; sgpu_magic.release() gives it back). Takes no arguments.
+        (DistributedMagics.ray_keep_warm_s; sgpu_magic.release() gives it back).
         """
-        if line.strip():
-            raise UsageError(f"%distributed_jobs takes no arguments, got {line.strip()!r}")
+        from sgpu_magic.front.detached import DetachedTable, detached_runs, stop_detached
+
+        args = parse_line(self.distributed_jobs.parser, line, "%distributed_jobs")
+        if args.stop is not None:
+            if args.all:
+                raise UsageError("give --all (to list) or --stop JOB_ID (to stop one), not both")
+            with as_usage_error(SgpuError):
+                print(stop_detached(args.stop))
+            return None
+        if args.all:
+            return DetachedTable(detached_runs())
         return JobTable(jobs(), held_warm())
+
+    @magic_arguments(name="distributed_attach")
+    @argument(
+        "job_id", nargs="?", default=None, help="The detached run's id (or a unique part of it), as --all lists it."
+    )
+    @argument("--last", action="store_true", help="The latest detached run you started (from any kernel).")
+    @argument("--no-widgets", action="store_true", help="Plain [rank N] text instead of the widget panel.")
+    @argument("-o", "--output", default=None, metavar="NAME", help="Store the Job handle in this variable.")
+    @magic_help(
+        "%distributed_attach",
+        examples="""
+        %distributed_attach --last -o job         # the panel again, every line from the first; job.result() waits
+        %distributed_attach 20261201-101500-a1b2c3
+        """,
+    )
+    @line_magic
+    def distributed_attach(self, line: str):
+        """Attach to a detached run (detach=True / --detach) from any of your kernels, also after the kernel that
+        started it died or restarted: shows its panel rebuilt from the run directory (every rank's lines so far,
+        metrics, state, MLflow link), then follows it live, and returns its Job (job.result(), job.cancel(),
+        job.stacks(), job.metrics())."""
+        from sgpu_magic.front.detached import attach
+
+        args = parse_line(self.distributed_attach.parser, line, "%distributed_attach")
+        if args.last == (args.job_id is not None):
+            raise UsageError(
+                "give a detached run's id (see %distributed_jobs --all) or --last, e.g. %distributed_attach --last"
+            )
+        check_output_name(args.output)
+        with as_usage_error(SgpuError):
+            job = attach(args.job_id, widgets=False if args.no_widgets else None)
+        if args.output:
+            assert self.shell is not None  # a magic runs in the shell it is registered with
+            self.shell.user_ns[args.output] = job
+        return job
 
     @magic_arguments(name="distributed_stop")
     @argument("job_id", nargs="?", default=None, help="Job id (or a unique part of it), as %%distributed_jobs shows.")

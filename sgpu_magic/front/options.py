@@ -72,6 +72,12 @@ JOB_OPTIONS = (
     ),
     PROFILE_OPTION,
     argument(
+        "--detach",
+        action="store_true",
+        help="Run the ranks under your run keeper instead of this kernel's launch host: the job outlives the "
+        "kernel, and %%distributed_attach JOB_ID in any of your kernels gives it back (see docs/guide/detached.md).",
+    ),
+    argument(
         "-o",
         "--output",
         default=None,

@@ -195,13 +195,16 @@ def run_script(
     num_accelerators: int | None = None,
     accelerator_type: str | None = None,
     profile: int | None = None,
+    detach: bool = False,
     background: bool = False,
 ) -> Any:
     """Run a script (or with ``module=True`` a module) on every rank, as ``torchrun`` does.
 
     The job options ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``mlflow``, ``gpu_ids``, ``wait``,
-    ``max_restarts``, ``cluster``, ``teardown_grace_s``, ``remote``, ``num_accelerators``, ``accelerator_type`` and
-    ``profile`` (the script's ``optimizer.step()`` calls, or its ``runtime.step()`` marks, are its steps) are as for :func:`~sgpu_magic.distributed` (same defaults, same ``%config DistributedMagics`` traits).
+    ``max_restarts``, ``cluster``, ``teardown_grace_s``, ``remote``, ``num_accelerators``, ``accelerator_type``,
+    ``profile`` (the script's ``optimizer.step()`` calls, or its ``runtime.step()`` marks, are its steps) and
+    ``detach`` are as for :func:`~sgpu_magic.distributed` (same defaults, same ``%config DistributedMagics``
+    traits).
 
     Args:
         path_or_module: the script's path (relative to the kernel's current directory), or a dotted module
@@ -241,6 +244,7 @@ def run_script(
         num_accelerators=num_accelerators,
         accelerator_type=accelerator_type,
         profile=profile,
+        detach=detach,
     )
     target = resolve(path_or_module, module=module)
     job: Job = start(replace(spec, name=target.name), lambda warn: target.payload(args), background=background)

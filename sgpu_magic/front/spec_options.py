@@ -150,6 +150,7 @@ def job_spec(
     num_accelerators: object = None,
     accelerator_type: object = None,
     profile: object = None,
+    detach: object = False,
 ) -> LaunchSpec:
     """The :class:`LaunchSpec` for the decorator's and :func:`~sgpu_magic.run_script`'s options (both
     generations of the serverless GPU API's names, ``remote=``), validated before anything starts.
@@ -179,4 +180,5 @@ def job_spec(
         teardown_grace_s=teardown_grace_s,
         stuck_after_s=resolve_config(stuck_after_s),
         profile_steps=profile,
+        detach=detach,
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from sgpu_magic.launch.resources import DevicePlan
-from sgpu_magic.rundir import RunDir, read_json
+from sgpu_magic.rundir import RunDir, open_private_fifo, read_json
 from sgpu_magic.spec import LaunchSpec
 
 if TYPE_CHECKING:
@@ -165,6 +165,10 @@ class JobSink:
     def started(self, job: Job) -> None:
         """The job was handed to the launch host."""
 
+    def attached(self, job: Job) -> None:
+        """The job is a detached one started by another kernel (:meth:`Job.attach`), followed from here on: no
+        :meth:`prepare` came (its launch.json and MLflow run were made by that kernel); :meth:`started` follows."""
+
     def output(self, rank: int, text: str) -> None:
         """New text from rank ``rank``'s log (stdout and stderr in order; may end mid-line)."""
 
@@ -251,6 +255,10 @@ class JobEvents(JobSink):
         for sink in self.sinks:
             sink.started(job)
 
+    def attached(self, job: Job) -> None:
+        for sink in self.sinks:
+            sink.attached(job)
+
     def output(self, rank: int, text: str) -> None:
         for sink in self.sinks:
             sink.output(rank, text)
@@ -324,6 +332,11 @@ class StatusFeed:
         try:
             os.mkfifo(path, 0o600)
             self.signal_fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        except FileExistsError:  # an attached job's: left by the kernel that started it
+            try:
+                self.signal_fd = open_private_fifo(path, os.O_RDWR | os.O_NONBLOCK)
+            except OSError:
+                self.signal_fd = None
         except (OSError, AttributeError):  # a file system without FIFOs
             self.signal_fd = None
 

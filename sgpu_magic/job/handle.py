@@ -418,6 +418,23 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         if background:
             self._start_background()
 
+    def attach(self, launcher: Launcher, submitted_s: float) -> None:
+        """Follow a detached job that another kernel started (:func:`sgpu_magic.attach`), held by ``launcher``
+        (the run keeper): the sinks are told it was created, attached and started, then a background thread follows
+        it from the first byte of each rank's log, as for a submitted job (``submitted_s``: when it was started)."""
+        self._host, self._launched_at, self.submitted_s = launcher, time.monotonic(), submitted_s
+        self._said_preparing = True  # its launcher was ready long ago
+        self.events.created(self)
+        self.events.attached(self)
+        self._feed.open_signal()
+        self.events.started(self)
+        self._start_background()
+
+    @property
+    def detached(self) -> bool:
+        """Whether the job runs under the run keeper (``detach=True``), so it outlives the kernel."""
+        return self.spec.detach
+
     def wait(self, timeout_s: float | None = None) -> JobState:
         """Block until the job ends or ``timeout_s`` seconds pass; return its state.
 

@@ -10,11 +10,13 @@ metrics, results, wait, cancel); nothing outside ``sgpu_magic.job`` uses this cl
 from __future__ import annotations
 
 import contextvars
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from sgpu_magic._util.fs import touch_private
 from sgpu_magic.errors import JobCancelledError, LauncherError, ResourceError, SgpuError
 from sgpu_magic.job.follow import PUMP_INTERVAL_S, JobEvents, JobSink, LogPump, StatusFeed
 from sgpu_magic.job.metrics import MetricsPump
@@ -24,7 +26,7 @@ from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import RunDir, atomic_write_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, detached_index
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import StatusWriter
 
@@ -207,6 +209,7 @@ class JobLifecycle:
             "env": {},
             "teardown_grace_s": spec.teardown_grace_s,
             "stuck_after_s": spec.stuck_after_s,
+            "detached": spec.detach,
         }
         if plan.gpus:
             launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
@@ -239,6 +242,8 @@ class JobLifecycle:
             self._host, self._launched_at = host, time.monotonic()
             if self._lease is not None:
                 self._lease.add_process(host.pid)
+            if spec.detach:
+                self._write_attach_record(host)
         except BaseException as exc:
             for sink in prepared:
                 sink.launch_failed(rd.job_id, exc)
@@ -247,6 +252,18 @@ class JobLifecycle:
         self.events.started(self._handle)
         if self._cancel.is_set():
             self.request_cancel(self._cancel_reason)
+
+    def _write_attach_record(self, host: Launcher) -> None:
+        """What another kernel needs to attach to this detached job (:attr:`RunDir.attach_file`)."""
+        record = {
+            "spec": self.spec,
+            "plan": self.plan,
+            "launcher_pid": host.pid,
+            "launcher_log": host.where(),
+            "submitted_s": self.submitted_s,
+        }
+        atomic_write_bytes(self._rd.attach_file, pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
+        touch_private(detached_index(self._rd.path.parent.parent) / self.job_id)
 
     def _release(self) -> None:
         self._feed.close_signal()
@@ -318,7 +335,8 @@ class JobLifecycle:
         if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
             assert self._host is not None  # _host_alive asked it
             message = (
-                f"the launch host died while job {self.job_id} ran; see {self._host.where()} "
+                f"the {'run keeper' if self.spec.detach else 'launch host'} died while job {self.job_id} ran; "
+                f"see {self._host.where()} "
                 f"and the rank logs in {self._rd.logs_dir}"
             )
             self._pump(final=True)

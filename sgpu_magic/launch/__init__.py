@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 def launcher_for(spec: LaunchSpec, note: Callable[[str], None]) -> tuple[DevicePlan, Callable[[], Launcher]]:
     """The device plan of a job of ``spec`` and a factory of its :class:`~sgpu_magic.launch.base.Launcher`: the
     Ray cluster's (``spec.cluster``; Ray places the ranks: no local GPUs, no leases, no local port; ``note`` is told
-    when the kernel connects to the cluster first) or the kernel's launch host.
+    when the kernel connects to the cluster first), the user's run keeper (``spec.detach``:
+    :mod:`sgpu_magic.launch.keeper`) or the kernel's launch host.
 
     Raises:
         SpecError / ResourceError: the job cannot run as asked (before any process starts).
@@ -34,12 +35,17 @@ def launcher_for(spec: LaunchSpec, note: Callable[[str], None]) -> tuple[DeviceP
         plan = plan_on_cluster(spec)
         launcher = RayLauncher(spec.cluster, spec.gpu_type)
         return plan, lambda: launcher
-    from sgpu_magic.launch.client import get_host
     from sgpu_magic.launch.resources import check_port_free, plan_devices
 
     plan = plan_devices(spec)
     if spec.port is not None:
         check_port_free(spec.port)
+    if spec.detach:  # the user's run keeper: the job outlives the kernel
+        from sgpu_magic.launch.keeper import get_keeper
+
+        return plan, get_keeper
+    from sgpu_magic.launch.client import get_host
+
     return plan, get_host
 
 

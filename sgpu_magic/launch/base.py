@@ -1,14 +1,17 @@
 """The :class:`Launcher` protocol: what starts a job's ranks, as the Job handle sees it.
 
-Two launchers implement it: the kernel's client of its local launch host
-(:class:`sgpu_magic.launch.client.LaunchHost`) and the Ray backend
-(:class:`sgpu_magic.launch.ray.launcher.RayLauncher`). Both take a prepared run directory
+Three launchers implement it: the kernel's client of its local launch host
+(:class:`sgpu_magic.launch.client.LaunchHost`), of the user's run keeper for detached jobs
+(:class:`sgpu_magic.launch.keeper.RunKeeper`) and the Ray backend
+(:class:`sgpu_magic.launch.ray.launcher.RayLauncher`). Each takes a prepared run directory
 (``launch.json``, ``payload.pkl``, the rank log files) and report only through it: the job's
 ``status.json`` (written until its final state) and each rank's log, result and error files.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -74,6 +77,34 @@ def finish_job(writer: StatusWriter, state: str, world_size: int, **change: Any)
         pass
     log_lines = count_lines([run_dir.log_file(r) for r in range(world_size)])
     return writer.finish(state, log_lines=log_lines, **change)
+
+
+def root_cause_first(
+    rd: RunDir, world_size: int, failed: list[dict[str, Any]], exitcodes: dict[str, int | None]
+) -> list[dict[str, Any]]:
+    """The failures of an attempt that has ended (every rank stopped), the root cause first.
+
+    ``failed`` (``[{"rank", "exitcode", ...}]``) are the ranks the launcher saw fail. A rank that raises tears its
+    process group down on its way out, so a peer can fail on the broken connection and exit first: the launcher then
+    saw only the peer. So a rank that wrote an error of its own earlier than every failure seen (its error's
+    ``time_s``; a rank seen dead without an error, killed by a signal, counts as the earliest) is added, and the list
+    is ordered by when each failed, as the job's final error names the earliest failure its root cause.
+    ``exitcodes``: the attempt's, by rank."""
+    errors: dict[int, float] = {}
+    for rank in range(world_size):
+        try:
+            errors[rank] = float(json.loads(rd.error_file(rank).read_bytes()).get("time_s") or math.inf)
+        except (OSError, ValueError):
+            continue
+    found = {int(f["rank"]): f for f in failed}
+    when = {rank: errors.get(rank, -math.inf) for rank in found}
+    first_seen = min(when.values(), default=math.inf)
+    for rank, time_s in errors.items():
+        if rank not in found and time_s < first_seen:
+            code = exitcodes.get(str(rank))
+            found[rank] = {"rank": rank, "exitcode": code if code is not None and code > 0 else 1, "time_s": time_s}
+            when[rank] = time_s
+    return sorted(found.values(), key=lambda f: (when[int(f["rank"])], int(f["rank"])))
 
 
 def close_attempt(

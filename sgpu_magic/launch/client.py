@@ -32,42 +32,26 @@ _HOST_MAIN = "import sys; from sgpu_magic.launch.host.boot import main; main(sys
 from its forkserver skips re-running the host module as ``__mp_main__`` (multiprocessing's prepare)."""
 
 
-class LaunchHost:
-    """Handle on a running launch host process: the local :class:`~sgpu_magic.launch.base.Launcher`.
+class HostHandle:
+    """What the two local launchers share, the kernel's launch host (:class:`LaunchHost`) and the user's run keeper
+    (:class:`sgpu_magic.launch.keeper.RunKeeper`): the same host program and commands (launch, cancel, stacks), a
+    log whose markers say when it is ready, a process to watch. A subclass says how a command is sent
+    (:meth:`send`), sets :attr:`pid` and :attr:`log_path`, and names itself (:attr:`NAME`, :attr:`PREPARING`).
 
     Attributes:
         pid: the host's process id.
         log_path: where the host writes its own diagnostics.
     """
 
-    def __init__(self, root: Path | None = None) -> None:
-        hosts = make_private_dir((root or default_root()) / "hosts")
-        self.log_path = hosts / f"host-{os.getpid()}-{os.urandom(3).hex()}.log"
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _HOST_MAIN, str(self.log_path), str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=os.getcwd(),
-            env=_host_env(),
-        )
-        self.pid = self._handshake(proc)
-        self._proc: psutil.Process | None = None  # for alive(), made on first use
-        assert proc.stdin is not None  # stdin=PIPE
-        self._stdin = proc.stdin
-        self._lock = threading.Lock()
+    NAME = "launch host"
+    PREPARING = "starting the launch host (the first launch of this kernel waits while it imports torch)"
+    pid: int
+    log_path: Path
+    _proc: psutil.Process | None = None  # for process_alive(), made on first use
 
-    def _handshake(self, proc: subprocess.Popen[bytes]) -> int:
-        assert proc.stdout is not None and proc.stdin is not None  # both are pipes (stdin=PIPE, stdout=PIPE)
-        ready, _, _ = select.select([proc.stdout], [], [], _HANDSHAKE_TIMEOUT_S)
-        line = proc.stdout.readline().decode() if ready else ""
-        proc.stdout.close()
-        proc.wait()
-        if not line.startswith("ready "):
-            proc.stdin.close()
-            raise LauncherError(f"the sgpu_magic launch host did not start (see {self.log_path})")
-        return int(line.split()[1])
+    def send(self, cmd: dict) -> None:
+        """Send one command line; raises :class:`LauncherError` if the host is gone."""
+        raise NotImplementedError
 
     @property
     def warm_marker(self) -> Path | None:
@@ -89,16 +73,13 @@ class LaunchHost:
         return str(self.log_path)
 
     def preparing(self) -> str | None:
-        """``starting the launch host (the first launch of this kernel waits while it imports torch)``
-        until the host's ready markers exist (:attr:`ready_markers`); ``None`` after."""
+        """:attr:`PREPARING` until the host's ready markers exist (:attr:`ready_markers`); ``None`` after."""
         if all(path.exists() for path in self.ready_markers):
             return None
-        return "starting the launch host (the first launch of this kernel waits while it imports torch)"
+        return self.PREPARING
 
-    def alive(self) -> bool:
-        """Whether the host process still runs and its command pipe is open."""
-        if self._stdin.closed:
-            return False
+    def process_alive(self) -> bool:
+        """Whether the host process still runs (a zombie does not)."""
         try:
             if self._proc is None:
                 self._proc = psutil.Process(self.pid)
@@ -106,23 +87,18 @@ class LaunchHost:
         except psutil.NoSuchProcess:
             return False
 
+    def alive(self) -> bool:
+        """Whether the host still runs."""
+        return self.process_alive()
+
     @property
     def warm(self) -> bool:
         """Whether the host's forkserver has finished preloading torch (the marker the host names after its log)."""
         return host_warm_marker(self.log_path).exists()
 
-    def send(self, cmd: dict) -> None:
-        """Send one command; raises :class:`LauncherError` if the host is gone."""
-        data = (json.dumps(cmd) + "\n").encode()
-        with self._lock:
-            try:
-                self._stdin.write(data)
-                self._stdin.flush()
-            except (BrokenPipeError, ValueError, OSError) as exc:
-                _close_quietly(self._stdin)
-                raise LauncherError(
-                    f"the sgpu_magic launch host (pid {self.pid}) is gone: {exc}; see {self.log_path}"
-                ) from None
+    def gone(self, exc: BaseException) -> LauncherError:
+        """The error of a command that found the host gone, naming its log."""
+        return LauncherError(f"the sgpu_magic {self.NAME} (pid {self.pid}) is gone: {exc}; see {self.log_path}")
 
     def launch(self, run_dir: RunDir) -> None:
         """Ask the host to start the ranks of ``run_dir`` with the kernel's current environment."""
@@ -144,10 +120,74 @@ class LaunchHost:
 
         return live_stacks(run_dir, status, native, lambda token: self.request_stacks(run_dir, token, native))
 
+
+class LaunchHost(HostHandle):
+    """Handle on a running launch host process, the kernel's own: the local
+    :class:`~sgpu_magic.launch.base.Launcher`; its commands go down its stdin, a pipe only this kernel holds."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        hosts = make_private_dir((root or default_root()) / "hosts")
+        self.log_path = hosts / f"host-{os.getpid()}-{os.urandom(3).hex()}.log"
+        proc = subprocess.Popen(
+            host_command(sys.executable, self.log_path, str(os.getpid())),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=os.getcwd(),
+            env=host_env(),
+        )
+        assert proc.stdin is not None  # stdin=PIPE
+        try:
+            self.pid = handshake(proc, "the sgpu_magic launch host", self.log_path)
+        except LauncherError:
+            proc.stdin.close()
+            raise
+        self._stdin = proc.stdin
+        self._lock = threading.Lock()
+
+    def alive(self) -> bool:
+        """Whether the host process still runs and its command pipe is open."""
+        return not self._stdin.closed and self.process_alive()
+
+    def send(self, cmd: dict) -> None:
+        data = (json.dumps(cmd) + "\n").encode()
+        with self._lock:
+            try:
+                self._stdin.write(data)
+                self._stdin.flush()
+            except (BrokenPipeError, ValueError, OSError) as exc:
+                _close_quietly(self._stdin)
+                raise self.gone(exc) from None
+
     def close(self) -> None:
         """Close the command pipe: the host stops its jobs and exits."""
         with self._lock:
             _close_quietly(self._stdin)
+
+
+def handshake(proc: subprocess.Popen[bytes], what: str, log_path: Path) -> int:
+    """The pid a starting host (or run keeper) says on its stdout, ``ready <pid>``, once it has detached (the
+    process started exits then and is reaped here).
+
+    Raises:
+        LauncherError: it said ``error <why>`` or nothing within 30 s; the message names ``what`` and its log.
+    """
+    assert proc.stdout is not None  # stdout=PIPE
+    ready, _, _ = select.select([proc.stdout], [], [], _HANDSHAKE_TIMEOUT_S)
+    line = proc.stdout.readline().decode() if ready else ""
+    proc.stdout.close()
+    proc.wait()
+    if line.startswith("error "):
+        raise LauncherError(f"{what} did not start: {line[6:].strip()}")
+    if not line.startswith("ready "):
+        raise LauncherError(f"{what} did not start (see {log_path})")
+    return int(line.split()[1])
+
+
+def host_command(sys_executable: str, log_path: Path, *args: str) -> list[str]:
+    """The command line of a launch host (or run keeper) logging to ``log_path``."""
+    return [sys_executable, "-c", _HOST_MAIN, str(log_path), *args]
 
 
 def _close_quietly(pipe) -> None:
@@ -157,7 +197,9 @@ def _close_quietly(pipe) -> None:
         pass
 
 
-def _host_env() -> dict[str, str]:
+def host_env() -> dict[str, str]:
+    """The environment a launch host (or run keeper) starts with: the kernel's, with this copy of sgpu_magic first
+    on ``PYTHONPATH`` and torch elastic handling SIGTERM."""
     env = dict(os.environ)
     pkg_parent = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -167,7 +209,7 @@ def _host_env() -> dict[str, str]:
 
 def rank_base_env() -> dict[str, str]:
     """The kernel's environment as ranks should see it (inline matplotlib backend dropped)."""
-    env = _host_env()
+    env = host_env()
     env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
     if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
         env.pop("MPLBACKEND")

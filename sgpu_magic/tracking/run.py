@@ -60,7 +60,7 @@ from sgpu_magic.errors import SgpuError
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.state import JobState
 from sgpu_magic.rank.mlflow_guard import RANK_TAG, RUN_FILE_ENV
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
 from sgpu_magic.tracking.server import run_link, start_ui
 from sgpu_magic.tracking.uri import http_base, kernel_tracking_uri, notebook_path, sqlite_dir
 from sgpu_magic.tracking.worker import worker
@@ -271,6 +271,28 @@ class MlflowTracking(JobSink):
             **rank_logging_env(os.environ),
         }
         return {"env": env}
+
+    def attached(self, job: Job) -> None:
+        """An attached detached job (:func:`sgpu_magic.attach`): take over the run the kernel that started it made,
+        as its ``mlflow.json`` names it (read through the private-read check), unless that kernel ended it already;
+        it is ended here with the job, as any run. None there (untracked, or that kernel died first): untracked."""
+        run_dir = RunDir(job.run_dir)
+        self._queue(lambda: self._adopt(job, run_dir))
+        self._made = self._last
+
+    def _adopt(self, job: Job, run_dir: RunDir) -> None:
+        try:
+            info = read_json(run_dir.mlflow_file, private=True) or {}
+        except OSError as exc:
+            _warn(f"the MLflow run of job {job.job_id} cannot be read ({exc}): it is not tracked from this kernel")
+            return
+        if not info.get("run_id") or run_dir.mlflow_ended_file.exists():
+            return
+        (mlflow,) = import_mlflow()
+        self._client, self.tracking_uri = mlflow.MlflowClient(info["tracking_uri"]), info["tracking_uri"]
+        self.run_id, self.experiment_id = info["run_id"], info.get("experiment_id")
+        self._experiment_name = info.get("experiment_name")
+        job.mlflow_run_id, job.mlflow_tracking_uri = self.run_id, self.tracking_uri
 
     def _create(self, job_id: str, spec: LaunchSpec, plan: DevicePlan, run_file: Path) -> None:
         """On the worker: make the run, then name it where the ranks and the launch host read it (``mlflow.json``:

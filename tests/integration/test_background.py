@@ -171,7 +171,10 @@ def test_stop_all_cancels_every_running_job(ip, run_cell, go):
     [
         ("%distributed_stop", r"give one job id \(see %distributed_jobs\) or --all"),
         ("%distributed_stop nosuchjob", r"'nosuchjob' matches no job of this kernel \(jobs: .*\); give more of the id"),
-        ("%distributed_jobs now", r"%distributed_jobs takes no arguments, got 'now'"),
+        (
+            "%distributed_jobs now",
+            r"^unrecognized arguments: now\nusage: %distributed_jobs \[--all\] \[--stop JOB_ID\]",
+        ),
         (
             "%%distributed --gpus 2 --gpu-ids zero\npass",
             r"--gpu-ids takes GPU indices separated by commas, e.g. "

@@ -74,7 +74,7 @@ BASE_CELL_LINES = [
 ]
 ACCEPTED = (
     "gpus, gpu_type, timeout, port, widgets, max_capture_bytes, mlflow, gpu_ids, wait, max_restarts, cluster, "
-    "teardown_grace_s, remote, num_accelerators, accelerator_type, profile"
+    "teardown_grace_s, remote, num_accelerators, accelerator_type, profile, detach"
 )
 
 

@@ -19,7 +19,7 @@ NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb") if not p
 API_PAGES = {
     "distributed": ["sgpu_magic.distributed", "sgpu_magic.DistributedFunction"],
     "run_script": ["sgpu_magic.run_script"],
-    "job": ["sgpu_magic.Job", "sgpu_magic.JobState"],
+    "job": ["sgpu_magic.Job", "sgpu_magic.JobState", "sgpu_magic.attach", "sgpu_magic.detached_runs"],
     "runtime": ["sgpu_magic.runtime", "sgpu_magic.runtime.get_global_rank", "sgpu_magic.runtime.backend"],
     "data": ["sgpu_magic.data", "sgpu_magic.data.VolumeDataset", "sgpu_magic.data.DataLoader"],
     "checkpoint": ["sgpu_magic.checkpoint", "sgpu_magic.checkpoint.VolumeWriter", "sgpu_magic.checkpoint.VolumeReader"],

@@ -74,3 +74,29 @@ def test_bad_max_restarts_in_the_magic_is_a_usage_error(ip):
         ip.run_cell_magic("distributed", "--gpus 2 --max-restarts -1", "1\n")
     with pytest.raises(UsageError, match=r"argument --max-restarts: invalid int value: 'x'"):
         ip.run_cell_magic("distributed", "--gpus 2 --max-restarts x", "1\n")
+
+
+def test_a_rank_that_raised_before_the_failure_seen_is_named_first_and_a_killed_rank_stays_the_root_cause(tmp_path):
+    """The launcher may see a peer fail first (on the connection the raising rank tore down as it left): the rank whose
+    own error is earlier is then added and named first; a rank seen killed by a signal (no error of its own) stays
+    the first, and a peer's later error is not added (found by CI: the panel named rank 0 for rank 1's ValueError)."""
+    import json
+
+    from sgpu_magic.launch.base import root_cause_first
+    from sgpu_magic.rundir import RunDir
+
+    rd = RunDir.create(tmp_path)
+
+    def error(rank: int, time_s: float) -> None:
+        rd.error_file(rank).write_text(json.dumps({"rank": rank, "message": "x", "time_s": time_s}))
+
+    error(0, 20.0)
+    error(1, 10.0)
+    seen = [{"rank": 0, "exitcode": 1, "time_s": 21.0}]
+    assert root_cause_first(rd, 2, seen, {"0": 1, "1": -15}) == [
+        {"rank": 1, "exitcode": 1, "time_s": 10.0},
+        {"rank": 0, "exitcode": 1, "time_s": 21.0},
+    ]
+    rd.error_file(1).unlink()
+    killed = [{"rank": 1, "exitcode": -9, "time_s": 21.0}]
+    assert root_cause_first(rd, 2, killed, {"0": 1, "1": -9}) == killed

@@ -1,4 +1,4 @@
-"""Both launchers implement the Launcher protocol (sgpu_magic.launch.base) that the Job handle relies on, and both
+"""The launchers (the kernel's launch host, the run keeper, Ray) implement the Launcher protocol (sgpu_magic.launch.base) that the Job handle relies on, and both
 session channels the Channel protocol (sgpu_magic.session.channel) that a session relies on."""
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ def test_the_ray_launcher_is_a_launcher_and_says_where_its_diagnostics_are():
 
 
 def test_the_local_launch_host_has_the_protocols_methods_with_its_signatures():
+    from sgpu_magic.launch.keeper import RunKeeper
     from sgpu_magic.session.launcher import CellLauncher
 
     assert _methods(LaunchHost) == _methods(Launcher)
+    assert _methods(RunKeeper) == _methods(Launcher)
     assert _methods(RayLauncher) == _methods(Launcher)
     assert _methods(CellLauncher) == _methods(Launcher)
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sgpu_magic._util.proc import adopt_orphans
@@ -23,11 +25,14 @@ from sgpu_magic.launch.host.warm_pool import HOST_PRELOAD, WarmPool
 from sgpu_magic.rundir import HOST_WARM_STATS, host_warm_marker
 
 
-def _detach(log_path: str) -> None:
-    """Leave the kernel's process tree (fork; the parent exits), say ready, log to ``log_path``."""
+def _detach(log_path: str, before_ready: Callable[[], object] | None = None) -> None:
+    """Leave the kernel's process tree (fork; the parent exits), run ``before_ready`` (the run keeper binds its
+    socket), say ready, log to ``log_path``."""
     if os.fork() > 0:
         os._exit(0)
     adopt_orphans()
+    if before_ready is not None:
+        before_ready()
     sys.stdout.write(f"ready {os.getpid()}\n")
     sys.stdout.flush()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -64,9 +69,28 @@ def _freeze() -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``argv``: ``[_, log_path, kernel_pid]``; runs until the kernel closes the host's stdin or dies."""
-    log_path, kernel_pid = argv[1], int(argv[2])
-    _detach(log_path)
+    """``argv``: ``[_, log_path, kernel_pid]``, a kernel's host, which runs until the kernel closes its stdin or
+    dies; or ``[_, log_path, "keeper", socket_path, lock_path]``, the user's run keeper
+    (:mod:`sgpu_magic.launch.host.keeper`), which binds its socket before it says ready and runs until it holds no
+    run."""
+    log_path = argv[1]
+    keeper = argv[2] == "keeper"
+    kernel_pid = None if keeper else int(argv[2])
+    listener: list[socket.socket] = []
+    if keeper:
+        from sgpu_magic._util.unix_socket import bind_private
+
+        def bind() -> None:
+            try:
+                listener.append(bind_private(Path(argv[3])))
+            except OSError as exc:  # the kernel's handshake shows it
+                sys.stdout.write(f"error {exc}\n")
+                sys.stdout.flush()
+                os._exit(1)
+
+        _detach(log_path, bind)
+    else:
+        _detach(log_path)
     warm = os.environ.get("SGPU_MAGIC_START_METHOD", "forkserver") != "subprocess"
     import_s = _import(warm)
     pool = None
@@ -79,4 +103,9 @@ def main(argv: list[str]) -> None:
         _freeze()
     from sgpu_magic.launch.host.process import serve  # the host's own modules: after the fork, never in a rank
 
-    serve(kernel_pid, pool, log_path, import_s)
+    host = None
+    if keeper:
+        from sgpu_magic.launch.host.keeper import Keeper
+
+        host = Keeper(listener[0], Path(argv[3]), Path(argv[4]), pool, log_path)
+    serve(kernel_pid, pool, log_path, import_s, host=host)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic._compat import elastic
-from sgpu_magic.launch.base import close_attempt, finish_job
+from sgpu_magic.launch.base import close_attempt, finish_job, root_cause_first
 from sgpu_magic.launch.env import rank_env
 from sgpu_magic.launch.flight_recorder import flight_recorder_env
 from sgpu_magic.launch.host.cleanup import kill_leftovers, release_lease
@@ -247,14 +247,10 @@ class HostJob:
         self.ctx.close(timeout=GRACE_S)  # type: ignore[arg-type] # torch says int; its waits take seconds as floats
         kill_leftovers(set(self.pids.values()), self.launch["job_id"])
         world = self.launch["world_size"]
-        failed = self.status.pop("failures")
+        exitcodes = {str(r): code for r, code in elastic.exitcodes(self.ctx).items()}
+        failed = root_cause_first(self.run_dir, world, self.status.pop("failures"), exitcodes)
         self.status.setdefault("attempts", []).append(
-            {
-                "attempt": self.attempt,
-                "failures": failed,
-                "ended_s": time.time(),
-                "exitcodes": {str(r): code for r, code in elastic.exitcodes(self.ctx).items()},
-            }
+            {"attempt": self.attempt, "failures": failed, "ended_s": time.time(), "exitcodes": exitcodes}
         )
         self.guard.reset()
         unmarked = close_attempt(self.run_dir, world, self.attempt, self.max_restarts, failed)

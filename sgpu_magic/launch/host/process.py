@@ -58,8 +58,8 @@ has started for this long: an import at the launch competed with the ranks' star
 class Host:
     """The host's loop: commands from stdin, polling of running jobs, shutdown with the kernel."""
 
-    def __init__(self, kernel_pid: int, pool: WarmPool | None) -> None:
-        self.kernel = psutil.Process(kernel_pid)
+    def __init__(self, kernel_pid: int | None, pool: WarmPool | None) -> None:
+        self.kernel = psutil.Process(kernel_pid) if kernel_pid is not None else None
         self.pool = pool
         self.jobs: dict[str, HostJob] = {}
         self.ended: collections.deque[HostJob] = collections.deque(maxlen=32)
@@ -67,10 +67,34 @@ class Host:
         self.buffer = b""
 
     def kernel_alive(self) -> bool:
+        """Whether the host goes on serving: the kernel that started it still runs (the run keeper, which serves
+        no kernel, says whether it still holds a run: :class:`sgpu_magic.launch.host.keeper.Keeper`)."""
         try:
+            assert self.kernel is not None  # a kernel's host is started with its pid
             return self.kernel.is_running() and self.kernel.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
+
+    def inputs(self) -> list[int]:
+        """The file descriptors commands come in on: the kernel's pipe (stdin)."""
+        return [0]
+
+    def on_input(self, fd: int) -> bool:
+        """Read what came on ``fd`` (one of :meth:`inputs`) and handle every complete command line; ``False`` when
+        the host must stop (the kernel closed its pipe)."""
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return False
+        self.buffer = self.handle_lines(self.buffer + chunk)
+        return True
+
+    def handle_lines(self, data: bytes) -> bytes:
+        """Handle each complete JSON line of ``data``; returns the incomplete rest."""
+        *lines, rest = data.split(b"\n")
+        for line in lines:
+            if line.strip():
+                self.handle(json.loads(line))
+        return rest
 
     def handle(self, cmd: dict) -> None:
         run_dir = RunDir(cmd["run_dir"])
@@ -96,23 +120,14 @@ class Host:
             self.ended.append(job)
 
     def read_commands(self) -> bool:
-        """Handle every complete command line waiting on stdin; ``False`` at EOF."""
+        """Handle every complete command line waiting on the inputs; ``False`` when the host must stop."""
         wake = [fd for job in self.jobs.values() for fd in job.wake_fds()]
+        inputs = self.inputs()
         try:
-            ready, _, _ = select.select([0, *wake], [], [], POLL_S if self.jobs else IDLE_POLL_S)
+            ready, _, _ = select.select([*inputs, *wake], [], [], POLL_S if self.jobs else IDLE_POLL_S)
         except (OSError, ValueError):  # a rank's fd closed meanwhile
             ready = []
-        if 0 not in ready:
-            return True
-        chunk = os.read(0, 1 << 16)
-        if not chunk:
-            return False
-        self.buffer += chunk
-        *lines, self.buffer = self.buffer.split(b"\n")
-        for line in lines:
-            if line.strip():
-                self.handle(json.loads(line))
-        return True
+        return all(self.on_input(fd) for fd in ready if fd in inputs)
 
     def _import_mlflow_when_quiet(self) -> None:
         jobs = [*self.jobs.values(), *self.ended]
@@ -184,17 +199,24 @@ def _plain_elastic_logging() -> None:
     elastic.propagate = False
 
 
-def serve(kernel_pid: int, pool: WarmPool | None, log_path: str | None = None, import_s: float | None = None) -> None:
+def serve(
+    kernel_pid: int | None,
+    pool: WarmPool | None,
+    log_path: str | None = None,
+    import_s: float | None = None,
+    host: Host | None = None,
+) -> None:
     """Run the host for kernel ``kernel_pid`` (torch already imported, its forkserver ``pool`` started; ``None``:
     every launch cold) until the kernel closes stdin or dies; called by :func:`sgpu_magic.launch.host.boot.main`,
     which says how long its ``import torch`` took (``import_s``). It first makes the host's ready marker beside
-    ``log_path`` (:func:`sgpu_magic.rundir.host_ready_marker`)."""
+    ``log_path`` (:func:`sgpu_magic.rundir.host_ready_marker`). ``host``: the run keeper's loop instead of a
+    kernel's (:class:`sgpu_magic.launch.host.keeper.Keeper`), which serves until it holds no run."""
     host_logging()
     if import_s is not None:
         log.info("imported torch in %.2f s", import_s)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    host = Host(kernel_pid, pool)
+    host = host if host is not None else Host(kernel_pid, pool)
     _plain_elastic_logging()
     if log_path is not None:
         touch_private(host_ready_marker(log_path))

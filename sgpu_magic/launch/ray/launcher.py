@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic.errors import SgpuError, SpecError
-from sgpu_magic.launch.base import close_attempt, finish_job
+from sgpu_magic.launch.base import close_attempt, finish_job, root_cause_first
 from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
 from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
@@ -302,7 +302,7 @@ class _Supervisor(threading.Thread):
             if out["error"]:  # kept with the attempt's, by close_attempt
                 atomic_write_json(self.rd.error_file(rank), out["error"])
         self._pull_logs()  # the attempt's last lines, before the marker
-        failed = self.status.pop("failures")
+        failed = root_cause_first(self.rd, self.world, self.status.pop("failures"), exitcodes)
         self.status.setdefault("attempts", []).append(
             {"attempt": self.attempt, "failures": failed, "ended_s": time.time(), "exitcodes": exitcodes}
         )

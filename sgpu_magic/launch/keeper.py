@@ -1,0 +1,140 @@
+"""Kernel-side client of the run keeper (:mod:`sgpu_magic.launch.host.keeper`): the launcher of detached jobs.
+
+:func:`get_keeper` finds the user's keeper through its socket (``<sgpu_magic home>/keeper/keeper-<tag>.sock``, 0600
+in a 0700 folder; one keeper per user and Python, see :func:`sgpu_magic._util.unix_socket.keeper_tag`) or starts
+one, holding the folder's start lock so that two kernels start one keeper between them, and none connects while
+an idle keeper closes. A :class:`RunKeeper` is a :class:`~sgpu_magic.launch.base.Launcher`: each command is one
+short connection (greeting, command line, close), so no kernel holds the keeper open, and a kernel that dies
+leaves its jobs running there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from filelock import FileLock
+
+from sgpu_magic._util.unix_socket import keeper_tag
+from sgpu_magic.launch.client import HostHandle, handshake, host_command, host_env
+from sgpu_magic.rundir import keeper_dir
+
+CONNECT_TIMEOUT_S = 60.0
+"""How long a command waits for the keeper's greeting: at once from its loop, or once a keeper just started has
+imported torch (seconds)."""
+
+START_LOCK_TIMEOUT_S = 60.0
+"""How long a kernel waits for another one that is starting the keeper."""
+
+
+class KeeperPaths:
+    """The files of the user's run keeper for this Python, under ``<root>/keeper`` (``root``: the sgpu_magic home,
+    :func:`sgpu_magic.rundir.default_root`)."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.dir = keeper_dir(root)
+        tag = keeper_tag()
+        self.socket = self.dir / f"keeper-{tag}.sock"
+        self.lock = self.dir / f"keeper-{tag}.lock"
+
+
+def _greeting(path: Path) -> tuple[socket.socket, dict]:
+    """Connect to the keeper at ``path`` and read its greeting line (``{"pid": ..., "log": ...}``).
+
+    Raises:
+        OSError: no keeper listens there (``FileNotFoundError``, ``ConnectionRefusedError``), or it closed first.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        sock.connect(os.fspath(path))
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise ConnectionResetError(f"the run keeper at {path} closed the connection")
+            data += chunk
+        return sock, json.loads(data)
+    except (OSError, ValueError) as exc:
+        sock.close()
+        raise exc if isinstance(exc, OSError) else ConnectionResetError(str(exc)) from None
+
+
+class RunKeeper(HostHandle):
+    """The user's run keeper, as a :class:`~sgpu_magic.launch.base.Launcher` (see the module docstring): the launch
+    host's commands, each sent on a short connection to its socket.
+
+    Attributes:
+        pid: the keeper's process id (a detached job's GPU lease lives while it does).
+        log_path: the keeper's own log.
+    """
+
+    NAME = "run keeper"
+    PREPARING = "starting the run keeper (the first detached job waits while it imports torch)"
+
+    def __init__(self, pid: int, log_path: str | os.PathLike, paths: KeeperPaths) -> None:
+        self.pid = pid
+        self.log_path = Path(log_path)
+        self.paths = paths
+
+    def send(self, cmd: dict) -> None:
+        """Send one command line to the keeper.
+
+        Raises:
+            LauncherError: this keeper is gone (none listens, or another one does now).
+        """
+        try:
+            with FileLock(self.paths.lock, timeout=START_LOCK_TIMEOUT_S, mode=0o600):
+                sock, hello = _greeting(self.paths.socket)
+            with sock:
+                if hello.get("pid") != self.pid:
+                    raise ConnectionRefusedError(f"another run keeper (pid {hello.get('pid')}) listens there now")
+                sock.sendall((json.dumps(cmd) + "\n").encode())
+        except OSError as exc:
+            raise self.gone(exc) from None
+
+
+def get_keeper(root: Path | None = None) -> RunKeeper:
+    """The user's run keeper for this Python, started if none runs (see the module docstring).
+
+    Raises:
+        LauncherError: it could not be started (the message says why and names its log).
+        PermissionError: the keeper folder is not this user's (:func:`sgpu_magic.rundir.keeper_dir`).
+    """
+    paths = KeeperPaths(root)
+    with FileLock(paths.lock, timeout=START_LOCK_TIMEOUT_S, mode=0o600):
+        try:
+            sock, hello = _greeting(paths.socket)
+            sock.close()
+            return RunKeeper(int(hello["pid"]), hello["log"], paths)
+        except (OSError, KeyError, ValueError):
+            pass  # none runs (or a killed one left its socket): start one
+        log_path = paths.dir / f"keeper-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}.log"
+        proc = subprocess.Popen(
+            host_command(sys.executable, log_path, "keeper", str(paths.socket), str(paths.lock)),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=paths.dir,
+            env=host_env(),
+        )
+        pid = handshake(proc, "the sgpu_magic run keeper", log_path)
+        return RunKeeper(pid, log_path, paths)
+
+
+def running_keeper(root: Path | None = None) -> RunKeeper | None:
+    """The user's run keeper if one runs now (none is started)."""
+    paths = KeeperPaths(root)
+    try:
+        with FileLock(paths.lock, timeout=START_LOCK_TIMEOUT_S, mode=0o600):
+            sock, hello = _greeting(paths.socket)
+        sock.close()
+    except (OSError, KeyError, ValueError):
+        return None
+    return RunKeeper(int(hello["pid"]), hello["log"], paths)
