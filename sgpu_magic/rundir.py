@@ -369,6 +369,12 @@ class RunDir:
         "private-read check).",
     )
 
+    session_file = _entry(
+        "session.json",
+        "A detached session's name, rank pids and idle timeout, written by the kernel that started it once its ranks "
+        "are ready: what a kernel attaching to it (:func:`sgpu_magic.attach`) takes the session over with.",
+    )
+
     code_map_file = _entry(
         "code.json",
         "The notebook's names for the job's code (``Cell In[4]``) and its sources, so stack frames "

@@ -14,13 +14,19 @@ import pickle
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sgpu_magic.errors import SgpuError
 from sgpu_magic.front.decorator import make_sinks
+from sgpu_magic.front.sessions import sessions
 from sgpu_magic.job.handle import CANCEL_WAIT_S, Job, jobs
 from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.keeper import KeeperPaths, RunKeeper
 from sgpu_magic.rundir import RunDir, default_root, detached_index, read_json, read_private
+from sgpu_magic.session.core import SessionState
+
+if TYPE_CHECKING:
+    from sgpu_magic.front.session import Session
 
 RECENT_S = 24 * 3600.0
 """``%distributed_jobs --all`` lists detached runs that ended less than this many seconds ago (a day), and every
@@ -120,12 +126,16 @@ def _keeper_of(run: DetachedRun, record: dict) -> RunKeeper:
     return RunKeeper(record["launcher_pid"], record["launcher_log"], KeeperPaths(run.run_dir.parent.parent))
 
 
-def attach(job_id: str | None = None, *, widgets: bool | None = None, root: Path | None = None) -> Job:
+def attach(job_id: str | None = None, *, widgets: bool | None = None, root: Path | None = None) -> Job | Session:
     """The :class:`~sgpu_magic.Job` of a detached run, from any kernel of the user who started it (also after that
     kernel died or restarted): its panel (or text view) is rebuilt from the run directory, every rank's lines from
     the first one, and follows it live from a background thread, as for ``fn.submit(...)``; ``job.result()``,
     ``job.cancel()``, ``job.stacks()`` and ``job.metrics()`` work as on the kernel that started it, and its MLflow
     run is ended here when it ends (unless that kernel did). A run already followed in this kernel is returned as is.
+
+    A running detached session (``Session(detach=True)``, ``%distributed_session start --detach``) gives its
+    :class:`~sgpu_magic.Session` instead: its cells run on the same ranks, with the state they kept
+    (``sess.pull("model")``, ``%%distributed --session``), and it becomes this kernel's latest session.
 
     Args:
         job_id: the run's id (``job.job_id``), or a unique part of it; ``None``: the latest detached run started.
@@ -134,16 +144,29 @@ def attach(job_id: str | None = None, *, widgets: bool | None = None, root: Path
 
     Raises:
         SgpuError: no detached run of yours matches ``job_id``, or several do (the message lists them).
+        SessionError: a detached session's name is taken by a running session of this kernel.
         PermissionError: the run's files are not private to you (another user's, or opened up).
     """
     run = find_detached(job_id, root)
-    followed = next((job for job in jobs() if job.job_id == run.job_id and not job.ended), None)
-    if followed is not None:
-        return followed
     rd = RunDir(run.run_dir)
+    is_session = rd.session_file.exists() and not run.state.final
+    if is_session:
+        live = next((s for s in sessions() if s.job is not None and s.job.job_id == run.job_id), None)
+        if live is not None and live.state is not SessionState.STOPPED:
+            return live
+    else:
+        followed = next((job for job in jobs() if job.job_id == run.job_id and not job.ended), None)
+        if followed is not None:
+            return followed
     record = pickle.loads(read_private(rd.attach_file, rd.path))
     spec = record["spec"] if widgets is None else replace(record["spec"], widgets=widgets)
     job = Job(rd, spec, record["plan"], lambda: _keeper_of(run, record), make_sinks(spec, None))
+    if is_session:
+        from sgpu_magic.front.session import Session
+
+        job.title = spec.name  # "session train"
+        job.attach(_keeper_of(run, record), record["submitted_s"])
+        return Session.attached(job, read_json(rd.session_file, private=True) or {})
     job.title = f"job {rd.job_id} (attached)"
     job.attach(_keeper_of(run, record), record["submitted_s"])
     return job

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from sgpu_magic import capture
@@ -40,6 +41,10 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.session.core import SessionCore, SessionState
 from sgpu_magic.spec import LaunchSpec, check_profile_steps, check_timeout, shown
+
+DETACHED_IDLE_TIMEOUT_S = 7200.0
+"""A detached session's idle timeout unless one is given (2 h): its ranks end after this long without a cell, also
+when no kernel is attached (each rank counts it itself)."""
 
 
 class Session:
@@ -62,6 +67,11 @@ class Session:
         auto_recover: when ranks of an interrupted cell do not return and each waits in a ``torch.distributed``
             call, :meth:`recover` at once (the cell's error says so). Default:
             ``%config DistributedMagics.session_auto_recover`` (True).
+        detach: run the ranks under the user's run keeper, so the session and every rank's state outlive the
+            kernel: :func:`sgpu_magic.attach` in any kernel of the user gives the Session back (its cells run on the
+            same ranks). A detached session's idle timeout is :data:`DETACHED_IDLE_TIMEOUT_S` (2 h) unless
+            ``idle_timeout`` is given: one never reattached cannot hold its GPUs for ever. Not with ``cluster``.
+            Default False.
 
     The ranks start at once (from the launch host's warm forkserver, or in Ray actors with ``cluster``), hold their
     GPU leases (or the cluster's bundles) until the session stops, and end with the kernel. Raises
@@ -82,6 +92,7 @@ class Session:
         name: str | None = None,
         mlflow_per_cell: bool = FromConfig("mlflow_per_cell", False),  # type: ignore[assignment]
         auto_recover: bool = FromConfig("session_auto_recover", True),  # type: ignore[assignment]
+        detach: bool = False,
     ) -> None:
         spec = job_spec(
             "session",
@@ -93,9 +104,18 @@ class Session:
             gpu_ids=gpu_ids,
             stuck_after_s=None,  # a session's ranks wait quietly for cells
             cluster=cluster,
+            detach=detach,
         )
         idle_timeout_s = check_timeout(resolve_config(idle_timeout), "idle_timeout")
-        self.name = self._unique_name(name)
+        if spec.detach and idle_timeout_s is None:
+            idle_timeout_s = DETACHED_IDLE_TIMEOUT_S
+        self._setup(spec, self._unique_name(name), idle_timeout_s, mlflow_per_cell, auto_recover)
+        self._core.start()
+
+    def _setup(
+        self, spec: LaunchSpec, name: str, idle_timeout_s: float | None, mlflow_per_cell: object, auto_recover: object
+    ) -> None:
+        self.name = name
         lease_dir = resolve_config(FromConfig("lease_dir", "")) or None
         self._core = SessionCore(spec, self._sinks, self.name, idle_timeout_s, lease_dir)
         self._core.mlflow_per_cell = bool(resolve_config(mlflow_per_cell))
@@ -103,7 +123,26 @@ class Session:
         self._core.on_idle_stop = self._announce
         self._max_capture_bytes = int(resolve_config(FromConfig("max_capture_bytes", capture.DEFAULT_MAX_BYTES)))
         register(self)
-        self._core.start()
+
+    @classmethod
+    def attached(cls, job: Job, record: dict[str, Any]) -> Session:
+        """The Session of a detached session that another kernel started, taken over through its session job
+        ``job`` (attached: :func:`sgpu_magic.attach`) and its session record (name, rank pids, idle timeout).
+
+        Raises:
+            SessionError: this kernel runs a session of that name already.
+        """
+        session = cls.__new__(cls)
+        spec = replace(job.spec, name="session")
+        session._setup(
+            spec,
+            cls._unique_name(record["name"]),
+            record.get("idle_timeout_s"),
+            FromConfig("mlflow_per_cell", False),
+            FromConfig("session_auto_recover", True),
+        )
+        session._core.adopt(job, {int(r): int(p) for r, p in record["pids"].items()})
+        return session
 
     @staticmethod
     def _unique_name(name: str | None) -> str:

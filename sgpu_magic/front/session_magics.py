@@ -130,12 +130,19 @@ class SessionMagics(Magics):
         action="store_true",
         help="start: also a child MLflow run per cell, with its params and logs (DistributedMagics.mlflow_per_cell).",
     )
+    @argument(
+        "--detach",
+        action="store_true",
+        help="start: run the ranks under your run keeper: the session and its state outlive this kernel, and "
+        "%%distributed_attach gives it back in any of your kernels (idle timeout default 2 h).",
+    )
     @argument("--all", action="store_true", help="stop: every session of this kernel.")
     @argument("-o", "--output", default=None, metavar="NAME", help="start: store the Session in this variable.")
     @magic_help(
         "%distributed_session",
         examples="""
         %distributed_session start --gpus 2 -o sess     # ranks wait for cells; sess.run_cell(...), sess.pull(...)
+        %distributed_session start --gpus 2 --detach    # outlives the kernel: %distributed_attach --last
         %distributed_session status
         %distributed_session recover                    # ranks blocked in a collective return; state kept
         %distributed_session restart                    # fresh ranks (their state is lost)
@@ -188,6 +195,7 @@ class SessionMagics(Magics):
             mlflow=False if args.no_mlflow else FromConfig("mlflow", True),  # type: ignore[arg-type]
             mlflow_per_cell=True if args.mlflow_per_cell else FromConfig("mlflow_per_cell", False),  # type: ignore[arg-type]
             name=args.name,
+            detach=args.detach,
         )
         if args.output:
             assert self.shell is not None  # a magic runs in the shell it is registered with

@@ -235,15 +235,13 @@ class JobLifecycle:
             self._feed.open_signal()
             host = self._get_host()
             try:
-                host.launch(rd)
+                self._hand_over(host)
             except LauncherError:
                 host = self._get_host()
-                host.launch(rd)
+                self._hand_over(host)
             self._host, self._launched_at = host, time.monotonic()
             if self._lease is not None:
                 self._lease.add_process(host.pid)
-            if spec.detach:
-                self._write_attach_record(host)
         except BaseException as exc:
             for sink in prepared:
                 sink.launch_failed(rd.job_id, exc)
@@ -252,6 +250,13 @@ class JobLifecycle:
         self.events.started(self._handle)
         if self._cancel.is_set():
             self.request_cancel(self._cancel_reason)
+
+    def _hand_over(self, host: Launcher) -> None:
+        """Launch on ``host``; a detached job's attach record first, so that a kernel dying right after the hand-over
+        leaves a job another kernel can attach to."""
+        if self.spec.detach:
+            self._write_attach_record(host)
+        host.launch(self._rd)
 
     def _write_attach_record(self, host: Launcher) -> None:
         """What another kernel needs to attach to this detached job (:attr:`RunDir.attach_file`)."""

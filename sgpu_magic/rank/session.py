@@ -19,6 +19,11 @@ blocked in a collective (:func:`sgpu_magic.rank.recover.start_control_thread`).
 SIGINT raises ``KeyboardInterrupt`` only while a cell runs (the kernel's interrupt of that cell); between cells
 it is ignored. When the kernel's end of the command FIFO closes (the kernel is gone), the rank waits for the launch
 host to stop it.
+
+A detached session's rank (``Session(detach=True)``, under the run keeper) outlives its kernel: it holds its command
+and control FIFOs open itself, so a kernel that goes away is not an end of file, and it waits, with its namespace,
+for the commands of the next kernel that attaches (:func:`sgpu_magic.attach`); a reply that finds no kernel is
+dropped (the cell's outcome is in its run directory). It ends after ``idle_timeout_s`` seconds without a command.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import select
 import signal
 import sys
 import time
@@ -201,21 +207,31 @@ def _wait_to_be_stopped() -> NoReturn:
         signal.pause()
 
 
-def serve(run_dir: RunDir, ns: dict) -> None:
-    """The session loop of this rank (``RANK`` from the environment) until ``stop`` or the kernel is gone."""
+def serve(run_dir: RunDir, ns: dict, detached: bool = False, idle_timeout_s: float | None = None) -> None:
+    """The session loop of this rank (``RANK`` from the environment) until ``stop`` or the kernel is gone; for a
+    ``detached`` session's rank, until ``stop`` or ``idle_timeout_s`` seconds without a command (see the module
+    docstring)."""
     rank = int(os.environ["RANK"])
-    commands = open_private_fifo(run_dir.session_command(rank), os.O_RDONLY)
+    keep_open = os.O_RDWR if detached else os.O_RDONLY  # a detached rank is a writer itself: no end of file
+    commands = open_private_fifo(run_dir.session_command(rank), keep_open)
     replies = open_private_fifo(run_dir.session_reply(rank), os.O_WRONLY)
     if run_dir.session_control(rank).exists():  # made by the kernel's channel on this machine (not on Ray)
         from sgpu_magic.rank.recover import start_control_thread
 
-        start_control_thread(open_private_fifo(run_dir.session_control(rank), os.O_RDONLY))
+        start_control_thread(open_private_fifo(run_dir.session_control(rank), keep_open))
     running = _Running()
     signal.signal(signal.SIGINT, running.on_sigint)
     # a rank started by a Ray actor's thread inherits that thread's blocked SIGINT: the interrupt would never land
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _reply(replies, 0, rank, {"ok": True, "op": "ready", "pid": os.getpid()}, None, ns)
     while True:
+        if detached and not _command_within(commands, idle_timeout_s):
+            print(
+                f"sgpu_magic: no command for {idle_timeout_s:g} s (the detached session's idle timeout): this rank ends",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         try:
             frame = read_frame(commands)
         except KeyboardInterrupt:  # cannot happen (SIGINT raises only in a cell); kept for safety
@@ -224,10 +240,26 @@ def serve(run_dir: RunDir, ns: dict) -> None:
             _wait_to_be_stopped()
         msg = pickle.loads(frame)
         if msg["op"] == "stop":
-            _reply(replies, msg["seq"], rank, {"ok": True}, None, ns)
+            _answer(detached, replies, msg["seq"], rank, {"ok": True}, None, ns)
             return
         if msg["op"] == "debug":
             reply, value = _debug(msg, rank, running, replies, commands), None
         else:
             reply, value = _serve_one(msg, ns, rank, running, (replies, commands))
-        _reply(replies, msg["seq"], rank, reply, value, ns)
+        _answer(detached, replies, msg["seq"], rank, reply, value, ns)
+
+
+def _command_within(fd: int, timeout_s: float | None) -> bool:
+    """Whether a command comes on ``fd`` within ``timeout_s`` seconds (``None``: wait for one)."""
+    ready, _, _ = select.select([fd], [], [], timeout_s)
+    return bool(ready)
+
+
+def _answer(detached: bool, fd: int, seq: int, rank: int, reply: dict[str, Any], value: bytes | None, ns: dict) -> None:
+    """:func:`_reply`; a detached rank whose kernel has gone drops it (no reader: ``BrokenPipeError``), and waits for
+    the next kernel."""
+    try:
+        _reply(fd, seq, rank, reply, value, ns)
+    except BrokenPipeError:
+        if not detached:
+            raise

@@ -119,7 +119,7 @@ def _run_and_record(run_dir: RunDir, rank: int, payload: dict, ns: dict, held: l
         if payload["kind"] == "session":  # a live session's rank: cells until the session stops
             from sgpu_magic.rank.session import serve
 
-            serve(RunDir(payload["run_dir"]), ns)
+            serve(RunDir(payload["run_dir"]), ns, bool(payload.get("detached")), payload.get("idle_timeout_s"))
             value = None
         else:
             value = run_payload(payload, ns, held, run_dir)

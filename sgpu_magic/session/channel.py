@@ -112,6 +112,30 @@ class SessionChannel:
                 make_private_fifo(path)
                 fds[rank] = open_private_fifo(path, os.O_RDWR)
 
+    def reopen(self) -> None:
+        """Open every rank's three FIFOs again, made by the kernel that started a detached session (its ranks wait
+        for this kernel), and drop what the reply FIFOs hold: replies that kernel never read.
+
+        Raises:
+            OSError: a FIFO is gone or not private (:func:`~sgpu_magic.rundir.open_private_fifo`).
+        """
+        for rank in range(self.world_size):
+            for path, fds in (
+                (self.run_dir.session_command(rank), self._commands),
+                (self.run_dir.session_reply(rank), self._replies),
+                (self.run_dir.session_control(rank), self._controls),
+            ):
+                fds[rank] = open_private_fifo(path, os.O_RDWR)
+            fd = self._replies[rank]
+            os.set_blocking(fd, False)
+            try:
+                while os.read(fd, 1 << 16):
+                    pass
+            except BlockingIOError:
+                pass
+            finally:
+                os.set_blocking(fd, True)
+
     def attach(self, job: Job) -> None:
         """The session's job is submitted (nothing to do: the FIFOs were made before)."""
 

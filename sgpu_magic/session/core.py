@@ -26,8 +26,8 @@ from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
 from sgpu_magic.launch.stacks import CodeMap, RankStack, take_stacks
-from sgpu_magic.rundir import RunDir, signal_status
-from sgpu_magic.session.channel import Channel, Request, new_channel
+from sgpu_magic.rundir import RunDir, atomic_write_json, signal_status
+from sgpu_magic.session.channel import Channel, Request, SessionChannel, new_channel
 from sgpu_magic.session.launcher import CellLauncher
 from sgpu_magic.session.outcome import (
     cell_status,
@@ -170,9 +170,12 @@ class SessionCore:
             self._channel.make()
 
         sinks = self.make_sinks(self.spec, None)
+        payload: dict[str, Any] = {"kind": "session", "globals": {}, "sources": {}}
+        if self.spec.detach:  # its ranks outlive the kernel, waiting for the next one at most idle_timeout_s
+            payload.update(detached=True, idle_timeout_s=self.idle_timeout_s)
         self.job = start_job(
             self.spec,
-            lambda warn: {"kind": "session", "globals": {}, "sources": {}},
+            lambda warn: payload,
             sinks,
             background=True,
             lease_dir=self.lease_dir,
@@ -195,6 +198,28 @@ class SessionCore:
         self._parent_run = mlflow_run(sinks)  # made by the session job's launch, which has happened now
         self.state = SessionState.IDLE
         self._last_active = time.monotonic()
+        if self.spec.detach:  # what a kernel attaching to it needs beside the job's attach record
+            record = {"name": self.name, "pids": self.pids, "idle_timeout_s": self.idle_timeout_s}
+            atomic_write_json(RunDir(self.job.run_dir).session_file, record)
+
+    def adopt(self, job: Job, pids: dict[int, int]) -> None:
+        """Take over a detached session that another kernel started (:func:`sgpu_magic.attach`): ``job`` is its
+        session job, attached (followed from here); ``pids`` its ranks' (from its session record). The ranks'
+        FIFOs are opened again, what the kernel before left unread in the reply FIFOs is dropped, and requests are
+        numbered from the clock, so a reply to that kernel's last request cannot answer one of this kernel's."""
+        self.broken, self._names, self.stuck, self.pids = None, {}, None, dict(pids)
+        self.job = job
+        channel = SessionChannel(RunDir(job.run_dir), self.world_size)
+        channel.reopen()
+        self._channel = channel
+        self._seq = time.time_ns() // 1_000_000
+        self._parent_run = mlflow_run(job.events.sinks)
+        self.state = SessionState.IDLE
+        self._last_active = time.monotonic()
+        self._reader = threading.Thread(
+            target=self._read_loop, args=(channel,), name=f"sgpu_magic session {self.name}", daemon=True
+        )
+        self._reader.start()
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Ask idle ranks to leave their loop (a busy or broken session's ranks are stopped outright), then end the
@@ -350,6 +375,7 @@ class SessionCore:
             name=label,
             mlflow=self.spec.mlflow and self.mlflow_per_cell,
             profile_steps=profile_steps,
+            detach=False,  # a cell runs on the session's ranks: only the session is a detached run to attach to
         )
         sinks = self.make_sinks(spec, self._parent_run)
         payload = build_payload(self.names_everywhere(ranks), getattr(sinks[-1], "warn", _no_warning))

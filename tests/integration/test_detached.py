@@ -280,3 +280,61 @@ def test_the_magics_list_attach_to_and_stop_detached_runs_and_name_a_bad_line(ho
     assert f"job {job.job_id} (attached) succeeded" in capsys.readouterr().out
     ip.run_line_magic("distributed_jobs", f"--stop {job.job_id}")
     assert capsys.readouterr().out == f"job {job.job_id} already ended: succeeded\n"
+
+
+SESSION_STARTER = textwrap.dedent(
+    """
+    import os
+    from sgpu_magic import Session
+
+    sess = Session(gpus=2, widgets=False, mlflow=False, detach=True, name="train", idle_timeout={idle})
+    sess.run_cell("import torch\\ntorch.manual_seed(0)\\nmodel = torch.nn.Linear(3, 1)\\n"
+                  "w = model.weight.sum().item() + int(os.environ['RANK'])")
+    print("started", sess.job.job_id, *sess.pull("w"), flush=True)
+    os._exit(9)  # as a killed kernel
+    """
+)
+
+
+def start_session_and_die(idle: float | None) -> tuple[str, list[float]]:
+    """Start a detached 2-rank session named ``train`` whose ranks hold a model and ``w`` (rank 1's is rank 0's
+    plus 1) from a process that is then killed; returns the session job's id and ``w`` of each rank."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SESSION_STARTER.format(idle=idle)],
+        capture_output=True,
+        text=True,
+        timeout=START_DEADLINE_S,
+        check=False,
+    )
+    assert proc.returncode == 9, proc.stderr
+    words = next(line.split() for line in proc.stdout.splitlines() if line.startswith("started "))
+    return words[1], [float(w) for w in words[2:]]
+
+
+def test_a_detached_session_outlives_its_process_and_attach_runs_cells_on_its_ranks_with_their_state(home):
+    from sgpu_magic import Session, current_session
+
+    job_id, w = start_session_and_die(idle=None)
+    assert w[1] == w[0] + 1
+    sess = attach(widgets=False)
+    assert isinstance(sess, Session) and sess.name == "train" and sess.job.job_id == job_id
+    assert current_session() is sess and sess.state.value == "idle"
+    assert sess.pull("w") == w  # the state the ranks kept
+    assert sess.run_cell("model.weight.shape[1] * 10 + int(os.environ['RANK'])") == [30, 31]
+    assert attach(job_id[-6:]) is sess  # followed here already
+    ranks, keeper = list(sess.pids.values()), sess.job.launcher.pid
+    sess.stop()
+    assert sess.job.state.value == "succeeded"
+    assert wait_gone([*ranks, keeper], 30) == []
+
+
+def test_a_detached_session_never_attached_again_ends_after_its_idle_timeout(home):
+    import json
+
+    job_id, _ = start_session_and_die(idle=1)
+    status = home / "runs" / job_id / "status.json"
+    ended = wait_for(
+        lambda: (s := json.loads(status.read_text())).get("state") in ("succeeded", "failed") and s, 60, "its end"
+    )
+    assert ended["state"] == "succeeded", ended
+    assert wait_gone([int(p) for p in ended["pids"].values()] + [ended["host_pid"]], 30) == []

@@ -71,3 +71,51 @@ def test_a_detached_job_survives_a_kernel_sigkill_and_a_restart_and_a_new_kernel
         assert rank_lines(out.stdout, rank) == [f"line {i}" for i in range(LINES)], out.stdout
     assert f"job {job_id} (attached) succeeded" in out.stdout
     assert wait_gone([keeper_pid], 30) == []  # the keeper exits once it holds no run
+
+
+TRAIN = """%%distributed --session
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(5):
+    loss = model(torch.ones(8, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+WEIGHTS = "%distributed_pull model --rank 0 -o pulled\nprint(pulled.weight.tolist(), pulled.bias.tolist())"
+
+
+def test_a_detached_session_with_a_trained_model_survives_a_kernel_sigkill_and_a_new_kernel_pulls_the_same_weights(
+    tmp_path,
+):
+    env = {"SGPU_MAGIC_HOME": str(tmp_path / "home"), "SGPU_MAGIC_KEEPER_LINGER_S": "0.5"}
+    km, kc = start_kernel(cwd=tmp_path, env=env)
+    try:
+        for code in ("%distributed_session start --gpus 2 --detach --no-mlflow --no-widgets -o sess", TRAIN):
+            out = execute(kc, code)
+            assert out.error is None, out.error
+        out = execute(kc, WEIGHTS)
+        assert out.error is None, out.error
+        trained = out.stdout.strip()
+        out = execute(kc, "print(sess.job.job_id, *sess.pids.values(), sess.job.launcher.pid)")
+        job_id, *pids = out.stdout.split()
+        km.shutdown_kernel(now=True)  # SIGKILL
+    finally:
+        stop_kernel(km, kc)
+
+    km, kc = start_kernel(cwd=tmp_path, env=env)
+    try:
+        out = execute(kc, "%distributed_attach --last -o sess\nprint(type(sess).__name__, sess.job.job_id)")
+        assert out.error is None, out.error
+        assert f"Session {job_id}" in out.stdout
+        out = execute(kc, WEIGHTS)
+        assert out.error is None, out.error
+        assert out.stdout.strip() == trained  # the weights the dead kernel's session trained
+        out = execute(kc, "%distributed_session stop")
+        assert out.error is None, out.error
+    finally:
+        stop_kernel(km, kc)
+    assert wait_gone([int(p) for p in pids], 30) == []  # its ranks and the keeper
