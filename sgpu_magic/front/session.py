@@ -133,16 +133,18 @@ class Session:
             SessionError: this kernel runs a session of that name already.
         """
         session = cls.__new__(cls)
-        spec = replace(job.spec, name="session")
-        session._setup(
-            spec,
-            cls._unique_name(record["name"]),
+        cls._take_over(session, job, record)
+        return session
+
+    def _take_over(self, job: Job, record: dict[str, Any]) -> None:
+        self._setup(
+            replace(job.spec, name="session"),
+            self._unique_name(record["name"]),
             record.get("idle_timeout_s"),
             FromConfig("mlflow_per_cell", False),
             FromConfig("session_auto_recover", True),
         )
-        session._core.adopt(job, {int(r): int(p) for r, p in record["pids"].items()})
-        return session
+        self._core.adopt(job, {int(r): int(p) for r, p in record["pids"].items()})
 
     @staticmethod
     def _unique_name(name: str | None) -> str:

@@ -442,8 +442,10 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         use :meth:`cancel`). For the job of a blocking call, interrupting cancels it and raises
         :class:`~sgpu_magic.errors.JobCancelledError` (a KeyboardInterrupt).
         """
-        if threading.current_thread() is self._thread or (self._thread is None and self.done()):
-            return self.state  # a sink asking from the following thread, or a blocking job that ended
+        if threading.current_thread() is self._thread or (self._thread is None and self.ended):
+            return self.state  # a sink asking from the following thread, or a blocking job whose end was seen
+        # (a blocking job whose status is final but whose end nobody has seen yet is polled once below: its sinks
+        # are told, its panel leaves its snapshot and its MLflow run is ended, before its values are handed back)
         if self._thread is not None:
             self._done.wait(timeout_s)
             return self.state

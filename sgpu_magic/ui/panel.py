@@ -68,6 +68,14 @@ STOP_TOOLTIP = (
 )
 """The Stop button's tooltip; the panel itself shows the job's state, and README's "The panel" the rest."""
 
+RELOAD_TOOLTIP = (
+    "This cell blocks the kernel while its job runs: a page reloaded or reopened meanwhile cannot show this panel (a "
+    "busy kernel answers no widget request), nor the snapshot that replaces it when the job ends; the logs stay in "
+    "the run directory. Run long jobs with --background or fn.submit(...) to keep their panel live across reloads "
+    "(docs/guide/detached.md)."
+)
+"""The header's tooltip while a blocking job runs (a background job's panel is restored live on a reopened page)."""
+
 
 def rank_state(exitcode: int | None, running: bool) -> str:
     """``running``, ``exited 0``, ``failed (exit code 1)``, ``killed by signal SIGTERM (15)``."""
@@ -178,6 +186,8 @@ class Panel(TextView):
         self._render_header(job, JobState.PENDING)
 
     def started(self, job: Job) -> None:
+        if not job.background:  # a page reopened while the cell blocks the kernel cannot restore this panel
+            self.header.tooltip = RELOAD_TOOLTIP
         self._render_header(job, JobState.STARTING)
 
     def _tab_selected(self, change) -> None:

@@ -9,6 +9,9 @@ the page. Every test runs once per frontend (the ``jupyter`` fixture), one serve
 4. Live sessions: an interrupted cell keeps the ranks' state; pdb's prompt in the input box.
 5. A job logging two metrics: the Metrics tab's bqplot figure draws a line per rank; the ended job's snapshot keeps
    the charts as inline SVG; the notebook, saved and reopened once its kernel was shut down, still shows it.
+6. A page closed and reopened while a background job prints: the reopened page shows the live panel, with every line
+   printed while the page was away, and keeps updating (the kernel is idle, so the widget manager restores the
+   panel's live models from it).
 
 Once a job ends its panel is replaced by a static snapshot (header, each rank's last lines, the charts), which the
 tests read where they read the panel before.
@@ -504,3 +507,49 @@ def test_the_header_names_a_straggler_while_the_job_runs_and_the_snapshot_keeps_
     snapshot = snapshot_of(cell)
     expect(snapshot).to_contain_text("succeeded", timeout=JOB_TIMEOUT_MS)
     expect(snapshot).to_contain_text("straggler: rank 1 is")
+
+
+RECONNECT_CELL = """%%distributed --gpus 2 --background --no-mlflow -o job
+import time
+for i in range(120):
+    print("line", i, flush=True)
+    time.sleep(0.5)
+"""
+
+
+def last_line(log) -> int:
+    """The number of the last ``line N`` rank 0 has printed (its log file)."""
+    found = re.findall(r"^line (\d+)$", log.read_text(), re.MULTILINE)
+    return int(found[-1]) if found else -1
+
+
+def test_a_reopened_page_shows_a_background_jobs_live_panel_with_the_lines_printed_while_away(
+    jupyter, browser, page, screenshots
+):
+    from playwright.sync_api import expect
+
+    name = f"reconnect-{jupyter.frontend.name}.ipynb"
+    path = jupyter.root / name
+    write_notebook(path, ["%load_ext sgpu_magic", RECONNECT_CELL])
+    notebook = open_notebook(page, jupyter, name)
+    run_cell(page, notebook, 0)
+    cell = run_cell(page, notebook, 1)
+    expect(panel_of(cell)).to_contain_text("line 3", timeout=JOB_TIMEOUT_MS)
+    page.keyboard.press("Control+s")
+    wait_for(lambda: "application/vnd.jupyter.widget-view+json" in path.read_text(), 30, "the notebook saved")
+    log = sorted((jupyter.home / "runs").glob("*/logs/rank_0.log"))[-1]
+    left_at = last_line(log)
+    page.close()
+    wait_for(lambda: last_line(log) >= left_at + 12, 60, "12 more lines while the page is away")
+    away = last_line(log)
+
+    reopened = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    notebook = open_notebook(reopened, jupyter, name)
+    panel = panel_of(notebook.locator(".jp-CodeCell").nth(1))
+    expect(panel).to_contain_text(f"line {away}\n", timeout=30_000)  # printed while the page was away
+    expect(panel).to_contain_text(f"line {last_line(log) + 4}\n", timeout=30_000)  # and it goes on, live
+    text = panel.inner_text()
+    assert all(f"line {i}\n" in text for i in range(away + 1)), text  # none lost
+    assert "running" in text
+    reopened.screenshot(path=str(screenshots / f"{jupyter.frontend.name}-reconnect.png"))
+    reopened.context.close()

@@ -143,6 +143,17 @@ def test_panel_after_a_job_with_a_tqdm_bar_and_10000_fast_lines():
     )
     assert "Interrupt" not in panel.header.value and "Interrupt" not in snapshot_rank(panel, 0)[0]
     assert panel.flushes <= MAX_FLUSHES_PER_S * elapsed + 2  # timing-ok: a rate cap, not a speed target
+    # a blocking cell's panel cannot be restored on a page reopened while it runs: its header says so (issue 36)
+    assert panel.header.tooltip.startswith("This cell blocks the kernel while its job runs: a page reloaded")
+
+
+def test_a_background_jobs_panel_has_no_reload_tooltip():
+    """A background job leaves the kernel free: a reopened page restores its live panel (tests/browser), so its header
+    carries no warning about reloads."""
+    panel = Panel()
+    job = start_job(chatty, (1,), view=panel, background=True)
+    assert job.result(timeout_s=120) == [0, 1]
+    assert panel.header.tooltip is None
 
 
 def test_tabs_off_screen_refresh_every_5_s_and_at_once_when_selected(tmp_path):
@@ -514,3 +525,20 @@ def test_a_session_s_cells_older_than_ten_drop_their_widgets_and_keep_their_snap
         assert recent.view.widget is not None and recent.view.widget.comm is None  # closed, kept
     finally:
         sess.stop()
+
+
+def test_a_blocking_job_that_ended_before_its_result_was_asked_for_still_leaves_its_snapshot():
+    """``result()`` of a blocking job whose status was already final (the ranks ended before anyone polled) tells its
+    sinks first: its panel leaves its snapshot, as when the caller was polling (found as a session test failing
+    under load: a cell's ``result()`` handed its values back while its panel stayed live and its snapshot unmade)."""
+    import json
+
+    from helpers import wait_for
+
+    panel = Panel()
+    job = start_job(chatty, (1,), view=panel)  # a blocking job nobody follows yet
+    status = RunDir(job.run_dir).status_file
+    wait_for(lambda: status.exists() and json.loads(status.read_text())["state"] == "succeeded", 120, "its end")
+    assert not job.ended
+    assert job.result() == [0, 1]
+    assert job.ended and panel.snapshot is not None and "succeeded" in panel.snapshot["text/html"]
