@@ -16,8 +16,9 @@ from sgpu_magic.errors import JobCancelledError, JobTimeoutError, SgpuError
 
 from helpers import wait_for
 
-HANG_TIMEOUT_S = 25
-"""The hung job's timeout: long enough for 2 cold ranks on a loaded 2-core machine to get into the hang first."""
+HANG_TIMEOUT_S = 45
+"""The hung job's timeout: long enough for 2 cold ranks on a loaded 2-core machine to get into the hang first, and
+for the tests that read its live stacks after that (25 s was not, once, in a random-order CI run)."""
 
 HANG_CELL = """
 %%distributed --gpus 2 --background --no-mlflow --timeout {timeout} -o hung
