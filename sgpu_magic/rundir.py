@@ -371,7 +371,7 @@ class RunDir:
 
     session_file = _entry(
         "session.json",
-        "A detached session's name, rank pids and idle timeout, written by the kernel that started it once its ranks "
+        "A detached session's name and idle timeout, written by the kernel that started it once its ranks "
         "are ready: what a kernel attaching to it (:func:`sgpu_magic.attach`) takes the session over with.",
     )
 

@@ -158,18 +158,22 @@ def attach(job_id: str | None = None, *, widgets: bool | None = None, root: Path
         followed = next((job for job in jobs() if job.job_id == run.job_id and not job.ended), None)
         if followed is not None:
             return followed
-    record = pickle.loads(read_private(rd.attach_file, rd.path))
+    record = _attach_record(rd)
     spec = record["spec"] if widgets is None else replace(record["spec"], widgets=widgets)
-    job = Job(rd, spec, record["plan"], lambda: _keeper_of(run, record), make_sinks(spec, None))
+    keeper = _keeper_of(run, record)
+    job = Job(rd, spec, record["plan"], lambda: keeper, make_sinks(spec, None))
+    job.title = spec.name if is_session else f"job {rd.job_id} (attached)"  # a session's: "session train"
+    job.attach(keeper, record["submitted_s"])
     if is_session:
         from sgpu_magic.front.session import Session
 
-        job.title = spec.name  # "session train"
-        job.attach(_keeper_of(run, record), record["submitted_s"])
         return Session.attached(job, read_json(rd.session_file, private=True) or {})
-    job.title = f"job {rd.job_id} (attached)"
-    job.attach(_keeper_of(run, record), record["submitted_s"])
     return job
+
+
+def _attach_record(rd: RunDir) -> dict:
+    """A detached run's attach record (:attr:`RunDir.attach_file`), read through the private-read check."""
+    return pickle.loads(read_private(rd.attach_file, rd.path))
 
 
 def stop_detached(job_id: str, root: Path | None = None, timeout_s: float = CANCEL_WAIT_S) -> str:
@@ -183,8 +187,7 @@ def stop_detached(job_id: str, root: Path | None = None, timeout_s: float = CANC
     if run.state.final:
         return f"job {run.job_id} already ended: {run.state.label}"
     rd = RunDir(run.run_dir)
-    record = pickle.loads(read_private(rd.attach_file, rd.path))
-    keeper = _keeper_of(run, record)
+    keeper = _keeper_of(run, _attach_record(rd))
     if not keeper.alive():
         return (
             f"job {run.job_id}: its run keeper (pid {keeper.pid}) is gone, and its ranks with it; see {keeper.where()}"

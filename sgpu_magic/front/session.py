@@ -127,7 +127,7 @@ class Session:
     @classmethod
     def attached(cls, job: Job, record: dict[str, Any]) -> Session:
         """The Session of a detached session that another kernel started, taken over through its session job
-        ``job`` (attached: :func:`sgpu_magic.attach`) and its session record (name, rank pids, idle timeout).
+        ``job`` (attached: :func:`sgpu_magic.attach`) and its session record (name, idle timeout).
 
         Raises:
             SessionError: this kernel runs a session of that name already.
@@ -144,7 +144,7 @@ class Session:
             FromConfig("mlflow_per_cell", False),
             FromConfig("session_auto_recover", True),
         )
-        self._core.adopt(job, {int(r): int(p) for r, p in record["pids"].items()})
+        self._core.adopt(job)
 
     @staticmethod
     def _unique_name(name: str | None) -> str:

@@ -108,12 +108,10 @@ def get_keeper(root: Path | None = None) -> RunKeeper:
     """
     paths = KeeperPaths(root)
     with FileLock(paths.lock, timeout=START_LOCK_TIMEOUT_S, mode=0o600):
-        try:
-            sock, hello = _greeting(paths.socket)
-            sock.close()
-            return RunKeeper(int(hello["pid"]), hello["log"], paths)
-        except (OSError, KeyError, ValueError):
-            pass  # none runs (or a killed one left its socket): start one
+        running = _listening(paths)
+        if running is not None:
+            return running
+        # none runs (or a killed one left its socket): start one
         log_path = paths.dir / f"keeper-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}.log"
         proc = subprocess.Popen(
             host_command(sys.executable, log_path, "keeper", str(paths.socket), str(paths.lock)),
@@ -131,10 +129,15 @@ def get_keeper(root: Path | None = None) -> RunKeeper:
 def running_keeper(root: Path | None = None) -> RunKeeper | None:
     """The user's run keeper if one runs now (none is started)."""
     paths = KeeperPaths(root)
+    with FileLock(paths.lock, timeout=START_LOCK_TIMEOUT_S, mode=0o600):
+        return _listening(paths)
+
+
+def _listening(paths: KeeperPaths) -> RunKeeper | None:
+    """The keeper that greets on ``paths.socket`` now, or ``None`` (the caller holds the start lock)."""
     try:
-        with FileLock(paths.lock, timeout=START_LOCK_TIMEOUT_S, mode=0o600):
-            sock, hello = _greeting(paths.socket)
+        sock, hello = _greeting(paths.socket)
         sock.close()
+        return RunKeeper(int(hello["pid"]), hello["log"], paths)
     except (OSError, KeyError, ValueError):
         return None
-    return RunKeeper(int(hello["pid"]), hello["log"], paths)

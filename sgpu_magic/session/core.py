@@ -185,10 +185,7 @@ class SessionCore:
         assert self._channel is not None  # made before the launch
         self._channel.attach(self.job)
         request = self._new_request(tuple(range(self.world_size)))
-        self._reader = threading.Thread(
-            target=self._read_loop, args=(self._channel,), name=f"sgpu_magic session {self.name}", daemon=True
-        )
-        self._reader.start()
+        self._start_reader(self._channel)
         try:
             self._wait(request)
         except BaseException:
@@ -199,15 +196,15 @@ class SessionCore:
         self.state = SessionState.IDLE
         self._last_active = time.monotonic()
         if self.spec.detach:  # what a kernel attaching to it needs beside the job's attach record
-            record = {"name": self.name, "pids": self.pids, "idle_timeout_s": self.idle_timeout_s}
+            record = {"name": self.name, "idle_timeout_s": self.idle_timeout_s}
             atomic_write_json(RunDir(self.job.run_dir).session_file, record)
 
-    def adopt(self, job: Job, pids: dict[int, int]) -> None:
+    def adopt(self, job: Job) -> None:
         """Take over a detached session that another kernel started (:func:`sgpu_magic.attach`): ``job`` is its
-        session job, attached (followed from here); ``pids`` its ranks' (from its session record). The ranks'
-        FIFOs are opened again, what the kernel before left unread in the reply FIFOs is dropped, and requests are
-        numbered from the clock, so a reply to that kernel's last request cannot answer one of this kernel's."""
-        self.broken, self._names, self.stuck, self.pids = None, {}, None, dict(pids)
+        session job, attached (followed from here; its status names the ranks' pids). The ranks' FIFOs are opened
+        again, what the kernel before left unread in the reply FIFOs is dropped, and requests are numbered from the
+        clock, so a reply to that kernel's last request cannot answer one of this kernel's."""
+        self.broken, self._names, self.stuck, self.pids = None, {}, None, dict(job.status.pids)
         self.job = job
         channel = SessionChannel(RunDir(job.run_dir), self.world_size)
         channel.reopen()
@@ -216,6 +213,10 @@ class SessionCore:
         self._parent_run = mlflow_run(job.events.sinks)
         self.state = SessionState.IDLE
         self._last_active = time.monotonic()
+        self._start_reader(channel)
+
+    def _start_reader(self, channel: Channel) -> None:
+        """The reader thread of this start (or take-over) of the session, on ``channel``."""
         self._reader = threading.Thread(
             target=self._read_loop, args=(channel,), name=f"sgpu_magic session {self.name}", daemon=True
         )

@@ -53,17 +53,20 @@ def test_a_detached_job_survives_a_kernel_sigkill_and_a_restart_and_a_new_kernel
 
     km, kc = start_kernel(cwd=tmp_path, env=env)
     try:
-        out = execute(kc, "%distributed_attach --last --no-widgets -o job\nprint(job.job_id, job.state.value)")
+        out = execute(
+            kc, "%distributed_attach --last --no-widgets -o job\nprint(f'{job.job_id} {job.state.value}\\n', end='')"
+        )
         assert out.error is None, out.error
         assert f"{job_id} running" in out.stdout
         km.restart_kernel(now=False)  # graceful: the kernel's exit code runs, and leaves the detached job alone
         kc.wait_for_ready(timeout=90)
         assert execute(kc, "%load_ext sgpu_magic").error is None
         out = execute(
-            kc, f"%distributed_attach {job_id[-6:]} --no-widgets -o job\nprint(job.state.value)\nprint(job.result())"
+            kc,
+            f"%distributed_attach {job_id[-6:]} --no-widgets -o job\nprint(f'state {{job.state.value}}\\n', end='')\nprint(job.result())",
         )
         assert out.error is None, out.error
-        assert "\nrunning\n" in f"\n{out.stdout}", out.stdout  # it outlived the restart too
+        assert "state running\n" in out.stdout, out.stdout  # it outlived the restart too
     finally:
         stop_kernel(km, kc)
     assert "['done', 'done']" in out.stdout
