@@ -270,11 +270,6 @@ def make_spec(
     """
     count = check_gpus(gpus)
     detached = check_switch("detach", detach, "run under the run keeper, so the job outlives the kernel")
-    if detached and cluster is not None:
-        raise SpecError(
-            f"detach=True runs the job under this machine's run keeper, and cluster={shown(cluster)} runs it on a "
-            f"Ray cluster: a Ray job cannot detach yet; leave out one of them"
-        )
     return LaunchSpec(
         gpus=count,
         gpu_type=_check_gpu_type(gpu_type),

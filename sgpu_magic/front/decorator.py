@@ -263,13 +263,14 @@ def distributed(
         detach: run the ranks under the user's run keeper instead of the kernel's launch host: the job outlives the
             kernel (a kill, a restart), and ``sgpu_magic.attach(job_id)`` / ``%distributed_attach`` in any kernel of
             the same user gives its handle back with every line so far. Default ``False``: no rank outlives the
-            kernel. Not with ``cluster`` / ``remote=True``. See ``docs/guide/detached.md``.
+            kernel. With ``cluster`` / ``remote=True`` the keeper supervises the Ray job (it is the Ray driver that
+            owns the job's actors, so they outlive the kernel too). See ``docs/guide/detached.md``.
 
     Raises (at decoration time, before anything starts):
         SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``max_capture_bytes``,
             ``mlflow``, ``gpu_ids``, ``wait``, ``max_restarts``, ``teardown_grace_s``, ``remote``,
             ``num_accelerators``, ``accelerator_type``, ``profile`` or ``detach`` (``widgets``, ``mlflow``, ``wait``,
-            ``remote`` and ``detach`` take ``True`` / ``False``, not strings); ``detach`` with a cluster; an old and
+            ``remote`` and ``detach`` take ``True`` / ``False``, not strings); an old and
             a new name that disagree (``gpus=4, num_accelerators=8``); ``remote=True`` with no remote cluster
             configured; or a decorated object that cannot run on the ranks (not callable, a bound method, a
             generator or ``async def`` function, a partial or callable instance).

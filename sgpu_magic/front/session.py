@@ -106,6 +106,11 @@ class Session:
             cluster=cluster,
             detach=detach,
         )
+        if spec.detach and spec.cluster is not None:
+            raise SpecError(
+                f"detach=True with cluster={spec.cluster!r}: a session on a Ray cluster cannot detach yet (a job "
+                f"can: @distributed(..., cluster=..., detach=True)); leave out one of them"
+            )
         idle_timeout_s = check_timeout(resolve_config(idle_timeout), "idle_timeout")
         if spec.detach and idle_timeout_s is None:
             idle_timeout_s = DETACHED_IDLE_TIMEOUT_S

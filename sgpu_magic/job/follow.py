@@ -152,6 +152,11 @@ class JobSink:
         every ``OFF_SCREEN_READ_S`` when no sink needs every line. ``None``: all of them."""
         return None
 
+    def replica(self) -> JobSink | None:
+        """A new view like this one, not shown yet (:meth:`Job.show <sgpu_magic.job.handle.Job.show>` shows the
+        job again with it); ``None``: this sink is not a view."""
+        return None
+
     def created(self, job: Job) -> None:
         """The job exists (state pending); nothing has started yet. Runs in the starting thread."""
 

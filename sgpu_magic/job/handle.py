@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sgpu_magic._util.metrics import STEP_TIME
 from sgpu_magic.errors import SgpuError
-from sgpu_magic.job.follow import JobSink
+from sgpu_magic.job.follow import JobSink, view_of
 from sgpu_magic.job.lifecycle import CANCEL_WAIT_S, JobLifecycle
 from sgpu_magic.job.outcome import build_error, ending_notes, load_result, stopped_error
 from sgpu_magic.job.profile import merged_trace, summaries
@@ -83,6 +83,7 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         registry: LeaseRegistry | None = None,
         ranks: Sequence[int] | None = None,
         listed_when_ended: bool = True,
+        listed: bool = True,
     ) -> None:
         concurrent.futures.Future.__init__(self)
         super().__init__(run_dir, spec, plan, get_host, sinks, registry)
@@ -95,7 +96,10 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         self._mlflow_run_id: str | None = None
         self._mlflow_tracking_uri: str | None = None
         self._notes: list[str] | None = None
-        register(self)
+        self.shown_from: Job | None = None
+        """The job this one shows again (:meth:`show`): its MLflow run is that job's."""
+        if listed:  # not a second view's follower (show)
+            register(self)
 
     job_id = property(lambda self: self._rd.job_id)
     run_dir = property(lambda self: self._rd.path)
@@ -104,6 +108,8 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
     @property
     def mlflow_run_id(self) -> str | None:
         """See the class docstring (waits at most :data:`SETTLE_S` for the run's queued writes)."""
+        if self.shown_from is not None:
+            return self.shown_from.mlflow_run_id
         self._settle()
         return self._mlflow_run_id
 
@@ -114,6 +120,8 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
     @property
     def mlflow_tracking_uri(self) -> str | None:
         """See the class docstring."""
+        if self.shown_from is not None:
+            return self.shown_from.mlflow_tracking_uri
         self._settle()
         return self._mlflow_tracking_uri
 
@@ -128,6 +136,8 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
     @property
     def run_url(self) -> str | None:
         """The run page of the job's MLflow run where a server shows it now (see the class docstring)."""
+        if self.shown_from is not None:
+            return self.shown_from.run_url
         return next((url for sink in self._sinks if (url := sink.run_url()) is not None), None)
 
     def after_run_made(self, callback: Callable[[], None]) -> bool:
@@ -422,11 +432,43 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         """Follow a detached job that another kernel started (:func:`sgpu_magic.attach`), held by ``launcher``
         (the run keeper): the sinks are told it was created, attached and started, then a background thread follows
         it from the first byte of each rank's log, as for a submitted job (``submitted_s``: when it was started)."""
+        self.follow_from_start(launcher, submitted_s, attached=True)
+
+    def show(self, view: JobSink | None = None) -> None:
+        """Show the job's panel (or its text view) again, in the output of the cell that calls this: rebuilt from
+        the run directory (every rank's lines from the first, the metrics, the state, the MLflow link) and following
+        the job live from a background thread while it runs; an ended job shows its final panel. For a page
+        reopened while a blocking cell ran, which cannot restore that cell's panel (``docs/guide/detached.md``), or
+        a cleared output. The job's own view and MLflow run are left as they are; the new panel's Stop button stops
+        the job.
+
+        Args:
+            view: what shows it (a new ``Panel`` or ``TextView``); default: a new one like the job's own.
+
+        Raises:
+            SgpuError: the job has not been handed to its launcher yet (it waits for GPUs), or it has no view.
+        """
+        own = view_of(self._sinks)
+        fresh = view if view is not None else own.replica() if own is not None else None
+        if fresh is None:
+            raise SgpuError(f"{self.title} has no panel or text view to show again")
+        host = self._host
+        if host is None:
+            raise SgpuError(f"{self.title} has not started yet (state {self.state.value}); show it once it runs")
+        follower = Job(self._rd, self.spec, self.plan, lambda: host, [fresh], ranks=self.ranks, listed=False)
+        follower.title, follower.shown_from = self.title, self
+        follower.follow_from_start(host, self.submitted_s)
+
+    def follow_from_start(self, launcher: Launcher, submitted_s: float, attached: bool = False) -> None:
+        """Follow a job already handed to ``launcher`` from the first byte of each rank's log, from a background
+        thread (``submitted_s``: when it was started): the sinks are told it was created (and, ``attached``, that
+        it is a detached job another kernel started), then that it started."""
         self._host, self._launched_at, self.submitted_s = launcher, time.monotonic(), submitted_s
         self._said_preparing = True  # its launcher was ready long ago
         self.events.created(self)
-        self.events.attached(self)
-        self._feed.open_signal()
+        if attached:
+            self.events.attached(self)
+            self._feed.open_signal()  # (a second view's follower polls: the status FIFO is the job's own follower's)
         self.events.started(self)
         self._start_background()
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from sgpu_magic.status import HostStatus
 
 _HANDSHAKE_TIMEOUT_S = 30.0
-_HOST_MAIN = "import sys; from sgpu_magic.launch.host.boot import main; main(sys.argv)"
+_HOST_MAIN = "import sys; from {module} import main; main(sys.argv)"
 """The host runs from ``-c``, not ``-m``: its ``__main__`` then names no module, so each rank forked
 from its forkserver skips re-running the host module as ``__mp_main__`` (multiprocessing's prepare)."""
 
@@ -185,9 +185,12 @@ def handshake(proc: subprocess.Popen[bytes], what: str, log_path: Path) -> int:
     return int(line.split()[1])
 
 
-def host_command(sys_executable: str, log_path: Path, *args: str) -> list[str]:
-    """The command line of a launch host (or run keeper) logging to ``log_path``."""
-    return [sys_executable, "-c", _HOST_MAIN, str(log_path), *args]
+def host_command(
+    sys_executable: str, log_path: Path, *args: str, module: str = "sgpu_magic.launch.host.boot"
+) -> list[str]:
+    """The command line of a launch host logging to ``log_path`` (``module``: the program whose ``main`` it runs;
+    the run keeper's is :mod:`sgpu_magic.launch.keeper_main`)."""
+    return [sys_executable, "-c", _HOST_MAIN.format(module=module), str(log_path), *args]
 
 
 def _close_quietly(pipe) -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 from filelock import FileLock
 
 from sgpu_magic._util.unix_socket import keeper_tag
-from sgpu_magic.launch.client import HostHandle, handshake, host_command, host_env
-from sgpu_magic.rundir import keeper_dir
+from sgpu_magic.launch.client import HostHandle, handshake, host_command, host_env, rank_base_env
+from sgpu_magic.rundir import RunDir, keeper_dir
 
 CONNECT_TIMEOUT_S = 60.0
 """How long a command waits for the keeper's greeting: at once from its loop, or once a keeper just started has
@@ -77,10 +77,27 @@ class RunKeeper(HostHandle):
     NAME = "run keeper"
     PREPARING = "starting the run keeper (the first detached job waits while it imports torch)"
 
-    def __init__(self, pid: int, log_path: str | os.PathLike, paths: KeeperPaths) -> None:
+    def __init__(self, pid: int, log_path: str | os.PathLike, paths: KeeperPaths, warm: str | None = None) -> None:
         self.pid = pid
         self.log_path = Path(log_path)
         self.paths = paths
+        self.ray_warm = warm
+        """What the keeper said it keeps warm on a Ray cluster when this handle was made (``None``: nothing)."""
+        self.ray: dict[str, object] | None = None
+
+    def on_ray(self, ray_job: dict[str, object]) -> RunKeeper:
+        """This keeper, launching its jobs on a Ray cluster (``{"cluster": address, "gpu_type": ..., "keep_warm_s":
+        ...}``): the keeper supervises them (:class:`sgpu_magic.launch.host.keeper.Keeper`)."""
+        self.ray = ray_job
+        return self
+
+    def launch(self, run_dir: RunDir) -> None:
+        """Ask the keeper to start the ranks of ``run_dir`` with the kernel's current environment (on the Ray cluster
+        :meth:`on_ray` named)."""
+        cmd: dict = {"op": "launch", "run_dir": str(run_dir.path), "env": rank_base_env()}
+        if self.ray is not None:
+            cmd["ray"] = self.ray
+        self.send(cmd)
 
     def send(self, cmd: dict) -> None:
         """Send one command line to the keeper.
@@ -114,7 +131,14 @@ def get_keeper(root: Path | None = None) -> RunKeeper:
         # none runs (or a killed one left its socket): start one
         log_path = paths.dir / f"keeper-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}.log"
         proc = subprocess.Popen(
-            host_command(sys.executable, log_path, "keeper", str(paths.socket), str(paths.lock)),
+            host_command(
+                sys.executable,
+                log_path,
+                "keeper",
+                str(paths.socket),
+                str(paths.lock),
+                module="sgpu_magic.launch.keeper_main",
+            ),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -138,6 +162,6 @@ def _listening(paths: KeeperPaths) -> RunKeeper | None:
     try:
         sock, hello = _greeting(paths.socket)
         sock.close()
-        return RunKeeper(int(hello["pid"]), hello["log"], paths)
+        return RunKeeper(int(hello["pid"]), hello["log"], paths, hello.get("warm"))
     except (OSError, KeyError, ValueError):
         return None

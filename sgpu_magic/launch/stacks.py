@@ -336,11 +336,17 @@ REPLY_WAIT_S = DUMP_TIMEOUT_S + 10.0
 def answer(rd: RunDir, token: str, pids: dict[int, int] | None, native: bool) -> None:
     """The launch host's side of :func:`live_stacks`: the stacks of ``pids`` (``None``: the job has ended) into
     the reply file ``token`` names, for the kernel to read."""
+    take = None if pids is None else (lambda: take_stacks(pids, CodeMap.read(rd.code_map_file), native))
+    reply_stacks(rd, token, take)
+
+
+def reply_stacks(rd: RunDir, token: str, take: Callable[[], dict[int, RankStack]] | None) -> None:
+    """Write the answer to a stacks request into the reply file ``token`` names: what ``take()`` gives (``None``:
+    the job's ranks are gone), or the error it raised."""
     reply: dict[str, Any] = {"ended": True}
     try:
-        if pids is not None:
-            stacks = take_stacks(pids, CodeMap.read(rd.code_map_file), native)
-            reply = {"stacks": {str(rank): stack.text for rank, stack in stacks.items()}}
+        if take is not None:
+            reply = {"stacks": {str(rank): stack.text for rank, stack in take().items()}}
     except Exception as exc:  # noqa: BLE001 - said to the kernel, which raises it
         reply = {"error": f"{type(exc).__name__}: {exc}"}
     atomic_write_json(rd.stacks_reply_file(token), reply)

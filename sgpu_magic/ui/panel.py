@@ -71,8 +71,9 @@ STOP_TOOLTIP = (
 RELOAD_TOOLTIP = (
     "This cell blocks the kernel while its job runs: a page reloaded or reopened meanwhile cannot show this panel (a "
     "busy kernel answers no widget request), nor the snapshot that replaces it when the job ends; the logs stay in "
-    "the run directory. Run long jobs with --background or fn.submit(...) to keep their panel live across reloads "
-    "(docs/guide/detached.md)."
+    "the run directory, and once the cell has ended job.show() in a new cell (the job of -o job, or fn.last_job) "
+    "shows this panel again with every line. Run long jobs with --background or fn.submit(...) to keep their panel "
+    "live across reloads (docs/guide/detached.md)."
 )
 """The header's tooltip while a blocking job runs (a background job's panel is restored live on a reopened page)."""
 
@@ -153,6 +154,10 @@ class Panel(TextView):
         self._metrics_new = False
         self.snapshot: dict[str, str] | None = None
         """The snapshot the ended job left in the cell (``{"text/html": ..., "text/plain": ...}``); ``None`` before."""
+
+    def replica(self) -> Panel:
+        """A new panel with this one's line limit, shown in the cell that shows the job again."""
+        return Panel(self.max_lines)
 
     def created(self, job: Job) -> None:
         """Build the tabs and show the panel in the cell that starts the job (state pending)."""

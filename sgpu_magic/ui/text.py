@@ -204,6 +204,10 @@ class TextView(JobSink):
         self._restarts = False
         self._stuck_said = False
 
+    def replica(self) -> TextView:
+        """A new text view, writing to the output of the cell that shows the job again."""
+        return TextView()
+
     def started(self, job: Job) -> None:
         self._traceback_shown = _TRACEBACK_SHOWN[job.background]
         self._restarts = bool(job.spec.max_restarts)

@@ -553,3 +553,42 @@ def test_a_reopened_page_shows_a_background_jobs_live_panel_with_the_lines_print
     assert "running" in text
     reopened.screenshot(path=str(screenshots / f"{jupyter.frontend.name}-reconnect.png"))
     reopened.context.close()
+
+
+BLOCKING_CELL = """%%distributed --gpus 2 --no-mlflow -o job
+import time
+for i in range(40):
+    print("line", i, flush=True)
+    time.sleep(0.25)
+"""
+
+
+def test_a_page_reopened_while_a_blocking_cell_ran_shows_its_panel_again_with_job_show(
+    jupyter, browser, page, screenshots
+):
+    """The documented fallback for a blocking cell (a busy kernel answers no widget request, so a page reopened
+    meanwhile cannot restore its panel): once the kernel is free, ``job.show()`` in the reopened page's next cell
+    shows the panel again with every line, those printed while the page was away included."""
+    from playwright.sync_api import expect
+
+    name = f"reopen-blocking-{jupyter.frontend.name}.ipynb"
+    path = jupyter.root / name
+    write_notebook(path, ["%load_ext sgpu_magic", BLOCKING_CELL, "job.show()"])
+    notebook = open_notebook(page, jupyter, name)
+    run_cell(page, notebook, 0)
+    cell = run_cell(page, notebook, 1)
+    expect(panel_of(cell)).to_contain_text("line 3", timeout=JOB_TIMEOUT_MS)
+    expect(panel_of(cell).locator("[title*='job.show()']")).to_have_count(1)  # the header's tooltip says so
+    page.keyboard.press("Control+s")
+    wait_for(lambda: "application/vnd.jupyter.widget-view+json" in path.read_text(), 30, "the notebook saved")
+    page.close()
+
+    reopened = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    notebook = open_notebook(reopened, jupyter, name)  # waits until the kernel is idle: the cell has ended
+    cell = run_cell(reopened, notebook, 2)
+    snapshot = snapshot_of(cell)
+    expect(snapshot).to_contain_text("succeeded", timeout=60_000)
+    text = snapshot.inner_text()
+    assert all(f"line {i}" in text for i in range(30, 40)), text  # the last lines, printed while the page was away
+    reopened.screenshot(path=str(screenshots / f"{jupyter.frontend.name}-reopened-blocking.png"))
+    reopened.context.close()

@@ -254,6 +254,12 @@ def test_cancelling_a_pending_job_removes_it_from_the_queue(ip, run_cell, go, fa
     job = ip.user_ns["pending"]
     assert job.state.value == "pending"
     wait_for(lambda: [w["job_id"] for w in fake_gpus.snapshot()["queue"]] == [job.job_id], 30, "the job to get there")
+    from sgpu_magic.errors import SgpuError
+
+    with pytest.raises(
+        SgpuError, match=rf"^job {job.job_id} has not started yet \(state pending\); show it once it runs$"
+    ):
+        job.show()
     job.cancel()
     assert job.state.value == "cancelled" and fake_gpus.snapshot()["queue"] == []
     from sgpu_magic.errors import JobCancelledError

@@ -156,12 +156,15 @@ def test_attach_and_stop_name_what_is_not_a_detached_run_of_yours(home):
         stop_detached("nope")
 
 
-def test_detach_is_refused_with_a_cluster_and_as_a_string():
+def test_detach_is_refused_for_a_session_on_a_cluster_and_as_a_string():
+    from sgpu_magic import Session
+
     with pytest.raises(
         SpecError,
-        match=r"^detach=True runs the job under this machine's run keeper, and cluster='auto' runs it on a Ray cluster: a Ray job cannot detach yet; leave out one of them$",
+        match=r"^detach=True with cluster='auto': a session on a Ray cluster cannot detach yet \(a job can: @distributed\(\.\.\., cluster=\.\.\., detach=True\)\); leave out one of them$",
     ):
-        distributed(gpus=2, detach=True, cluster="auto")
+        Session(gpus=2, detach=True, cluster="auto")
+    assert distributed(gpus=2, detach=True, cluster="auto")(lambda: 1).spec.detach  # a job on a cluster may detach
     with pytest.raises(
         SpecError,
         match=r"^detach must be True or False \(run under the run keeper, so the job outlives the kernel\); got 'yes'$",

@@ -542,3 +542,70 @@ def test_a_blocking_job_that_ended_before_its_result_was_asked_for_still_leaves_
     assert not job.ended
     assert job.result() == [0, 1]
     assert job.ended and panel.snapshot is not None and "succeeded" in panel.snapshot["text/html"]
+
+
+@distributed(gpus=2, mlflow=False)
+def lines_until(go, n):
+    import os
+    import time
+
+    for i in range(n):
+        print("line", i, flush=True)
+        if i == 2:
+            while not os.path.exists(go):  # the test shows the job again while it runs
+                time.sleep(0.01)
+    return n
+
+
+def test_show_gives_a_jobs_panel_again_with_every_line_running_or_ended(tmp_path, capsys):
+    """``job.show()``: the panel (or text view) again, rebuilt from the run directory (every line from the first) and
+    following the job live; for a page reopened while a blocking cell ran, or a cleared output. The job's own view
+    is left as it was, and no second job is listed."""
+    from sgpu_magic.job.handle import jobs
+
+    go = tmp_path / "go"
+    panel, live = Panel(), Panel()
+    job = start_job(lines_until, (str(go), 30), view=panel, background=True)
+    wait_for(lambda: "line 2" in job.logs(1), 120, "rank 1 to print 3 lines")
+    listed = list(jobs())
+    job.show(live)
+    assert jobs() == listed
+    wait_for(lambda: "line 2" in shown(live, 1), 30, "the second panel to show what ran so far")
+    go.touch()
+    assert job.result(timeout_s=60) == [30, 30]
+    wait_for(lambda: live.snapshot is not None, 30, "the second panel's snapshot")
+    for rank in (0, 1):
+        assert snapshot_rank(live, rank) == snapshot_rank(panel, rank)
+        assert snapshot_rank(live, rank)[1][-1] == "line 29"
+    again = Panel()
+    job.show(again)  # ended: its final panel at once
+    wait_for(lambda: again.snapshot is not None, 30, "the ended job's panel")
+    assert again.snapshot["text/plain"] == panel.snapshot["text/plain"]
+    text = start_job(lines_until, (str(go), 3), view=TextView())
+    assert text.result(timeout_s=60) == [3, 3]
+    capsys.readouterr()
+    text.show()  # a text view, as the job's own: every line printed again
+    printed: list[str] = []
+    done = f"job {text.job_id} succeeded"
+    wait_for(lambda: printed.append(capsys.readouterr().out) or done in "".join(printed), 30, "the job printed again")
+    out = "".join(printed)
+    for rank in (0, 1):
+        assert [ln for ln in out.splitlines() if ln.startswith(f"[rank {rank}]")] == [
+            f"[rank {rank}] line {i}" for i in range(3)
+        ]
+
+
+def test_show_gives_a_session_cells_panel_again():
+    """A session cell is a blocking cell too: ``sess.jobs[-1].show()`` gives its panel back (its lines, its state)."""
+    from sgpu_magic import Session
+
+    sess = Session(gpus=2, widgets=True, mlflow=False, name="shown")
+    try:
+        assert sess.run_cell("import os\nprint('hello from', os.environ['RANK'])\n7") == [7, 7]
+        again = Panel()
+        sess.jobs[-1].show(again)
+        wait_for(lambda: again.snapshot is not None, 30, "the cell's panel again")
+        assert [snapshot_rank(again, r)[1] for r in (0, 1)] == [["hello from 0"], ["hello from 1"]]
+        assert "succeeded" in again.snapshot["text/html"] and "session shown" in again.snapshot["text/plain"]
+    finally:
+        sess.stop()

@@ -30,6 +30,7 @@ from helpers import (  # noqa: E402
     flaky_rank,
     job_processes,
     wait_for,
+    wait_gone,
 )
 from kernel_utils import execute, start_kernel, stop_kernel  # noqa: E402
 
@@ -555,3 +556,150 @@ def test_a_sigkilled_kernel_leaves_no_warm_agent_or_zygote(cluster, tmp_path):
         wait_for(lambda: not _agent_processes(), 30, "Ray to end the dead kernel's warm agents, and their zygotes")
     finally:
         stop_kernel(km, kc)
+
+
+DETACHED_STARTER = """
+import os
+from sgpu_magic import distributed
+
+@distributed(gpus=2, cluster={address!r}, widgets=False, detach=True, timeout=300)
+def lines(n):
+    import time
+    for i in range(n):
+        print("line", i, flush=True)
+        time.sleep(0.25)
+    return n
+
+job = lines.submit({n})
+print("started", job.job_id, flush=True)
+while "line 1" not in job.logs(1):   # running on its actors, and printing
+    job.wait(0.05)
+assert job.mlflow_run_id  # its MLflow run made (reading it waits for that)
+os._exit(9)  # as a killed kernel
+"""
+
+
+@pytest.fixture
+def keeper_home(tmp_path, monkeypatch):
+    """A sgpu_magic home of the test's own, so a run keeper of its own, which exits 0.5 s after its last run."""
+    from sgpu_magic.launch.keeper import running_keeper
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("SGPU_MAGIC_HOME", str(home))
+    monkeypatch.setenv("SGPU_MAGIC_KEEPER_LINGER_S", "0.5")
+    yield home
+    keeper = running_keeper(home)
+    if keeper is not None:  # a failed test's: nothing may outlive it
+        os.kill(keeper.pid, signal.SIGKILL)
+
+
+def _one():
+    return 1
+
+
+def _start_detached_and_die(address: str, n: int) -> str:
+    """Start a detached 2-rank Ray job printing ``n`` lines from another process (a kernel), which dies once rank 1
+    has printed two; the job's id."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", DETACHED_STARTER.format(address=address, n=n)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 9, proc.stderr
+    return next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("started "))
+
+
+def test_a_detached_ray_job_outlives_its_kernel_and_attach_gives_every_line_its_stacks_result_and_run(
+    cluster, keeper_home, capsys
+):
+    """detach=True on a cluster: the run keeper is the Ray driver that owns the job's actors, so the job outlives
+    the process that started it; another one attaches to it by id as to a local detached job."""
+    from mlflow import MlflowClient
+
+    import sgpu_magic
+    from sgpu_magic import attach, detached_runs
+    from sgpu_magic.launch import held_warm
+
+    again = distributed(gpus=2, cluster=cluster.address, widgets=False, detach=True, mlflow=False)(_one)
+    job_id = _start_detached_and_die(cluster.address, 60)  # 15 s: still running when this process attaches
+    [run] = detached_runs()
+    assert run.job_id == job_id and run.world_size == 2
+    job = attach(job_id, widgets=False)
+    assert job.detached and _status_file(job)["start_method"] == "ray"
+    assert _status_file(job)["host_pid"] == job.launcher.pid  # supervised by the keeper
+    stacks = job.stacks()  # taken on the nodes by the rank agents, asked through the keeper
+    assert sorted(stacks) == [0, 1] and all("lines (<string>:" in stacks[r] for r in (0, 1)), stacks
+    assert job.result(timeout_s=120) == [60, 60]
+    out = capsys.readouterr().out
+    for rank in (0, 1):  # every line once: those printed before the attach, and after
+        assert [line for line in out.splitlines() if line.startswith(f"[rank {rank}] line")] == [
+            f"[rank {rank}] line {i}" for i in range(60)
+        ]
+    client = MlflowClient(job.mlflow_tracking_uri)
+    assert client.get_run(job.mlflow_run_id).info.status == "FINISHED"  # the dead process's run, ended here
+    # as a kernel does, the keeper keeps the job's agents warm: the next detached job of its shape forks its ranks there
+    keeper = job.launcher.pid
+    assert again.distributed() == [1, 1] and again.last_job.launcher.pid == keeper
+    assert _status_file(again.last_job).get("warm_agents") and _status_file(again.last_job)["forked_ranks"] == 2
+    [held] = held_warm()  # what %distributed_jobs says is held
+    assert held.startswith("Ray, for detached jobs: 2 warm rank agent(s)") and f"run keeper (pid {keeper})" in held
+    [given] = sgpu_magic.release()
+    assert given.startswith("2 warm rank agent(s)") and given.endswith(
+        f"kept by the run keeper (pid {keeper}) for detached jobs"
+    )
+    assert wait_gone([keeper], 30) == []  # the keeper exits once it holds no run and nothing warm
+    wait_for(lambda: not job_processes(job_id) and not _agent_processes(), 60, "no rank or agent of the job left")
+
+
+def test_a_killed_keeper_takes_its_detached_ray_jobs_actors_and_ranks_with_it(cluster, keeper_home):
+    """The keeper is the Ray driver of its detached Ray jobs: when it is SIGKILLed Ray removes their actors, the
+    ranks die with them, and the attached job fails naming the keeper."""
+    from sgpu_magic import attach
+    from sgpu_magic.errors import LauncherError
+
+    job_id = _start_detached_and_die(cluster.address, 400)
+    job = attach(job_id, widgets=False)
+    wait_for(lambda: len(job_processes(job_id)) == 2, 60, "the 2 ranks")
+    os.kill(job.launcher.pid, signal.SIGKILL)
+    with pytest.raises(LauncherError, match=rf"the run keeper died while job {job_id} ran; see .*keeper-.*\.log"):
+        job.result(timeout_s=60)
+    wait_for(lambda: not job_processes(job_id) and not _agent_processes(), 60, "Ray to remove the keeper's actors")
+
+
+def test_a_keeper_refuses_a_detached_job_on_another_cluster_than_the_one_it_joined(tmp_path):
+    """A process joins one Ray cluster: the keeper's second cluster is refused, naming both and the remedy (real
+    keeper, real Ray supervisor; the first address has nothing listening, so its job fails on its own)."""
+    from sgpu_magic._util.unix_socket import bind_private
+    from sgpu_magic.launch.host.keeper import Keeper
+    from sgpu_magic.launch.keeper_main import ray_jobs
+    from sgpu_magic.launch.ray.warm import set_keep_warm_s
+    from sgpu_magic.rundir import atomic_write_json, make_private_dir
+
+    folder = make_private_dir(tmp_path / "keeper")
+    listener = bind_private(folder / "k.sock")
+    keeper = Keeper(listener, folder / "k.sock", folder / "k.lock", None, str(folder / "k.log"), ray_jobs)
+    first, second = RunDir.create(tmp_path), RunDir.create(tmp_path)
+    try:
+        for rd, port in ((first, 1), (second, 2)):
+            atomic_write_json(rd.launch_file, {"job_id": rd.job_id, "world_size": 1, "backend": "gloo", "env": {}})
+            ray_job = {"cluster": f"127.0.0.1:{port}", "gpu_type": None}
+            keeper.handle({"op": "launch", "run_dir": str(rd.path), "env": {}, "ray": ray_job})
+        assert read_json(second.status_file)["launch_error"] == (
+            f"RuntimeError: the run keeper (pid {os.getpid()}) drives detached jobs on the Ray cluster '127.0.0.1:1', "
+            "not '127.0.0.1:2': a process joins one Ray cluster; run this job once the keeper has exited (10 s after "
+            "its last run ends), or without detach"
+        )
+        ended = wait_for(
+            lambda: (s := read_json(first.status_file) or {}).get("state") == "failed" and s, 60, "job 1's end"
+        )
+        # nothing listens there (or this process joined the tests' cluster already): it fails on its own
+        assert ended["launch_error"].startswith("ResourceError: ") and "'127.0.0.1:1'" in ended["launch_error"]
+        assert keeper.ray is not None and keeper.ray.running() == []
+    finally:
+        set_keep_warm_s(None)
+        listener.close()

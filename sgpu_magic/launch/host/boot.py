@@ -19,10 +19,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sgpu_magic._util.proc import adopt_orphans
 from sgpu_magic.launch.host.warm_pool import HOST_PRELOAD, WarmPool
 from sgpu_magic.rundir import HOST_WARM_STATS, host_warm_marker
+
+if TYPE_CHECKING:
+    from sgpu_magic.launch.host.keeper import RayJobs
 
 
 def _detach(log_path: str, before_ready: Callable[[], object] | None = None) -> None:
@@ -68,11 +72,12 @@ def _freeze() -> None:
     gc.enable()
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], ray_jobs: Callable[[str, str | None], RayJobs] | None = None) -> None:
     """``argv``: ``[_, log_path, kernel_pid]``, a kernel's host, which runs until the kernel closes its stdin or
     dies; or ``[_, log_path, "keeper", socket_path, lock_path]``, the user's run keeper
     (:mod:`sgpu_magic.launch.host.keeper`), which binds its socket before it says ready and runs until it holds no
-    run."""
+    run. ``ray_jobs``: the keeper's factory of the Ray backend's supervisor (:mod:`sgpu_magic.launch.keeper_main`
+    passes it; the launch host imports no backend)."""
     log_path = argv[1]
     keeper = argv[2] == "keeper"
     kernel_pid = None if keeper else int(argv[2])
@@ -107,5 +112,6 @@ def main(argv: list[str]) -> None:
     if keeper:
         from sgpu_magic.launch.host.keeper import Keeper
 
-        host = Keeper(listener[0], Path(argv[3]), Path(argv[4]), pool, log_path)
+        assert ray_jobs is not None  # the keeper's program passes it (launch.keeper_main)
+        host = Keeper(listener[0], Path(argv[3]), Path(argv[4]), pool, log_path, ray_jobs)
     serve(kernel_pid, pool, log_path, import_s, host=host)

@@ -7,7 +7,17 @@ socket, 0600 in the user's 0700 keeper folder (:func:`sgpu_magic.rundir.keeper_d
 user; a caller of another uid is turned away (``SO_PEERCRED``). Each connection is greeted with one JSON line,
 ``{"pid": ..., "log": ...}``, then sends the host's command lines (``launch``, ``cancel``, ``stacks``).
 
-It exits once it holds no run: no job, no open connection, for :data:`LINGER_S` seconds; then it takes the start
+A detached job on a Ray cluster (``cluster=`` with ``detach=True``: its launch command has ``"ray": {"cluster": ...,
+"gpu_type": ...}``) is supervised here, as a kernel supervises its own Ray jobs
+(:class:`sgpu_magic.launch.ray.launcher.RayLauncher`): the keeper is then the Ray driver that owns the job's
+placement group and rank actors, so they outlive the kernel, and Ray removes them (and the ranks die with their
+actors) if the keeper is killed. Ray is imported only for such a job. As a kernel does, the keeper keeps the
+placement group and rank agents of its last Ray job warm for the next one of its shape (for the keep-warm time
+the job's kernel sent) and holds on while it does; ``{"op": "release"}`` (``sgpu_magic.release()`` in any kernel of
+the user's) gives them back.
+
+It exits once it holds no run: no job, no open connection, nothing kept warm on a Ray cluster, for :data:`LINGER_S`
+seconds; then it takes the start
 lock (so no kernel is half-way through connecting), closes and removes its socket, and ends the MLflow runs of
 its ended jobs that no kernel ended. Its ranks die with it (as a kernel's host's do) when it is killed.
 """
@@ -19,16 +29,44 @@ import logging
 import os
 import select
 import socket
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from filelock import FileLock, Timeout
 
 from sgpu_magic._util.unix_socket import peer_uid
+from sgpu_magic.launch.host.cleanup import end_mlflow_run
 from sgpu_magic.launch.host.process import Host
 from sgpu_magic.launch.host.warm_pool import WarmPool
+from sgpu_magic.rundir import RunDir, read_json
+from sgpu_magic.status import StatusWriter
+
+
+class RayJobs(Protocol):
+    """What the keeper needs of the Ray backend's supervisor of jobs
+    (:class:`sgpu_magic.launch.ray.launcher.RayLauncher`; the launch host imports no backend: the keeper's program,
+    :mod:`sgpu_magic.launch.keeper_main`, hands it a factory)."""
+
+    cluster: str
+    gpu_type: str | None
+
+    def launch_with_env(self, run_dir: RunDir, base_env: dict[str, str] | None) -> None: ...
+    def cancel(self, run_dir: RunDir, reason: str) -> None: ...
+    def answer_stacks(self, run_dir: RunDir, token: str, native: bool) -> None: ...
+    def running(self) -> list[str]: ...
+    def stop_all(self, reason: str, wait_s: float) -> None: ...
+    def keep_warm(self, seconds: float | None) -> None: ...
+    def warm(self) -> str | None: ...
+    def release(self, why: str) -> str | None: ...
+
 
 log = logging.getLogger(__name__)
+
+RAY_STOP_WAIT_S = 20.0
+"""Seconds a keeper that is told to exit (SIGTERM) gives its running Ray jobs to stop and say so."""
 
 LINGER_S = 10.0
 """Seconds the keeper stays with no run and no connection before it exits (``$SGPU_MAGIC_KEEPER_LINGER_S`` where
@@ -54,19 +92,96 @@ class Keeper(Host):
         lock_path: the start lock kernels hold while they connect or start a keeper.
         pool: the forkserver, as for a kernel's host.
         log_path: the keeper's log, named in each greeting.
+        ray_jobs: makes the supervisor of detached Ray jobs for a cluster address and GPU type, on the first one
+            (:func:`sgpu_magic.launch.keeper_main.ray_jobs`).
     """
 
     def __init__(
-        self, listener: socket.socket, socket_path: Path, lock_path: Path, pool: WarmPool | None, log_path: str
+        self,
+        listener: socket.socket,
+        socket_path: Path,
+        lock_path: Path,
+        pool: WarmPool | None,
+        log_path: str,
+        ray_jobs: Callable[[str, str | None], RayJobs],
     ) -> None:
         super().__init__(None, pool)
         self.listener = listener
         self.socket_path = socket_path
         self.lock_path = lock_path
-        self.greeting = (json.dumps({"pid": os.getpid(), "log": log_path}) + "\n").encode()
+        self.log_path = log_path
         self.clients: dict[int, tuple[socket.socket, bytes]] = {}
         self.idle_since = time.monotonic()
         self.linger_s = linger_s()
+        self.make_ray_jobs = ray_jobs
+        self.ray: RayJobs | None = None
+        """The supervisor of detached Ray jobs, made for the first one."""
+        self.ray_envs: dict[str, tuple[RunDir, dict[str, str]]] = {}
+        """Each Ray job's run directory and environment, to end its MLflow run if no kernel does."""
+
+    def greeting(self) -> bytes:
+        """The line each connection is greeted with: the keeper's pid and log, and what it keeps warm on a Ray
+        cluster (``None``: nothing)."""
+        warm = self.ray.warm() if self.ray is not None else None
+        return (json.dumps({"pid": os.getpid(), "log": self.log_path, "warm": warm}) + "\n").encode()
+
+    def handle(self, cmd: dict) -> None:
+        """The host's commands (:meth:`Host.handle`); those of a detached Ray job go to its supervisor here, and
+        ``{"op": "release"}`` gives back what it keeps warm on the Ray cluster."""
+        if cmd["op"] == "release":
+            if self.ray is not None:
+                self.ray.release(cmd.get("why") or "sgpu_magic.release()")
+            return
+        run_dir = RunDir(cmd["run_dir"])
+        if cmd["op"] == "launch" and cmd.get("ray"):
+            self._launch_on_ray(run_dir, cmd)
+        elif self.ray is not None and run_dir.job_id in self.ray_envs:
+            if cmd["op"] == "cancel":
+                self.ray.cancel(run_dir, cmd.get("reason", "cancelled"))
+            elif cmd["op"] == "stacks":
+                threading.Thread(
+                    target=self.ray.answer_stacks,
+                    args=(run_dir, cmd["token"], bool(cmd.get("native"))),
+                    daemon=True,
+                ).start()
+        else:
+            super().handle(cmd)
+
+    def _launch_on_ray(self, run_dir: RunDir, cmd: dict) -> None:
+        ray_job = cmd["ray"]
+        try:
+            if self.ray is None:
+                self.ray = self.make_ray_jobs(ray_job["cluster"], ray_job.get("gpu_type"))
+            elif self.ray.cluster != ray_job["cluster"]:
+                raise RuntimeError(
+                    f"the run keeper (pid {os.getpid()}) drives detached jobs on the Ray cluster {self.ray.cluster!r}, "
+                    f"not {ray_job['cluster']!r}: a process joins one Ray cluster; run this job once the keeper has "
+                    f"exited ({self.linger_s:g} s after its last run ends), or without detach"
+                )
+            self.ray.gpu_type = ray_job.get("gpu_type")
+            self.ray.keep_warm(ray_job.get("keep_warm_s"))  # the job's kernel's: read when the job ends
+            self.ray_envs[run_dir.job_id] = (run_dir, cmd["env"])
+            self.ray.launch_with_env(run_dir, cmd["env"])
+        except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
+            StatusWriter(run_dir).finish("failed", launch_error=f"{type(exc).__name__}: {exc}")
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            self._end_ray_jobs()
+
+    def _end_ray_jobs(self) -> None:
+        """On the way out: stop the Ray jobs still running (told to exit), then end the MLflow runs no kernel
+        ended, as :meth:`Host.run` does for the keeper's local jobs."""
+        if self.ray is None:
+            return
+        self.ray.stop_all("cancelled", RAY_STOP_WAIT_S)
+        self.ray.release("the run keeper exits")
+        for run_dir, env in self.ray_envs.values():
+            if not run_dir.mlflow_ended_file.exists():
+                status = read_json(run_dir.status_file) or {}
+                end_mlflow_run(run_dir, status.get("state", "cancelled"), env)
 
     def inputs(self) -> list[int]:
         return [self.listener.fileno(), *self.clients]
@@ -99,7 +214,7 @@ class Keeper(Host):
             sock.close()
             return
         try:
-            sock.sendall(self.greeting)
+            sock.sendall(self.greeting())
         except OSError:
             sock.close()
             return
@@ -109,7 +224,7 @@ class Keeper(Host):
         """Whether the keeper goes on: it holds a job or a connection, or did less than :func:`linger_s` ago; else
         it closes its socket (:meth:`_close`) and stops, unless a kernel is connecting right then."""
         now = time.monotonic()
-        if self.jobs or self.clients:
+        if self.jobs or self.clients or (self.ray is not None and (self.ray.running() or self.ray.warm())):
             self.idle_since = now
             return True
         if now - self.idle_since < self.linger_s:

@@ -144,6 +144,17 @@ def plan_on_cluster(spec) -> DevicePlan:
     return DevicePlan(spec.gpus, "nccl" if gpu else "gloo", (), note, cluster=connected_address(spec.cluster))
 
 
+def driver_address(cluster: str) -> str:
+    """The address another process of this machine (the run keeper) connects to for the cluster this kernel is
+    connected to: the GCS address Ray gives (the same for ``"auto"`` and every other way of naming one cluster,
+    whatever the keeper's own environment says), or ``cluster`` as given where Ray gives none (a Ray client's
+    ``ray://`` connection)."""
+    try:
+        return str(ray_module().get_runtime_context().gcs_address or cluster)
+    except Exception:  # noqa: BLE001 - a Ray client connection, or an older Ray
+        return cluster
+
+
 def connected_address(cluster: str) -> str:
     """``cluster`` as given, plus the address Ray chose for ``"auto"`` (``auto (10.0.0.5:6379)``)."""
     if cluster != "auto":

@@ -45,7 +45,12 @@ def _bundle(backend: str, gpu_type: str | None) -> dict[str, float]:
 
 class RayLauncher:
     """The :class:`~sgpu_magic.launch.base.Launcher` of jobs on a Ray cluster: ``launch`` starts a supervisor
-    thread in the kernel for the run dir, ``cancel`` stops it."""
+    thread in this process (the kernel; the run keeper for a detached job) for the run dir, ``cancel`` stops it.
+
+    The run keeper (:class:`sgpu_magic.launch.host.keeper.Keeper`) runs detached jobs' supervisors: it gives each
+    job the ranks' base environment its kernel sent (``launch(run_dir, base_env)``), connects to the cluster in the
+    job's supervisor thread, and keeps nothing warm (:func:`~sgpu_magic.launch.ray.warm.set_keep_warm_s` 0 there).
+    """
 
     def __init__(self, cluster: str, gpu_type: str | None) -> None:
         self.cluster, self.gpu_type = cluster, gpu_type
@@ -79,9 +84,37 @@ class RayLauncher:
         return live_stacks(run_dir, status, native)  # raises: it has ended, and where its saved stacks are
 
     def launch(self, run_dir: RunDir) -> None:
-        sup = _Supervisor(run_dir, self.cluster, self.gpu_type)
+        self.launch_with_env(run_dir, None)
+
+    def launch_with_env(self, run_dir: RunDir, base_env: dict[str, str] | None) -> None:
+        """Start the job's supervisor; ``base_env``: the ranks' environment before the job's own (``None``: this
+        process's, :func:`sgpu_magic.launch.client.rank_base_env`; the run keeper gives the one the job's kernel
+        sent, and the supervisor connects to the cluster first)."""
+        sup = _Supervisor(run_dir, self.cluster, self.gpu_type, base_env)
         self._jobs[run_dir.job_id] = sup
         sup.start()
+
+    def running(self) -> list[str]:
+        """The ids of the jobs whose supervisor has not finished."""
+        return [job_id for job_id, sup in self._jobs.items() if not sup.finished]
+
+    def answer_stacks(self, run_dir: RunDir, token: str, native: bool) -> None:
+        """The run keeper's answer to a kernel's stacks request for a detached Ray job (as the launch host's,
+        :func:`sgpu_magic.launch.stacks.answer`): each running rank's stack, taken on its node by its agent."""
+        from sgpu_magic.launch.stacks import reply_stacks
+
+        sup = self._jobs.get(run_dir.job_id)
+        if sup is None or not sup.running.is_set() or sup.finished:
+            return reply_stacks(run_dir, token, None)
+        reply_stacks(run_dir, token, lambda: sup.take_stacks(range(sup.world), native))
+
+    def stop_all(self, reason: str, wait_s: float) -> None:
+        """Stop every running job (the run keeper is exiting) and wait up to ``wait_s`` seconds for them to end."""
+        deadline = time.monotonic() + wait_s
+        for sup in self._jobs.values():
+            sup.stop(reason)
+        for sup in self._jobs.values():
+            sup.join(max(0.0, deadline - time.monotonic()))
 
     def cancel(self, run_dir: RunDir, reason: str) -> None:
         sup = self._jobs.get(run_dir.job_id)
@@ -98,9 +131,12 @@ class RayLauncher:
 
 
 class _Supervisor(threading.Thread):
-    def __init__(self, rd: RunDir, cluster: str, gpu_type: str | None) -> None:
+    def __init__(self, rd: RunDir, cluster: str, gpu_type: str | None, base_env: dict[str, str] | None = None) -> None:
         super().__init__(name=f"sgpu_magic ray {rd.job_id}", daemon=True)
         self.rd, self.cluster, self.gpu_type = rd, cluster, gpu_type
+        self.base_env = base_env
+        """The ranks' environment before the job's own; ``None``: this process's (a kernel's job). Given: a detached
+        job in the run keeper, which connects to the cluster in this thread."""
         # the kernel wrote launch.json before it handed the run dir over
         self.launch = cast("dict[str, Any]", read_json(rd.launch_file, private=True))
         self.world = self.launch["world_size"]
@@ -148,6 +184,10 @@ class _Supervisor(threading.Thread):
         return "timed_out" if deadline is not None and time.time() > deadline else None
 
     def _run(self) -> None:
+        if self.base_env is not None:  # in the run keeper: connected by the job's own thread (seconds, the first time)
+            from sgpu_magic.launch.ray.cluster import connect
+
+            connect(self.cluster)
         bundle = self.bundle
         warm = None if self._session() else WARM.take(shape_of(self.world, bundle))
         if warm is None or not self._adopt(warm):
@@ -401,7 +441,8 @@ class _Supervisor(threading.Thread):
                 order.append(node_id)
         node_id = nodes[rank][0]
         local = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
-        env = {**rank_base_env(), **self.launch.get("env", {}), **self._mlflow_env()}
+        base = rank_base_env() if self.base_env is None else self.base_env
+        env = {**base, **self.launch.get("env", {}), **self._mlflow_env()}
         env.pop(RUN_FILE_ENV, None)  # the kernel's run directory is not on the nodes: the run's identity is given
         env.update(
             torchrun_env(
