@@ -70,7 +70,8 @@ class Session:
         detach: run the ranks under the user's run keeper, so the session and every rank's state outlive the
             kernel: :func:`sgpu_magic.attach` in any kernel of the user gives the Session back (its cells run on the
             same ranks). A detached session's idle timeout is :data:`DETACHED_IDLE_TIMEOUT_S` (2 h) unless
-            ``idle_timeout`` is given: one never reattached cannot hold its GPUs for ever. Not with ``cluster``.
+            ``idle_timeout`` is given: one never reattached cannot hold its GPUs for ever. With ``cluster`` the
+            keeper drives the rank actors on the Ray cluster (named, so the attaching kernel finds them).
             Default False.
 
     The ranks start at once (from the launch host's warm forkserver, or in Ray actors with ``cluster``), hold their
@@ -106,11 +107,6 @@ class Session:
             cluster=cluster,
             detach=detach,
         )
-        if spec.detach and spec.cluster is not None:
-            raise SpecError(
-                f"detach=True with cluster={spec.cluster!r}: a session on a Ray cluster cannot detach yet (a job "
-                f"can: @distributed(..., cluster=..., detach=True)); leave out one of them"
-            )
         idle_timeout_s = check_timeout(resolve_config(idle_timeout), "idle_timeout")
         if spec.detach and idle_timeout_s is None:
             idle_timeout_s = DETACHED_IDLE_TIMEOUT_S

@@ -69,7 +69,7 @@ def session_channel_for(run_dir: RunDir, world_size: int, cluster: str | None) -
         return None
     from sgpu_magic.launch.ray import session_channel
 
-    return session_channel.RaySessionChannel(run_dir, world_size)
+    return session_channel.RaySessionChannel(run_dir, world_size, cluster)
 
 
 def held_warm() -> list[str]:

@@ -27,7 +27,7 @@ from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
 from sgpu_magic.launch.stacks import CodeMap, RankStack, take_stacks
 from sgpu_magic.rundir import RunDir, atomic_write_json, signal_status
-from sgpu_magic.session.channel import Channel, Request, SessionChannel, new_channel
+from sgpu_magic.session.channel import Channel, Request, new_channel
 from sgpu_magic.session.launcher import CellLauncher
 from sgpu_magic.session.outcome import (
     cell_status,
@@ -206,8 +206,9 @@ class SessionCore:
         clock, so a reply to that kernel's last request cannot answer one of this kernel's."""
         self.broken, self._names, self.stuck, self.pids = None, {}, None, dict(job.status.pids)
         self.job = job
-        channel = SessionChannel(RunDir(job.run_dir), self.world_size)
+        channel = new_channel(RunDir(job.run_dir), self.world_size, self.spec.cluster)
         channel.reopen()
+        channel.attach(job)
         self._channel = channel
         self._seq = time.time_ns() // 1_000_000
         self._parent_run = mlflow_run(job.events.sinks)

@@ -156,14 +156,7 @@ def test_attach_and_stop_name_what_is_not_a_detached_run_of_yours(home):
         stop_detached("nope")
 
 
-def test_detach_is_refused_for_a_session_on_a_cluster_and_as_a_string():
-    from sgpu_magic import Session
-
-    with pytest.raises(
-        SpecError,
-        match=r"^detach=True with cluster='auto': a session on a Ray cluster cannot detach yet \(a job can: @distributed\(\.\.\., cluster=\.\.\., detach=True\)\); leave out one of them$",
-    ):
-        Session(gpus=2, detach=True, cluster="auto")
+def test_detach_is_taken_with_a_cluster_and_refused_as_a_string():
     assert distributed(gpus=2, detach=True, cluster="auto")(lambda: 1).spec.detach  # a job on a cluster may detach
     with pytest.raises(
         SpecError,

@@ -703,3 +703,47 @@ def test_a_keeper_refuses_a_detached_job_on_another_cluster_than_the_one_it_join
     finally:
         set_keep_warm_s(None)
         listener.close()
+
+
+DETACHED_SESSION_STARTER = """
+import os
+from sgpu_magic import Session
+
+sess = Session(gpus=2, cluster={address!r}, widgets=False, mlflow=False, detach=True, name="train")
+sess.run_cell("import os\\nw = 10 + int(os.environ['RANK'])")
+print("started", sess.job.job_id, *sess.pull("w"), flush=True)
+os._exit(9)  # as a killed kernel
+"""
+
+
+def test_a_detached_ray_session_outlives_its_kernel_and_attach_runs_cells_on_its_ranks_with_their_state(
+    cluster, keeper_home
+):
+    """``Session(cluster=..., detach=True)``: the run keeper drives the session's rank actors, named so that a kernel
+    that is not their driver finds them; a new one attaches and runs cells on the same ranks, with their state."""
+    import subprocess
+    import sys
+
+    from sgpu_magic import Session, attach
+
+    proc = subprocess.run(
+        [sys.executable, "-c", DETACHED_SESSION_STARTER.format(address=cluster.address)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 9, proc.stderr
+    words = next(line.split() for line in proc.stdout.splitlines() if line.startswith("started "))
+    job_id, w = words[1], [int(x) for x in words[2:]]
+    assert w == [10, 11]
+    sess = attach(job_id, widgets=False)
+    assert isinstance(sess, Session) and sess.name == "train" and sess.state.value == "idle"
+    assert sess.pull("w") == [10, 11]  # the state its ranks kept on their actors
+    assert sess.run_cell("w * 2") == [20, 22]
+    keeper = sess.job.launcher.pid
+    assert _status_file(sess.job)["host_pid"] == keeper
+    sess.stop()
+    assert sess.job.state.value == "succeeded"
+    assert wait_gone([keeper], 30) == []  # a session's agents are never kept warm: the keeper exits
+    wait_for(lambda: not job_processes(job_id) and not _agent_processes(), 60, "no rank or agent of the session left")

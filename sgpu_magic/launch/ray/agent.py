@@ -13,6 +13,7 @@ import os
 import pickle
 import select
 import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -59,6 +60,15 @@ class SessionPipe:
             fds.append(open_private_fifo(path, os.O_RDWR))
         self.commands, self.replies = fds
         self.cell: RunDir | None = None
+        self.reader: str | None = None
+        """The token of the kernel's channel that reads the replies now (the last one that sent or asked)."""
+        self._read_lock = threading.Lock()
+
+    def take(self, token: str | None) -> None:
+        """The channel ``token`` (a kernel that attached to a detached session) reads the replies from now on."""
+        if token is not None:
+            with self._read_lock:
+                self.reader = token
 
     def cell_dir(self, cell_id: str) -> RunDir:
         return RunDir(self.cells / "runs" / cell_id)
@@ -76,13 +86,23 @@ class SessionPipe:
             message = {**message, "run_dir": str(self.cell.path)}
         write_frame(self.commands, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def recv(self, timeout_s: float) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]] | None:
+    def recv(
+        self, timeout_s: float, token: str | None = None
+    ) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]] | str | None:
         """The rank's next frame (a reply, or a debugger's frame) as ``(reply, value, files)``, or ``None`` after
         ``timeout_s``. ``files``: the cell's result, error and metrics files (paths relative to its run
-        directory) with the reply that ends a cell."""
+        directory) with the reply that ends a cell. ``token``: the asking channel's; ``"stale"`` when another
+        channel has taken the replies since (:meth:`take`), so that a receive a dead kernel left running on this
+        actor cannot take the frame a kernel that attached is waiting for."""
         ready, _, _ = select.select([self.replies], [], [], timeout_s)
         if not ready:
             return None
+        with self._read_lock:
+            if token is not None and self.reader != token:  # the receive of a kernel gone: leave it to the new one
+                return "stale"
+            return self._read()
+
+    def _read(self) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]] | None:
         frame = read_frame(self.replies)
         if frame is None:
             return None
@@ -313,12 +333,18 @@ class RankAgent:
         records = read_new(path, offset)
         return records, read_new(names_file(path), names_offset)
 
-    def session_send(self, message: dict[str, Any], payload: bytes | None = None) -> None:
-        """Relay a session command to the rank (see :meth:`SessionPipe.send`)."""
-        self._pipe().send(message, payload)
+    def session_send(self, message: dict[str, Any], payload: bytes | None = None, token: str | None = None) -> None:
+        """Relay a session command to the rank (see :meth:`SessionPipe.send`); the channel ``token`` reads the replies
+        from now on (:meth:`SessionPipe.take`)."""
+        pipe = self._pipe()
+        pipe.take(token)
+        pipe.send(message, payload)
 
-    def session_recv(self, timeout_s: float) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]] | str | None:
-        """The rank's next frame (see :meth:`SessionPipe.recv`); ``"gone"`` once the rank has exited."""
+    def session_recv(
+        self, timeout_s: float, token: str | None = None
+    ) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]] | str | None:
+        """The rank's next frame (see :meth:`SessionPipe.recv`); ``"gone"`` once the rank has exited, ``"stale"`` once
+        another channel than ``token``'s reads the replies (the last one that sent or asked does)."""
         if self.proc is not None and self.proc.poll() is not None:
             return "gone"
         if self.session is None:  # run() has not made the FIFOs yet
@@ -326,7 +352,8 @@ class RankAgent:
 
             time.sleep(min(timeout_s, 0.05))
             return None
-        return self.session.recv(timeout_s)
+        self.session.take(token)  # a kernel that asks reads from now on: a receive left by one gone gives it up
+        return self.session.recv(timeout_s, token)
 
     def session_interrupt(self) -> None:
         """SIGINT to the rank: ``KeyboardInterrupt`` in the cell it runs (ignored between cells)."""

@@ -28,6 +28,10 @@ from sgpu_magic.errors import ResourceError, SpecError
 from sgpu_magic.launch.ray.warm import WARM, keep_warm_s
 from sgpu_magic.launch.resources import DevicePlan
 
+NAMESPACE = "sgpu_magic"
+"""The Ray namespace every process of sgpu_magic joins (kernels, the run keeper): a detached session's named rank
+agents are found in it."""
+
 PENDING_NOTE_S = 5.0
 """How often a job that waits for the cluster's resources says again what it waits for."""
 
@@ -96,7 +100,7 @@ def connect(cluster: str):
         if cluster != "auto":
             _check_reachable(cluster)
         try:
-            ray.init(address=cluster, log_to_driver=False, namespace="sgpu_magic", configure_logging=False)
+            ray.init(address=cluster, log_to_driver=False, namespace=NAMESPACE, configure_logging=False)
         except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError ...
             raise ResourceError(
                 f"cannot connect to the Ray cluster {cluster!r} ({type(exc).__name__}: {exc}); "

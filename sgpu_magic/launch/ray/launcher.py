@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 from sgpu_magic.errors import SgpuError, SpecError
 from sgpu_magic.launch.base import close_attempt, finish_job, root_cause_first
 from sgpu_magic.launch.ray.agent import agent_class
-from sgpu_magic.launch.ray.cluster import PENDING_NOTE_S, ray_module
+from sgpu_magic.launch.ray.cluster import NAMESPACE, PENDING_NOTE_S, ray_module
 from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
 from sgpu_magic.launch.stacks import REPLY_WAIT_S, STACK_STATES, CodeMap, RankStack, no_stack, write_stacks
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
@@ -41,6 +41,12 @@ def _bundle(backend: str, gpu_type: str | None) -> dict[str, float]:
     if gpu_type:
         bundle[f"accelerator_type:{gpu_type}"] = 0.001
     return bundle
+
+
+def agent_name(job_id: str, rank: int) -> str:
+    """The Ray name of rank ``rank``'s agent in a detached session's job ``job_id`` (in :data:`~sgpu_magic.launch.ray.
+    cluster.NAMESPACE`): the session's kernel, which is not the agents' driver, finds them by it."""
+    return f"sgpu_magic-{job_id}-rank-{rank}"
 
 
 class RayLauncher:
@@ -256,11 +262,14 @@ class _Supervisor(threading.Thread):
         assert self.pg is not None  # reserved by _reserve
         gloo = self.launch["backend"] == "gloo"
         agent = agent_class()
+        # a detached session's agents are named, so a kernel (not their driver, the run keeper) finds them
+        named = self.launch.get("detached") and self._session()
         self.actors = [
             agent.options(
                 num_cpus=int(gloo),
                 num_gpus=int(not gloo),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                **({"name": agent_name(self.rd.job_id, r), "namespace": NAMESPACE} if named else {}),
             ).remote()
             for r in range(self.world)
         ]

@@ -13,6 +13,7 @@ local session.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -25,10 +26,13 @@ from sgpu_magic.rundir import RunDir, atomic_write_bytes, make_private_dir, read
 
 class _SessionJob(Protocol):
     """What the channel needs of the session's job (:class:`sgpu_magic.job.handle.Job`): its launcher, which knows
-    the rank actors (``RayLauncher.agents``)."""
+    the rank actors (``RayLauncher.agents``), and its status (a detached session's agents, which the run keeper
+    drives, are found by name once its ranks run)."""
 
     @property
     def launcher(self) -> Any: ...
+    @property
+    def status(self) -> Any: ...
 
 
 RECV_WAIT_S = 2.0
@@ -42,13 +46,16 @@ class RaySessionChannel:
     """A Ray session's channel (see the module docstring). ``job``: the session's job, set once it is submitted
     (its launcher knows the rank actors)."""
 
-    def __init__(self, run_dir: RunDir, world_size: int) -> None:
-        self.run_dir, self.world_size = run_dir, world_size
+    def __init__(self, run_dir: RunDir, world_size: int, cluster: str | None = None) -> None:
+        self.run_dir, self.world_size, self.cluster = run_dir, world_size, cluster
         self.job: _SessionJob | None = None
         self._agents: list | None = None
         self._recv: dict[Any, int] = {}
         self._cells: dict[int, list] = {}  # rank -> [the cell's RunDir here, log offset]
         self._lock = threading.Lock()
+        self._found_lock = threading.Lock()
+        self._token = secrets.token_hex(8)
+        """This channel's: a detached session's agents give their frames only to the last kernel that sent or asked."""
         self._closed = False
         self._pulled = 0.0
 
@@ -60,19 +67,55 @@ class RaySessionChannel:
         """The session's job is submitted: its launcher will know the rank actors once they run."""
         self.job = job
 
+    def reopen(self) -> None:
+        """A detached session another kernel started (:meth:`sgpu_magic.session.core.SessionCore.adopt`): connect
+        to its cluster (``cluster``); its rank agents are found by name once :meth:`attach` names the job.
+
+        Raises:
+            OSError: the cluster cannot be reached (the message names it).
+        """
+        from sgpu_magic.errors import ResourceError
+        from sgpu_magic.launch.ray.cluster import connect
+
+        try:
+            connect(self.cluster or "auto")
+        except ResourceError as exc:
+            raise OSError(str(exc)) from None
+
+    def _named(self, job: _SessionJob) -> list | None:
+        """A detached session's rank agents, by name, once its status says its ranks run (``None`` before)."""
+        from sgpu_magic.launch.ray.cluster import NAMESPACE
+        from sgpu_magic.launch.ray.launcher import agent_name
+
+        if not job.status.pids:
+            return None
+        ray = ray_module()
+        try:
+            return [
+                ray.get_actor(agent_name(self.run_dir.job_id, r), namespace=NAMESPACE) for r in range(self.world_size)
+            ]
+        except ValueError:  # not (or no longer) there
+            return None
+
     def _actors(self) -> list | None:
+        """The rank actors once they run; the first caller that finds them (the reader thread, or a send) asks each
+        for its first frame, once: two pending receives on one rank's FIFO would split its frames between them."""
         if self._agents is None and self.job is not None and not self._closed:
-            agents = getattr(self.job.launcher, "agents", None)
-            found = agents(self.run_dir) if agents is not None else None
-            if found is not None:
-                self._agents = list(found)
-                for rank in range(self.world_size):
-                    self._ask(rank)
+            with self._found_lock:
+                if self._agents is None:
+                    agents = getattr(self.job.launcher, "agents", None)
+                    found = agents(self.run_dir) if agents is not None else self._named(self.job)
+                    if found is not None:
+                        for rank in range(self.world_size):
+                            self._ask(rank, found)
+                        self._agents = list(found)
         return self._agents
 
-    def _ask(self, rank: int) -> None:
-        assert self._agents is not None
-        self._recv[self._agents[rank].session_recv.remote(RECV_WAIT_S)] = rank
+    def _ask(self, rank: int, agents: list | None = None) -> None:
+        agents = agents if agents is not None else self._agents
+        assert agents is not None
+        agent = agents[rank]
+        self._recv[agent.session_recv.remote(RECV_WAIT_S, self._token)] = rank
 
     def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None:
         """Send ``message`` to each of ``ranks`` (a cell's payload with it) and wait until each actor has it.
@@ -92,7 +135,9 @@ class RaySessionChannel:
                 self._cells.update({r: [cell, 0] for r in ranks})
         ray = ray_module()
         try:
-            ray.get([agents[r].session_send.remote(message, payload) for r in ranks], timeout=CALL_TIMEOUT_S)
+            ray.get(
+                [agents[r].session_send.remote(message, payload, self._token) for r in ranks], timeout=CALL_TIMEOUT_S
+            )
         except Exception as exc:  # noqa: BLE001 - Ray's errors: an actor died, a timeout
             raise OSError(f"sending to the session's ranks failed ({type(exc).__name__}: {exc})") from None
 
@@ -126,8 +171,8 @@ class RaySessionChannel:
                 got = ray.get(ref)
             except Exception:  # noqa: BLE001 - the actor is gone: the session's job ends, which breaks the session
                 continue
-            if got == "gone" or self._closed:
-                continue  # the rank exited: no more frames (its job's end says why)
+            if got in ("gone", "stale") or self._closed:
+                continue  # the rank exited (its job's end says why), or another kernel attached and reads it
             self._ask(rank)
             if got is not None:
                 reply, value, files = got
