@@ -54,8 +54,8 @@ class RayLauncher:
     thread in this process (the kernel; the run keeper for a detached job) for the run dir, ``cancel`` stops it.
 
     The run keeper (:class:`sgpu_magic.launch.host.keeper.Keeper`) runs detached jobs' supervisors: it gives each
-    job the ranks' base environment its kernel sent (``launch(run_dir, base_env)``), connects to the cluster in the
-    job's supervisor thread, and keeps nothing warm (:func:`~sgpu_magic.launch.ray.warm.set_keep_warm_s` 0 there).
+    job the ranks' base environment its kernel sent (:meth:`launch_with_env`), and the supervisor connects to the
+    cluster in its own thread; the keeper keeps its warm set as a kernel does (:mod:`sgpu_magic.launch.keeper_main`).
     """
 
     def __init__(self, cluster: str, gpu_type: str | None) -> None:
@@ -77,8 +77,8 @@ class RayLauncher:
                 where the stacks taken when it was stopped are: :func:`sgpu_magic.launch.stacks.live_stacks`)."""
         from sgpu_magic.launch.stacks import live_stacks
 
-        sup = self._jobs.get(run_dir.job_id)
-        if sup is not None and sup.running.is_set() and not sup.finished:
+        sup = self._running(run_dir)
+        if sup is not None:
             taken = sup.take_stacks(range(sup.world), native)
             if taken:
                 return {rank: stack.text for rank, stack in taken.items()}
@@ -109,8 +109,8 @@ class RayLauncher:
         :func:`sgpu_magic.launch.stacks.answer`): each running rank's stack, taken on its node by its agent."""
         from sgpu_magic.launch.stacks import reply_stacks
 
-        sup = self._jobs.get(run_dir.job_id)
-        if sup is None or not sup.running.is_set() or sup.finished:
+        sup = self._running(run_dir)
+        if sup is None:
             return reply_stacks(run_dir, token, None)
         reply_stacks(run_dir, token, lambda: sup.take_stacks(range(sup.world), native))
 
@@ -132,8 +132,13 @@ class RayLauncher:
 
     def agents(self, run_dir: RunDir) -> list | None:
         """The rank actors of the job in ``run_dir`` once its ranks run (rank order), else ``None``."""
+        sup = self._running(run_dir)
+        return sup.actors if sup is not None else None
+
+    def _running(self, run_dir: RunDir) -> _Supervisor | None:
+        """The supervisor of the job of ``run_dir`` while its ranks run (started, not finished), else ``None``."""
         sup = self._jobs.get(run_dir.job_id)
-        return sup.actors if sup is not None and sup.running.is_set() and not sup.finished else None
+        return sup if sup is not None and sup.running.is_set() and not sup.finished else None
 
 
 class _Supervisor(threading.Thread):

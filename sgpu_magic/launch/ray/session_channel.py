@@ -106,16 +106,14 @@ class RaySessionChannel:
                     agents = getattr(self.job.launcher, "agents", None)
                     found = agents(self.run_dir) if agents is not None else self._named(self.job)
                     if found is not None:
-                        for rank in range(self.world_size):
-                            self._ask(rank, found)
                         self._agents = list(found)
+                        for rank in range(self.world_size):
+                            self._ask(rank)
         return self._agents
 
-    def _ask(self, rank: int, agents: list | None = None) -> None:
-        agents = agents if agents is not None else self._agents
-        assert agents is not None
-        agent = agents[rank]
-        self._recv[agent.session_recv.remote(RECV_WAIT_S, self._token)] = rank
+    def _ask(self, rank: int) -> None:
+        assert self._agents is not None
+        self._recv[self._agents[rank].session_recv.remote(RECV_WAIT_S, self._token)] = rank
 
     def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None:
         """Send ``message`` to each of ``ranks`` (a cell's payload with it) and wait until each actor has it.
