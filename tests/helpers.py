@@ -192,3 +192,14 @@ def check_each_failed_attempt_kept(flaky) -> None:
     for k in (1, 2):
         kept = json.loads((job.run_dir / "errors" / f"attempt_{k}" / "rank_1.json").read_text())
         assert kept["message"] == f"rank 1 fails on restart count {k - 1}"
+
+
+def run_until_killed(code: str, timeout_s: float) -> list[str]:
+    """Run ``code`` in a fresh Python process, as a kernel that starts something detached, prints ``started ...`` and
+    dies (``os._exit(9)``); the words of that line after ``started``."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert proc.returncode == 9, proc.stderr
+    return next(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("started "))

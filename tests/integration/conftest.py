@@ -74,3 +74,20 @@ def settled(ip, sgpu_home):
         assert psutil.pid_exists(host), "the launch host is gone"
 
     return nothing_starts
+
+
+@pytest.fixture
+def keeper_home(tmp_path, monkeypatch):
+    """A sgpu_magic home of the test's own (its run keeper is the test's), whose keeper exits 0.5 s after its last
+    run; a keeper a failed test left is killed, so nothing outlives the test."""
+    import signal
+
+    from sgpu_magic.launch.keeper import running_keeper
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("SGPU_MAGIC_HOME", str(home))
+    monkeypatch.setenv("SGPU_MAGIC_KEEPER_LINGER_S", "0.5")
+    yield home
+    keeper = running_keeper(home)
+    if keeper is not None:
+        os.kill(keeper.pid, signal.SIGKILL)

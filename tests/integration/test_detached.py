@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -20,21 +18,15 @@ from sgpu_magic.errors import LauncherError, SgpuError, SpecError
 from sgpu_magic.front.detached import stop_detached
 from sgpu_magic.launch.keeper import running_keeper
 
-from helpers import wait_for, wait_gone
+from helpers import run_until_killed, wait_for, wait_gone
 
 START_DEADLINE_S = 120.0  # fresh ranks (and a fresh keeper importing torch) on a busy 2-core box
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    """A sgpu_magic home of the test's own (its keeper is the test's), whose keeper exits 0.5 s after its last run."""
-    home = tmp_path / "home"
-    monkeypatch.setenv("SGPU_MAGIC_HOME", str(home))
-    monkeypatch.setenv("SGPU_MAGIC_KEEPER_LINGER_S", "0.5")
-    yield home
-    keeper = running_keeper(home)
-    if keeper is not None:  # a failed test's: nothing may outlive it
-        os.kill(keeper.pid, signal.SIGKILL)
+def home(keeper_home):
+    """The test's own sgpu_magic home and run keeper (the integration conftest's ``keeper_home``)."""
+    return keeper_home
 
 
 STARTER = textwrap.dedent(
@@ -63,15 +55,7 @@ STARTER = textwrap.dedent(
 def start_and_die(n: int, mlflow: bool) -> str:
     """Start a detached 2-rank job printing ``n`` lines from a separate process, which is killed once rank 1 has
     printed two; returns the job's id."""
-    proc = subprocess.run(
-        [sys.executable, "-c", STARTER.format(n=n, mlflow=mlflow)],
-        capture_output=True,
-        text=True,
-        timeout=START_DEADLINE_S,
-        check=False,
-    )
-    assert proc.returncode == 9, proc.stderr
-    return next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("started "))
+    return run_until_killed(STARTER.format(n=n, mlflow=mlflow), START_DEADLINE_S)[0]
 
 
 def test_a_detached_job_outlives_its_process_and_attach_gives_every_line_its_result_and_its_mlflow_run(home, capsys):
@@ -298,16 +282,8 @@ SESSION_STARTER = textwrap.dedent(
 def start_session_and_die(idle: float | None) -> tuple[str, list[float]]:
     """Start a detached 2-rank session named ``train`` whose ranks hold a model and ``w`` (rank 1's is rank 0's
     plus 1) from a process that is then killed; returns the session job's id and ``w`` of each rank."""
-    proc = subprocess.run(
-        [sys.executable, "-c", SESSION_STARTER.format(idle=idle)],
-        capture_output=True,
-        text=True,
-        timeout=START_DEADLINE_S,
-        check=False,
-    )
-    assert proc.returncode == 9, proc.stderr
-    words = next(line.split() for line in proc.stdout.splitlines() if line.startswith("started "))
-    return words[1], [float(w) for w in words[2:]]
+    job_id, *w = run_until_killed(SESSION_STARTER.format(idle=idle), START_DEADLINE_S)
+    return job_id, [float(x) for x in w]
 
 
 def test_a_detached_session_outlives_its_process_and_attach_runs_cells_on_its_ranks_with_their_state(home):

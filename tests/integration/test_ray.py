@@ -29,6 +29,7 @@ from helpers import (  # noqa: E402
     check_killed_once_and_restarted,
     flaky_rank,
     job_processes,
+    run_until_killed,
     wait_for,
     wait_gone,
 )
@@ -579,20 +580,6 @@ os._exit(9)  # as a killed kernel
 """
 
 
-@pytest.fixture
-def keeper_home(tmp_path, monkeypatch):
-    """A sgpu_magic home of the test's own, so a run keeper of its own, which exits 0.5 s after its last run."""
-    from sgpu_magic.launch.keeper import running_keeper
-
-    home = tmp_path / "home"
-    monkeypatch.setenv("SGPU_MAGIC_HOME", str(home))
-    monkeypatch.setenv("SGPU_MAGIC_KEEPER_LINGER_S", "0.5")
-    yield home
-    keeper = running_keeper(home)
-    if keeper is not None:  # a failed test's: nothing may outlive it
-        os.kill(keeper.pid, signal.SIGKILL)
-
-
 def _one():
     return 1
 
@@ -600,18 +587,7 @@ def _one():
 def _start_detached_and_die(address: str, n: int) -> str:
     """Start a detached 2-rank Ray job printing ``n`` lines from another process (a kernel), which dies once rank 1
     has printed two; the job's id."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-c", DETACHED_STARTER.format(address=address, n=n)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 9, proc.stderr
-    return next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("started "))
+    return run_until_killed(DETACHED_STARTER.format(address=address, n=n), 300)[0]
 
 
 def test_a_detached_ray_job_outlives_its_kernel_and_attach_gives_every_line_its_stacks_result_and_run(
@@ -721,21 +697,10 @@ def test_a_detached_ray_session_outlives_its_kernel_and_attach_runs_cells_on_its
 ):
     """``Session(cluster=..., detach=True)``: the run keeper drives the session's rank actors, named so that a kernel
     that is not their driver finds them; a new one attaches and runs cells on the same ranks, with their state."""
-    import subprocess
-    import sys
-
     from sgpu_magic import Session, attach
 
-    proc = subprocess.run(
-        [sys.executable, "-c", DETACHED_SESSION_STARTER.format(address=cluster.address)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 9, proc.stderr
-    words = next(line.split() for line in proc.stdout.splitlines() if line.startswith("started "))
-    job_id, w = words[1], [int(x) for x in words[2:]]
+    job_id, *words = run_until_killed(DETACHED_SESSION_STARTER.format(address=cluster.address), 300)
+    w = [int(x) for x in words]
     assert w == [10, 11]
     sess = attach(job_id, widgets=False)
     assert isinstance(sess, Session) and sess.name == "train" and sess.state.value == "idle"
