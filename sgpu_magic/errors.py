@@ -42,6 +42,11 @@ class CaptureError(SgpuError, TypeError):
     """An argument or captured value cannot be sent to the ranks. Raised before anything starts."""
 
 
+class RecordError(SgpuError, ValueError):
+    """A record of a run directory (``launch.json``, ``status.json``) cannot be read: not sgpu_magic's, or written by
+    a newer version (the message names which, and the remedy). See :mod:`sgpu_magic.wire`."""
+
+
 class LauncherError(SgpuError, RuntimeError):
     """The launch host process failed or could not be started."""
 

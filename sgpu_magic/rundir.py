@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from sgpu_magic._util.fs import atomic_write
+from sgpu_magic.wire import LaunchRecord
 
 
 def default_root() -> Path:
@@ -176,11 +177,10 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=1, default=str).encode())
 
 
-STATUS_SCHEMA = 1
-"""Version of ``status.json``'s layout (its ``schema`` key), for readers of run directories kept from older releases."""
-
-FINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out", "interrupted"})
-"""The ``state`` values of a job that has ended; ``interrupted`` is a cancel caused by a kernel interrupt."""
+STATUS_SCHEMA = 2
+"""Version of ``status.json``'s layout (its ``schema`` key), for readers of run directories kept from older releases
+(1: a cancel by a kernel interrupt was the state ``interrupted``; 2: state ``cancelled``, ``stop_reason``
+``interrupted``; see :func:`sgpu_magic.wire.read_state`)."""
 
 
 def write_status(run_dir: RunDir, status: dict) -> None:
@@ -461,6 +461,20 @@ class RunDir:
     def exit_file(self, rank: int) -> Path:
         """Written by a rank that ended through ``SystemExit(0)``: ``{"code": 0, "where": "file:line", "kind"}``."""
         return self.results_dir / f"rank_{rank}.exit.json"
+
+    def read_launch(self) -> LaunchRecord:
+        """``launch.json`` as its typed record, read through the private-read check (it decides what runs).
+
+        Raises:
+            FileNotFoundError: the kernel has not written it (yet).
+            PermissionError: it or its folder is not private to this user (:func:`read_private`).
+            RecordError: it is not a launch record this version reads (:meth:`LaunchRecord.decode`).
+        """
+        return LaunchRecord.decode(read_private(self.launch_file))
+
+    def write_launch(self, record: LaunchRecord) -> None:
+        """Write ``launch.json`` (atomically, 0600) from ``record``."""
+        atomic_write_bytes(self.launch_file, record.encode())
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgpu_magic.rundir import FINAL_STATES, RunDir, write_status
+from sgpu_magic.rundir import RunDir, write_status
+from sgpu_magic.wire import RunState, StopReason, read_state
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,8 @@ class HostStatus:
     view the Job handle, the panel and tracking read. Keys the file lacks take the defaults below.
 
     Attributes:
-        state: ``pending``, ``starting``, ``running``, or one of :data:`FINAL_STATES`.
+        state: the run's :class:`~sgpu_magic.wire.RunState`; ``stop_reason``: why its launcher stopped it
+            (:class:`~sgpu_magic.wire.StopReason`), ``None`` when it was not stopped.
         started_s, ended_s: epoch seconds when the ranks started and the job ended (``None`` before).
         attempt: the attempt that runs (or ran last), from 1; ``attempts``: the failed ones before it.
         exitcodes: ``{rank: exit code}`` once the ranks ended (negative: killed by that signal).
@@ -103,7 +105,8 @@ class HostStatus:
         stuck: the hang detector's report while the job is possibly stuck (:class:`StuckReport`), else ``None``.
     """
 
-    state: str = "pending"
+    state: RunState = RunState.PENDING
+    stop_reason: StopReason | None = None
     started_s: float | None = None
     ended_s: float | None = None
     attempt: int = 1
@@ -123,8 +126,15 @@ class HostStatus:
 
     @classmethod
     def from_dict(cls, status: dict) -> HostStatus:
+        """Read a ``status.json`` object (any schema, see :data:`~sgpu_magic.rundir.STATUS_SCHEMA`).
+
+        Raises:
+            RecordError: its state is not one this version knows (:func:`~sgpu_magic.wire.read_state`).
+        """
+        state, stop_reason = read_state(status)
         return cls(
-            state=status.get("state", "pending"),
+            state=state,
+            stop_reason=stop_reason,
             started_s=status.get("started_s"),
             ended_s=status.get("ended_s"),
             attempt=int(status.get("attempt", 1)),
@@ -145,12 +155,12 @@ class HostStatus:
 
     @property
     def final(self) -> bool:
-        return self.state in FINAL_STATES
+        return self.state.final
 
     @property
     def interrupted(self) -> bool:
         """Cancelled because the kernel was interrupted (the job's state is ``CANCELLED``)."""
-        return self.state == "interrupted"
+        return self.stop_reason is StopReason.INTERRUPTED
 
 
 class StatusWriter:
@@ -168,12 +178,22 @@ class StatusWriter:
     Args:
         run_dir: the job's run directory.
         on_error: called with the ``OSError`` of the first failed write in a row; default: raise it.
-        **initial: the status's first keys (not written until :meth:`write` or :meth:`update`).
+        state: the run's first state (``STARTING`` for a launcher's job); ``None``: none yet.
+        **initial: the status's first other keys (not written until :meth:`write` or :meth:`update`).
+
+    The state is only ever given typed (a :class:`~sgpu_magic.wire.RunState`, or the
+    :class:`~sgpu_magic.wire.StopReason` a run ends for), and written as the file's ``state`` / ``stop_reason``.
     """
 
-    def __init__(self, run_dir: RunDir, on_error: Callable[[OSError], None] | None = None, **initial: Any) -> None:
+    def __init__(
+        self,
+        run_dir: RunDir,
+        on_error: Callable[[OSError], None] | None = None,
+        state: RunState | None = None,
+        **initial: Any,
+    ) -> None:
         self.run_dir = run_dir
-        self.status: dict[str, Any] = dict(initial)
+        self.status: dict[str, Any] = dict(initial) | ({} if state is None else {"state": state.value})
         self.finished = False
         self.unwritten = False
         self._on_error = on_error
@@ -185,34 +205,49 @@ class StatusWriter:
         with self._lock:
             return self._write_locked()
 
-    def update(self, **change: Any) -> bool:
-        """Merge ``change`` into the status and write it; ``False`` (nothing changed) once finished."""
-        with self._lock:
-            if self.finished:
-                return False
-            self.status.update(change)
-            return self._write_locked()
-
-    def finish(self, state: str, **change: Any) -> bool:
-        """Write the final status: ``state`` (one of :data:`FINAL_STATES`), ``ended_s`` (now, unless given) and
-        ``change``; later writes are refused. ``False`` when the job had finished already.
+    def update(self, state: RunState | None = None, **change: Any) -> bool:
+        """Merge ``change`` (and ``state``, a state before the final one) into the status and write it; ``False``
+        (nothing changed) once finished.
 
         Raises:
-            ValueError: ``state`` is not a final state.
+            ValueError: ``state`` is final (a run ends through :meth:`finish`).
         """
-        if state not in FINAL_STATES:
-            raise ValueError(f"{state!r} is not a final job state; one of {sorted(FINAL_STATES)}")
+        if state is not None and state.final:
+            raise ValueError(f"{state} is a final state: a run ends through StatusWriter.finish")
         with self._lock:
             if self.finished:
                 return False
             self.status.update(change)
-            self.status["state"] = state
+            if state is not None:
+                self.status["state"] = state.value
+            return self._write_locked()
+
+    def finish(self, end: RunState | StopReason, **change: Any) -> bool:
+        """Write the final status: the final state ``end`` (or the one a run stopped for ``end`` ends in, with its
+        ``stop_reason``), ``ended_s`` (now, unless given) and ``change``; later writes are refused. ``False`` when the
+        job had finished already.
+
+        Raises:
+            ValueError: ``end`` is a state before the final one.
+        """
+        state = end.state if isinstance(end, StopReason) else end
+        if not state.final:
+            raise ValueError(f"{state} is not a final state; one of {[s.name for s in RunState if s.final]}")
+        with self._lock:
+            if self.finished:
+                return False
+            self.status.update(change)
+            self.status["state"] = state.value
+            if isinstance(end, StopReason):
+                self.status["stop_reason"] = end.value
             self.status.setdefault("ended_s", time.time())
             self.finished = True  # a failed write is retried by write(), which must then still go through
             self._write_locked(final=True)
             return True
 
     def _write_locked(self, final: bool = False) -> bool:
+        if not isinstance(self.status.get("state", ""), str):  # set in the dict by hand: the writer takes it typed
+            raise TypeError(f"status['state'] = {self.status['state']!r}: give a state to StatusWriter.update/finish")
         if self.finished and not final and not self.unwritten:
             return False
         try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sgpu_magic.errors import SgpuError
+from sgpu_magic.errors import RecordError, SgpuError
 from sgpu_magic.front.decorator import make_sinks
 from sgpu_magic.front.sessions import sessions
 from sgpu_magic.job.handle import CANCEL_WAIT_S, Job, jobs
@@ -24,6 +24,7 @@ from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.keeper import KeeperPaths, RunKeeper
 from sgpu_magic.rundir import RunDir, default_root, detached_index, read_json, read_private
 from sgpu_magic.session.core import SessionState
+from sgpu_magic.wire import StopReason
 
 if TYPE_CHECKING:
     from sgpu_magic.front.session import Session
@@ -60,20 +61,21 @@ class DetachedRun:
 
 def _read(rd: RunDir) -> DetachedRun | None:
     try:
-        launch = read_json(rd.launch_file, private=True)
-    except OSError:
+        launch = rd.read_launch()
+        status = read_json(rd.status_file) or {}
+        state = state_from_status(status)
+    except (OSError, RecordError):  # not written yet, not this user's, or not one this version reads
         return None
-    if not launch or not launch.get("detached"):
+    if not launch.detached:
         return None
-    status = read_json(rd.status_file) or {}
     mlflow = read_json(rd.mlflow_file) or {}
     started_s = status.get("started_s") or rd.launch_file.stat().st_mtime
     return DetachedRun(
         job_id=rd.job_id,
         run_dir=rd.path,
-        state=state_from_status(status),
-        world_size=int(launch.get("world_size", 0)),
-        gpus=(launch.get("env") or {}).get("SGPU_MAGIC_GPUS") or "cpu",
+        state=state,
+        world_size=launch.world_size,
+        gpus=",".join(map(str, launch.gpus)) or "cpu",
         started_s=float(started_s),
         ended_s=status.get("ended_s"),
         mlflow_run_id=mlflow.get("run_id"),
@@ -91,9 +93,12 @@ def detached_runs(root: Path | None = None, recent_s: float | None = RECENT_S) -
     runs = []
     now = time.time()
     for entry in sorted(detached_index(root).iterdir()):
-        run = _read(RunDir(root / "runs" / entry.name))
-        if run is None:  # its run directory was removed: forget it
+        rd = RunDir(root / "runs" / entry.name)
+        if not rd.path.is_dir():  # its run directory was removed: forget it
             entry.unlink(missing_ok=True)
+            continue
+        run = _read(rd)
+        if run is None:  # not readable here (a newer sgpu_magic's run, say): kept for the version that reads it
             continue
         if recent_s is None or run.ended_s is None or now - run.ended_s <= recent_s:
             runs.append(run)
@@ -192,7 +197,7 @@ def stop_detached(job_id: str, root: Path | None = None, timeout_s: float = CANC
         return (
             f"job {run.job_id}: its run keeper (pid {keeper.pid}) is gone, and its ranks with it; see {keeper.where()}"
         )
-    keeper.cancel(rd, "cancelled")
+    keeper.cancel(rd, StopReason.CANCELLED)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = state_from_status(read_json(rd.status_file) or {})

@@ -41,6 +41,7 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.session.core import SessionCore, SessionState
 from sgpu_magic.spec import LaunchSpec, check_profile_steps, check_timeout, shown
+from sgpu_magic.wire import StopReason
 
 DETACHED_IDLE_TIMEOUT_S = 7200.0
 """A detached session's idle timeout unless one is given (2 h): its ranks end after this long without a cell, also
@@ -484,7 +485,7 @@ class Session:
     def interrupt(self) -> bool:
         """``KeyboardInterrupt`` in the running cell on every rank (from another thread, or the panel's Stop); the
         ranks and their state stay. Returns whether a cell was running."""
-        return self._core.interrupt("interrupted")
+        return self._core.interrupt(StopReason.INTERRUPTED)
 
     def recover(self, timeout_s: float = 10.0) -> str:
         """Release ranks that did not return from an interrupt (blocked in a collective whose peers never

@@ -14,6 +14,7 @@ from typing import IO, TYPE_CHECKING, Any
 from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.rundir import RunDir, open_private_fifo, read_json
 from sgpu_magic.spec import LaunchSpec
+from sgpu_magic.wire import RunState
 
 if TYPE_CHECKING:
     from sgpu_magic.job.handle import Job
@@ -164,7 +165,8 @@ class JobSink:
         """The job waits for GPUs; ``why`` says how many are free and who holds the rest."""
 
     def prepare(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> dict:
-        """Before launch: return ``{"env": {...}}`` for the ranks and other launch.json entries."""
+        """Before launch: return ``{"env": {...}}`` for the ranks and other fields of the job's
+        :class:`~sgpu_magic.wire.LaunchRecord` (``launch.json``), by their names there."""
         return {}
 
     def started(self, job: Job) -> None:
@@ -326,7 +328,7 @@ class StatusFeed:
             return cached[2]
         status = read_json(self.path)
         if status is None:  # not written yet, or caught half-rewritten in place (full disk): keep the last one
-            return cached[2] if cached is not None else {"state": "pending"}
+            return cached[2] if cached is not None else {"state": RunState.PENDING.value}
         self._cache = (stamp, now, status)
         return status
 

@@ -30,6 +30,7 @@ from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import HostStatus
+from sgpu_magic.wire import StopReason
 
 if TYPE_CHECKING:
     import numpy as np
@@ -423,7 +424,7 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
             if self._try_lease() and not background:
                 self._launch()
         except KeyboardInterrupt:
-            self._end_unstarted("interrupted")
+            self._end_unstarted(StopReason.INTERRUPTED)
             raise
         if background:
             self._start_background()
@@ -501,11 +502,11 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
                     break
                 self._feed.wait()
         except KeyboardInterrupt:
-            self.cancel(_reason="interrupted")
+            self.cancel(_reason=StopReason.INTERRUPTED)
             raise stopped_error(self._rd, "interrupted", self._final_status) from None
         return self.state
 
-    def cancel(self, _reason: str = "cancelled") -> bool:
+    def cancel(self, _reason: StopReason = StopReason.CANCELLED) -> bool:
         """Stop every rank (SIGTERM, then SIGKILL) and wait until they are gone; state becomes CANCELLED.
 
         A job still waiting for GPUs leaves the queue. Nothing happens to a job that has ended. Returns whether the

@@ -26,9 +26,10 @@ from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, detached_index
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, detached_index
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import StatusWriter
+from sgpu_magic.wire import GPUS_ENV, LaunchRecord, RunState, StopReason
 
 if TYPE_CHECKING:
     from sgpu_magic.job.handle import Job
@@ -72,7 +73,7 @@ class JobLifecycle:
         self._error: BaseException | None = None
         self._final_status: dict[str, Any] | None = None
         self._cancel = threading.Event()
-        self._cancel_reason = "cancelled"
+        self._cancel_reason = StopReason.CANCELLED
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._stamp: tuple[Any, ...] | None = None
@@ -102,7 +103,7 @@ class JobLifecycle:
         """Whether the job's end was seen and its sinks told (its final status is kept; no file is read)."""
         return self._final_status is not None
 
-    def request_cancel(self, _reason: str = "cancelled") -> None:
+    def request_cancel(self, _reason: StopReason = StopReason.CANCELLED) -> None:
         """Ask for every rank to stop (or a pending job to leave the queue), without waiting.
 
         Safe from any thread (the panel's Stop button)."""
@@ -121,10 +122,10 @@ class JobLifecycle:
             return self._final_status
         return self._feed.read(stamp)
 
-    def _end_unstarted(self, state: str) -> None:
-        """End the job as ``state`` unless it has ended already (the launcher was never asked, or was too late)."""
+    def _end_unstarted(self, reason: StopReason) -> None:
+        """End the job for ``reason`` unless it has ended already (the launcher was never asked, or was too late)."""
         if not state_from_status(self._status()).final:
-            self._write_final(state)
+            self._write_final(reason)
 
     def _try_lease(self) -> bool:
         """One attempt at the GPUs (no queueing unless the job may wait). True when the job may launch."""
@@ -145,7 +146,9 @@ class JobLifecycle:
                     f"job {self.job_id} cannot start now: {why}. Leave out --no-wait / wait=False to queue for the GPUs"
                 )
                 forget(self)  # refused before anything started: not one of the kernel's jobs (nor an ended one
-                self._write_final("failed", launch_error=why)  # that pushes the oldest ended job out of the list)
+                self._write_final(
+                    RunState.FAILED, launch_error=why
+                )  # that pushes the oldest ended job out of the list)
                 raise self._error
             self._set_pending(why)
             return False
@@ -192,31 +195,27 @@ class JobLifecycle:
                 f"({reason}); pass gpu_ids=[...] / --gpu-ids to use it anyway"
             )
 
-    def _launch_record(self) -> dict[str, Any]:
+    def _launch_record(self) -> LaunchRecord:
         """``launch.json`` as the job's spec and plan make it (before the sinks add theirs)."""
         rd, plan, spec = self._rd, self.plan, self.spec
-        launch: dict[str, Any] = {
-            "job_id": rd.job_id,
-            "name": spec.name,
-            "world_size": plan.world_size,
-            "backend": plan.backend,
-            "cuda_visible_devices": plan.cuda_visible_devices,
-            "timeout_s": spec.timeout_s,
-            "port": spec.port,
-            "max_restarts": spec.max_restarts,
-            "cwd": self._cwd,
-            "sys_path": self._sys_path,
-            "env": {},
-            "teardown_grace_s": spec.teardown_grace_s,
-            "stuck_after_s": spec.stuck_after_s,
-            "detached": spec.detach,
-        }
-        if plan.gpus:
-            launch["env"]["SGPU_MAGIC_GPUS"] = ",".join(str(i) for i in plan.gpu_indices)
-        if self._lease is not None:  # the launch host gives the GPUs back as soon as the ranks are gone
-            assert self._registry is not None  # the lease came from it
-            launch["lease_dir"] = str(self._registry.dir)
-        return launch
+        return LaunchRecord(
+            job_id=rd.job_id,
+            name=spec.name,
+            world_size=plan.world_size,
+            backend=plan.backend,
+            cuda_visible_devices=plan.cuda_visible_devices,
+            timeout_s=spec.timeout_s,
+            port=spec.port,
+            max_restarts=spec.max_restarts,
+            cwd=self._cwd,
+            sys_path=tuple(self._sys_path),
+            env={GPUS_ENV: ",".join(str(i) for i in plan.gpu_indices)} if plan.gpus else {},
+            teardown_grace_s=spec.teardown_grace_s,
+            stuck_after_s=spec.stuck_after_s,
+            detached=spec.detach,
+            # the launch host gives the GPUs back as soon as the ranks are gone
+            lease_dir=str(self._registry.dir) if self._lease is not None and self._registry is not None else None,
+        )
 
     def _launch(self) -> None:
         """Write launch.json (with what the sinks prepare) and hand the run dir to the launch host."""
@@ -227,9 +226,8 @@ class JobLifecycle:
             for sink in self._sinks:
                 extra = sink.prepare(rd.job_id, spec, plan)
                 prepared.append(sink)
-                launch["env"].update(extra.pop("env", {}))
-                launch.update(extra)
-            atomic_write_json(rd.launch_file, launch)
+                launch = launch.prepared(extra)
+            rd.write_launch(launch)
             for rank in range(plan.world_size):
                 rd.log_file(rank).touch(mode=0o600)
             self._feed.open_signal()
@@ -275,11 +273,11 @@ class JobLifecycle:
         if self._lease is not None:
             self._lease.release()
 
-    def _write_final(self, state: str, **extra: Any) -> None:
+    def _write_final(self, end: RunState | StopReason, **extra: Any) -> None:
         """End a job that never reached the launch host (cancelled while pending, or refused)."""
         self._release()
         writer = StatusWriter(self._rd)
-        writer.finish(state, **extra)
+        writer.finish(end, **extra)
         status = writer.status
         self._end(status, finished=state_from_status(status) is JobState.CANCELLED)
 
@@ -345,7 +343,7 @@ class JobLifecycle:
                 f"and the rank logs in {self._rd.logs_dir}"
             )
             self._pump(final=True)
-            self._end({**status, "state": "failed", "host_lost": message, "ended_s": time.time()})
+            self._end({**status, "state": RunState.FAILED.value, "host_lost": message, "ended_s": time.time()})
             raise LauncherError(message)
         return False
 
@@ -381,13 +379,13 @@ class JobLifecycle:
         try:
             self._run_to_end()
         except JobCancelledError:
-            self._end_unstarted("cancelled")
+            self._end_unstarted(StopReason.CANCELLED)
             raise
         except KeyboardInterrupt:
             if self._host is None:
-                self._write_final("interrupted")
+                self._write_final(StopReason.INTERRUPTED)
             else:
-                self.request_cancel("interrupted")
+                self.request_cancel(StopReason.INTERRUPTED)
                 self._drain(CANCEL_WAIT_S)
             raise stopped_error(self._rd, "interrupted", self._final_status) from None
 
@@ -396,7 +394,7 @@ class JobLifecycle:
         try:
             self._run_to_end()
         except JobCancelledError:
-            self._end_unstarted("cancelled")
+            self._end_unstarted(StopReason.CANCELLED)
         except BaseException as exc:  # noqa: BLE001 - recorded on the job, shown by its view
             self._error = (
                 exc
@@ -404,7 +402,7 @@ class JobLifecycle:
                 else LauncherError(f"job {self.job_id} could not run: {type(exc).__name__}: {exc}")
             )
             if self._final_status is None:
-                self._write_final("failed", launch_error=str(self._error))
+                self._write_final(RunState.FAILED, launch_error=str(self._error))
         finally:
             self._done.set()
 

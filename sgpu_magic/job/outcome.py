@@ -24,6 +24,7 @@ from sgpu_magic.launch.stacks import summary
 from sgpu_magic.rundir import RunDir, read_json, read_private
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import HostStatus
+from sgpu_magic.wire import StopReason, read_state
 
 
 def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:
@@ -169,7 +170,7 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
             f"{_still_running(rd, status)}{flight_recorder_note(rd)} Logs: {rd.logs_dir}"
         )
     if state is JobState.CANCELLED:
-        how = "interrupted" if status.get("state") == "interrupted" else "cancelled"
+        how = "interrupted" if read_state(status)[1] is StopReason.INTERRUPTED else "cancelled"
         if "started_s" not in status:
             return JobCancelledError(f"job {job_id} was {how} before it started (no rank ran)")
         return stopped_error(rd, how, status)

@@ -1,33 +1,18 @@
-"""A job's life cycle as the layers above see it (:class:`JobState`), read from the launch host's status."""
+"""A job's life cycle as the layers above see it (:class:`JobState`: the one state vocabulary,
+:class:`sgpu_magic.wire.RunState`, under its public name), read from its launcher's status."""
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
+from sgpu_magic.wire import RunState, read_state
 
-class JobState(enum.Enum):
-    """Life cycle of a job. Final states: SUCCEEDED, FAILED, CANCELLED, TIMED_OUT."""
-
-    PENDING = "pending"
-    STARTING = "starting"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    TIMED_OUT = "timed_out"
-
-    @property
-    def final(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT)
-
-    @property
-    def label(self) -> str:
-        """The state in words, as the panel, the summary line and the job table show it: ``timed out``."""
-        return self.value.replace("_", " ")
+JobState = RunState
+"""Life cycle of a job: PENDING, STARTING, RUNNING, then one final state: SUCCEEDED, FAILED, CANCELLED, TIMED_OUT
+(the same enum as :class:`sgpu_magic.wire.RunState`, which every launcher writes)."""
 
 
 def state_from_status(status: dict[str, Any]) -> JobState:
-    """The host writes JobState values, plus ``interrupted`` (a cancel caused by a kernel interrupt)."""
-    raw = status.get("state", "pending")
-    return JobState.CANCELLED if raw == "interrupted" else JobState(raw)
+    """The state a ``status.json`` object holds (a cancel by a kernel interrupt is CANCELLED, its stop reason
+    ``interrupted``; see :func:`sgpu_magic.wire.read_state`)."""
+    return read_state(status)[0]

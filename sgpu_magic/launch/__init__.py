@@ -38,12 +38,9 @@ def launcher_for(spec: LaunchSpec, note: Callable[[str], None]) -> tuple[DeviceP
             from sgpu_magic.launch.keeper import get_keeper
             from sgpu_magic.launch.ray.cluster import driver_address
             from sgpu_magic.launch.ray.warm import keep_warm_s
+            from sgpu_magic.wire.host import RayTarget
 
-            on_ray: dict[str, object] = {
-                "cluster": driver_address(spec.cluster),
-                "gpu_type": spec.gpu_type,
-                "keep_warm_s": keep_warm_s(),
-            }
+            on_ray = RayTarget(driver_address(spec.cluster), spec.gpu_type, keep_warm_s())
             return plan, lambda: get_keeper().on_ray(on_ray)
         launcher = RayLauncher(spec.cluster, spec.gpu_type)
         return plan, lambda: launcher
@@ -122,7 +119,9 @@ def release(why: str = "sgpu_magic.release()") -> list[str]:
         from sgpu_magic.errors import LauncherError
 
         try:
-            keeper.send({"op": "release", "why": why})
+            from sgpu_magic.wire.host import Release
+
+            keeper.send(Release(why))
             lines.append(f"{keeper.ray_warm}, kept by the run keeper (pid {keeper.pid}) for detached jobs")
         except LauncherError:  # it exited meanwhile, and what it held with it
             pass

@@ -20,6 +20,7 @@ from sgpu_magic._util.fs import count_lines
 from sgpu_magic.errors import describe_exit
 from sgpu_magic.rundir import RunDir, attempt_marker
 from sgpu_magic.status import HostStatus, StatusWriter
+from sgpu_magic.wire import RunState, StopReason
 
 
 @runtime_checkable
@@ -36,9 +37,9 @@ class Launcher(Protocol):
             LauncherError: the launcher is gone (a fresh one is asked once more).
         """
 
-    def cancel(self, run_dir: RunDir, reason: str) -> None:
-        """Stop every rank of the job (SIGTERM, then SIGKILL); ``reason`` (``cancelled``, ``timed_out``,
-        ``interrupted``) becomes its final state."""
+    def cancel(self, run_dir: RunDir, reason: StopReason) -> None:
+        """Stop every rank of the job (SIGTERM, then SIGKILL); it ends in ``reason``'s final state, with ``reason``
+        as its stop reason."""
 
     def alive(self) -> bool:
         """Whether the launcher still runs (a job whose launcher died fails, naming :meth:`where`)."""
@@ -59,7 +60,7 @@ class Launcher(Protocol):
         """
 
 
-def finish_job(writer: StatusWriter, state: str, world_size: int, **change: Any) -> bool:
+def finish_job(writer: StatusWriter, end: RunState | StopReason, world_size: int, **change: Any) -> bool:
     """The end every launcher gives a job once its ranks are gone: the payload (a pickle: code) is deleted,
     each rank log's line count is recorded (``log_lines``), and the final status is written, last, through
     ``writer`` (:meth:`StatusWriter.finish`), so a kernel that reads it finds the run dir in its final form.
@@ -76,7 +77,7 @@ def finish_job(writer: StatusWriter, state: str, world_size: int, **change: Any)
     except FileNotFoundError:
         pass
     log_lines = count_lines([run_dir.log_file(r) for r in range(world_size)])
-    return writer.finish(state, log_lines=log_lines, **change)
+    return writer.finish(end, log_lines=log_lines, **change)
 
 
 def root_cause_first(

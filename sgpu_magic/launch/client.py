@@ -8,7 +8,6 @@ If it dies, the next launch starts a new one.
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import subprocess
@@ -22,9 +21,11 @@ import psutil
 
 from sgpu_magic.errors import LauncherError
 from sgpu_magic.rundir import RunDir, default_root, host_ready_marker, host_warm_marker, make_private_dir
+from sgpu_magic.wire.host import Cancel, HostCommand, Launch, Stacks, encode_command
 
 if TYPE_CHECKING:
     from sgpu_magic.status import HostStatus
+    from sgpu_magic.wire import StopReason
 
 _HANDSHAKE_TIMEOUT_S = 30.0
 _HOST_MAIN = "import sys; from {module} import main; main(sys.argv)"
@@ -49,7 +50,7 @@ class HostHandle:
     log_path: Path
     _proc: psutil.Process | None = None  # for process_alive(), made on first use
 
-    def send(self, cmd: dict) -> None:
+    def send(self, cmd: HostCommand) -> None:
         """Send one command line; raises :class:`LauncherError` if the host is gone."""
         raise NotImplementedError
 
@@ -102,16 +103,16 @@ class HostHandle:
 
     def launch(self, run_dir: RunDir) -> None:
         """Ask the host to start the ranks of ``run_dir`` with the kernel's current environment."""
-        self.send({"op": "launch", "run_dir": str(run_dir.path), "env": rank_base_env()})
+        self.send(Launch(str(run_dir.path), rank_base_env()))
 
-    def cancel(self, run_dir: RunDir, reason: str) -> None:
-        """Ask the host to stop a job; ``reason`` is its final state (cancelled, timed_out, interrupted)."""
-        self.send({"op": "cancel", "run_dir": str(run_dir.path), "reason": reason})
+    def cancel(self, run_dir: RunDir, reason: StopReason) -> None:
+        """Ask the host to stop a job for ``reason`` (cancelled, timed_out, interrupted)."""
+        self.send(Cancel(str(run_dir.path), reason))
 
     def request_stacks(self, run_dir: RunDir, token: str, native: bool) -> None:
         """Ask the host for the stacks of the job's running ranks, answered in ``run_dir.stacks_reply_file(token)``
         (:func:`sgpu_magic.launch.stacks.live_stacks` waits for it)."""
-        self.send({"op": "stacks", "run_dir": str(run_dir.path), "token": token, "native": native})
+        self.send(Stacks(str(run_dir.path), token, native))
 
     def stacks(self, run_dir: RunDir, status: Callable[[], HostStatus], native: bool) -> dict[int, str]:
         """The ranks' stacks, taken by the host: each rank names it its tracer (``PR_SET_PTRACER``), so it may trace
@@ -150,8 +151,8 @@ class LaunchHost(HostHandle):
         """Whether the host process still runs and its command pipe is open."""
         return not self._stdin.closed and self.process_alive()
 
-    def send(self, cmd: dict) -> None:
-        data = (json.dumps(cmd) + "\n").encode()
+    def send(self, cmd: HostCommand) -> None:
+        data = encode_command(cmd)
         with self._lock:
             try:
                 self._stdin.write(data)

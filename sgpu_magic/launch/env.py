@@ -9,6 +9,8 @@ import socket
 
 import psutil
 
+from sgpu_magic.wire import LaunchRecord
+
 
 def torchrun_env(
     job_id: str,
@@ -62,13 +64,13 @@ def cpu_framework_env(backend: str, env: dict) -> dict[str, str]:
     return {"ACCELERATE_USE_CPU": "true"}
 
 
-def rank_env(launch: dict, rank: int, port: int, env: dict, restart_count: int = 0) -> dict[str, str]:
-    world = launch["world_size"]
+def rank_env(launch: LaunchRecord, rank: int, port: int, env: dict, restart_count: int = 0) -> dict[str, str]:
+    world = launch.world_size
     out = dict(env)
     # one node; the host serves the rendezvous store (on 127.0.0.1 only)
     out.update(
         torchrun_env(
-            launch["job_id"],
+            launch.job_id,
             rank,
             world,
             rank,
@@ -78,19 +80,19 @@ def rank_env(launch: dict, rank: int, port: int, env: dict, restart_count: int =
             "127.0.0.1",
             port,
             restart_count,
-            launch.get("max_restarts", 0),
+            launch.max_restarts,
         )
     )
     out["SGPU_MAGIC_HOST_PID"] = str(os.getpid())
-    if launch.get("cuda_visible_devices") is not None:  # "" for a fake GPU inventory: ranks on CPU
-        out["CUDA_VISIBLE_DEVICES"] = launch["cuda_visible_devices"]
+    if launch.cuda_visible_devices is not None:  # "" for a fake GPU inventory: ranks on CPU
+        out["CUDA_VISIBLE_DEVICES"] = launch.cuda_visible_devices
     loopback = _loopback_interface()
     if loopback:  # one machine: collectives' sockets listen on loopback only, unless the kernel says otherwise
         out.setdefault("GLOO_SOCKET_IFNAME", loopback)
         out.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    out.update(cpu_framework_env(launch["backend"], env))
+    out.update(cpu_framework_env(launch.backend, env))
     if "OMP_NUM_THREADS" not in env:  # in a rank it is read at torch start-up (a warm rank applies it by hand)
-        if launch["backend"] == "gloo":  # CPU ranks share the cores (torchrun's 1 left 2 ranks on 2 cores 4x slower)
+        if launch.backend == "gloo":  # CPU ranks share the cores (torchrun's 1 left 2 ranks on 2 cores 4x slower)
             out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
         elif world > 1:  # GPU ranks: as torchrun, 1 when several ranks share the machine, else torch's default
             out["OMP_NUM_THREADS"] = "1"

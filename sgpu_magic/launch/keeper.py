@@ -10,7 +10,6 @@ leaves its jobs running there.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -21,8 +20,10 @@ from pathlib import Path
 from filelock import FileLock
 
 from sgpu_magic._util.unix_socket import keeper_tag
+from sgpu_magic.errors import RecordError
 from sgpu_magic.launch.client import HostHandle, handshake, host_command, host_env, rank_base_env
 from sgpu_magic.rundir import RunDir, keeper_dir
+from sgpu_magic.wire.host import HostCommand, KeeperGreeting, Launch, RayTarget, encode_command
 
 CONNECT_TIMEOUT_S = 60.0
 """How long a command waits for the keeper's greeting: at once from its loop, or once a keeper just started has
@@ -43,11 +44,12 @@ class KeeperPaths:
         self.lock = self.dir / f"keeper-{tag}.lock"
 
 
-def _greeting(path: Path) -> tuple[socket.socket, dict]:
-    """Connect to the keeper at ``path`` and read its greeting line (``{"pid": ..., "log": ...}``).
+def _greeting(path: Path) -> tuple[socket.socket, KeeperGreeting]:
+    """Connect to the keeper at ``path`` and read its greeting line.
 
     Raises:
-        OSError: no keeper listens there (``FileNotFoundError``, ``ConnectionRefusedError``), or it closed first.
+        OSError: no keeper listens there (``FileNotFoundError``, ``ConnectionRefusedError``), or it closed first, or
+            what greeted is not a keeper (``ConnectionResetError``).
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(CONNECT_TIMEOUT_S)
@@ -59,8 +61,8 @@ def _greeting(path: Path) -> tuple[socket.socket, dict]:
             if not chunk:
                 raise ConnectionResetError(f"the run keeper at {path} closed the connection")
             data += chunk
-        return sock, json.loads(data)
-    except (OSError, ValueError) as exc:
+        return sock, KeeperGreeting.decode(data)
+    except (OSError, RecordError) as exc:
         sock.close()
         raise exc if isinstance(exc, OSError) else ConnectionResetError(str(exc)) from None
 
@@ -83,23 +85,20 @@ class RunKeeper(HostHandle):
         self.paths = paths
         self.ray_warm = warm
         """What the keeper said it keeps warm on a Ray cluster when this handle was made (``None``: nothing)."""
-        self.ray: dict[str, object] | None = None
+        self.ray: RayTarget | None = None
 
-    def on_ray(self, ray_job: dict[str, object]) -> RunKeeper:
-        """This keeper, launching its jobs on a Ray cluster (``{"cluster": address, "gpu_type": ..., "keep_warm_s":
-        ...}``): the keeper supervises them (:class:`sgpu_magic.launch.host.keeper.Keeper`)."""
+    def on_ray(self, ray_job: RayTarget) -> RunKeeper:
+        """This keeper, launching its jobs on the Ray cluster ``ray_job`` names: the keeper supervises them
+        (:class:`sgpu_magic.launch.host.keeper.Keeper`)."""
         self.ray = ray_job
         return self
 
     def launch(self, run_dir: RunDir) -> None:
         """Ask the keeper to start the ranks of ``run_dir`` with the kernel's current environment (on the Ray cluster
         :meth:`on_ray` named)."""
-        cmd: dict = {"op": "launch", "run_dir": str(run_dir.path), "env": rank_base_env()}
-        if self.ray is not None:
-            cmd["ray"] = self.ray
-        self.send(cmd)
+        self.send(Launch(str(run_dir.path), rank_base_env(), self.ray))
 
-    def send(self, cmd: dict) -> None:
+    def send(self, cmd: HostCommand) -> None:
         """Send one command line to the keeper.
 
         Raises:
@@ -109,9 +108,9 @@ class RunKeeper(HostHandle):
             with FileLock(self.paths.lock, timeout=START_LOCK_TIMEOUT_S, mode=0o600):
                 sock, hello = _greeting(self.paths.socket)
             with sock:
-                if hello.get("pid") != self.pid:
-                    raise ConnectionRefusedError(f"another run keeper (pid {hello.get('pid')}) listens there now")
-                sock.sendall((json.dumps(cmd) + "\n").encode())
+                if hello.pid != self.pid:
+                    raise ConnectionRefusedError(f"another run keeper (pid {hello.pid}) listens there now")
+                sock.sendall(encode_command(cmd))
         except OSError as exc:
             raise self.gone(exc) from None
 
@@ -162,6 +161,6 @@ def _listening(paths: KeeperPaths) -> RunKeeper | None:
     try:
         sock, hello = _greeting(paths.socket)
         sock.close()
-        return RunKeeper(int(hello["pid"]), hello["log"], paths, hello.get("warm"))
-    except (OSError, KeyError, ValueError):
+        return RunKeeper(hello.pid, hello.log, paths, hello.warm)
+    except OSError:
         return None

@@ -291,11 +291,6 @@ def take_stacks(
         return {r: future.result() for r, future in futures.items()}
 
 
-STACK_STATES = frozenset({"timed_out", "cancelled", "interrupted"})
-"""The final states for which a launcher (the launch host, the Ray supervisor) takes the running ranks' stacks before
-it stops them."""
-
-
 def save_stacks(rd: RunDir, pids: dict[int, int]) -> dict[str, str]:
     """Take the stacks of the ranks ``pids`` (the ones still running) and write them to ``stacks/rank_<r>.txt``.
 
@@ -393,13 +388,15 @@ def live_stacks(
     """
     now = status()
     if not now.final and not now.pids:
-        raise SgpuError(f"job {rd.job_id} has no running ranks yet (state {now.state}); take its stacks once it runs")
+        raise SgpuError(
+            f"job {rd.job_id} has no running ranks yet (state {now.state.label}); take its stacks once it runs"
+        )
     if not now.final:
         stacks = _asked(rd, ask, wait_s) if ask is not None else _here(rd, now.pids, native)
         if stacks is not None:
             return stacks
         now = status()
-    raise SgpuError(f"job {rd.job_id} has ended ({now.state}): its ranks are gone; {saved_note(rd)}")
+    raise SgpuError(f"job {rd.job_id} has ended ({now.state.label}): its ranks are gone; {saved_note(rd)}")
 
 
 def _here(rd: RunDir, pids: dict[int, int], native: bool) -> dict[int, str]:

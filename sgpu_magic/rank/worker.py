@@ -18,14 +18,14 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, cast
 
 from sgpu_magic._util.metrics import WRITER as METRICS
 from sgpu_magic._util.proc import allow_tracing_by, die_with_parent
 from sgpu_magic.rank import exit as rank_exit
 from sgpu_magic.rank.mlflow_guard import guard_job_run
 from sgpu_magic.rank.payload import build_namespace, dump_result, redirect_output, run_payload, write_error
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_private
+from sgpu_magic.wire import LaunchRecord
 
 
 def _die_with_parent(expected_parent: int | None) -> None:
@@ -52,12 +52,12 @@ def _match_threads_to_env() -> None:
         torch.set_num_threads(int(threads))
 
 
-def _apply_kernel_context(launch: dict) -> None:
+def _apply_kernel_context(launch: LaunchRecord) -> None:
     try:
-        os.chdir(launch["cwd"])
+        os.chdir(launch.cwd)
     except OSError as exc:
-        print(f"sgpu_magic: could not enter the kernel's cwd {launch['cwd']!r}: {exc}", file=sys.stderr)
-    sys.path[:] = list(launch["sys_path"])
+        print(f"sgpu_magic: could not enter the kernel's cwd {launch.cwd!r}: {exc}", file=sys.stderr)
+    sys.path[:] = list(launch.sys_path)
 
 
 def teardown(ns: dict) -> None:
@@ -156,9 +156,7 @@ def _run_rank(run_dir: RunDir, expected_parent: int | None) -> int:
     _die_with_parent(expected_parent)
     code = 1
     try:
-        _apply_kernel_context(
-            cast("dict[str, Any]", read_json(run_dir.launch_file, private=True))
-        )  # None: caught below
+        _apply_kernel_context(run_dir.read_launch())  # missing or unreadable: caught below
         code = _execute(run_dir, rank)
     except BaseException as exc:  # noqa: BLE001 - payload could not even be loaded
         write_error(run_dir, rank, exc)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sgpu_magic._util.frames import read_frame, write_frame
 from sgpu_magic.rundir import RunDir, make_private_dir, make_private_fifo, open_private_fifo
 from sgpu_magic.status import StatusWriter
+from sgpu_magic.wire import StopReason
 
 if TYPE_CHECKING:
     from sgpu_magic.job.handle import Job
@@ -54,7 +55,8 @@ class Request:
     writer: StatusWriter | None = None
     """The cell's status writer (``None`` for push, pull, stop)."""
     deadline: float | None = None
-    reason: str | None = None
+    reason: StopReason | None = None
+    """Why the cell's ranks were interrupted (the first reason wins), ``None`` while they were not."""
     grace_end: float | None = None
     failed_at: float | None = None
     """Monotonic time the first rank raised in the cell: the others are interrupted ``FAILURE_GRACE_S`` later."""

@@ -39,6 +39,7 @@ from sgpu_magic.session.outcome import (
 from sgpu_magic.session.relay import DebugRelay, ReadLine, Write, read_line, write_output
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import StatusWriter
+from sgpu_magic.wire import RunState, StopReason
 
 INTERRUPT_GRACE_S = 5.0
 """How long ranks interrupted in a cell may take to return before the session is declared broken."""
@@ -414,11 +415,13 @@ class SessionCore:
         request.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.state = SessionState.BUSY
         request.writer = StatusWriter(run_dir)
-        request.writer.update(state="running", started_s=request.started_s, pids={str(r): self.pids[r] for r in ranks})
+        request.writer.update(
+            state=RunState.RUNNING, started_s=request.started_s, pids={str(r): self.pids[r] for r in ranks}
+        )
         with held_interrupt() as interrupted:
             self._send(request, {"op": "cell", "run_dir": str(run_dir.path)}, "the cell")
         if interrupted():  # the notebook's Interrupt came while the cell was being sent: it interrupts the cell
-            self.interrupt("interrupted")
+            self.interrupt(StopReason.INTERRUPTED)
         return request
 
     def _send(self, request: Request, message: dict[str, Any], what: str) -> None:
@@ -437,7 +440,7 @@ class SessionCore:
             self._complete(request, self.broken)
             raise
 
-    def interrupt(self, reason: str = "interrupted") -> bool:
+    def interrupt(self, reason: StopReason = StopReason.INTERRUPTED) -> bool:
         """``KeyboardInterrupt`` in every rank running the current cell; whether a cell was running."""
         with self._lock:
             request = self._request
@@ -625,8 +628,8 @@ class SessionCore:
             self.state = SessionState.IDLE
         self._last_active = time.monotonic()
         if request.writer is not None:
-            status = cell_status(request, broken)
-            request.writer.finish(status.pop("state"), **status)
+            end, status = cell_status(request, broken)
+            request.writer.finish(end, **status)
         request.done.set()
 
     def _check_deadlines(self) -> None:
@@ -635,9 +638,11 @@ class SessionCore:
             return
         now = time.monotonic()
         if request.deadline is not None and now > request.deadline and request.reason is None:
-            self.interrupt("timed_out")
+            self.interrupt(StopReason.TIMED_OUT)
         elif request.failed_at is not None and now > request.failed_at + FAILURE_GRACE_S and request.reason is None:
-            self.interrupt("failed")  # the cell has failed; the ranks still in it are most likely waiting for a peer
+            self.interrupt(
+                StopReason.FAILED
+            )  # the cell has failed; the ranks still in it are most likely waiting for a peer
         elif request.grace_end is not None and now > request.grace_end and request.missing:
             stuck = self._take_stuck(request)
             recoverable = self._channel is not None and self._channel.releases

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from sgpu_magic.session.core import SessionCore
     from sgpu_magic.session.relay import DebugRelay
     from sgpu_magic.status import HostStatus
+    from sgpu_magic.wire import StopReason
 
 
 class CellLauncher:
@@ -28,7 +29,7 @@ class CellLauncher:
         if self.relay is not None:
             self.relay.request = request
 
-    def cancel(self, run_dir: RunDir, reason: str) -> None:
+    def cancel(self, run_dir: RunDir, reason: StopReason) -> None:
         self.core.interrupt(reason)
 
     def alive(self) -> bool:

@@ -12,6 +12,7 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.session.channel import Request
+from sgpu_magic.wire import RunState, StopReason
 
 if TYPE_CHECKING:
     from sgpu_magic.session.core import Stuck
@@ -22,8 +23,9 @@ def mlflow_run(sinks: list[JobSink]) -> JobSink | None:
     return next((sink for sink in sinks if hasattr(sink, "identity")), None)
 
 
-def cell_status(request: Request, broken: str | None) -> dict[str, Any]:
-    """A cell's final ``status.json`` from its ranks' replies (or the reason the session broke)."""
+def cell_status(request: Request, broken: str | None) -> tuple[RunState | StopReason, dict[str, Any]]:
+    """A cell's end (its final state, or the reason it was stopped for) and the rest of its final ``status.json``,
+    from its ranks' replies (or the reason the session broke)."""
     replies = request.replies
     failures = sorted(
         (
@@ -34,14 +36,14 @@ def cell_status(request: Request, broken: str | None) -> dict[str, Any]:
         key=lambda f: f["time_s"],
     )
     interrupted = any(reply.get("interrupted") for reply in replies.values()) or bool(request.missing)
+    end: RunState | StopReason
     if broken is not None and request.reason is None:
-        state = "failed"
+        end = RunState.FAILED
     elif request.reason is not None and interrupted:
-        state = request.reason
+        end = request.reason
     else:
-        state = "failed" if failures else "succeeded"
+        end = RunState.FAILED if failures else RunState.SUCCEEDED
     status: dict[str, Any] = {
-        "state": state,
         "started_s": request.started_s,
         "ended_s": time.time(),
         "failures": failures,
@@ -49,7 +51,7 @@ def cell_status(request: Request, broken: str | None) -> dict[str, Any]:
     }
     if broken is not None:
         status["host_lost"] = broken
-    return status
+    return end, status
 
 
 def outcome(reply: dict[str, Any] | None) -> str:
@@ -71,7 +73,7 @@ def death_message(name: str, job: Job) -> str:
         first = failures[0]
         what = f"rank {first['rank']} died ({describe_exit(first.get('exitcode'))})"
     else:
-        what = f"its ranks ended ({status.state})"
+        what = f"its ranks ended ({status.state.label})"
     return (
         f"session {name} is broken: {what}; the other ranks were stopped and the session's state is gone. Run "
         f"%distributed_session restart (or sess.restart()) for fresh ranks. Logs: {job.run_dir}"
@@ -93,7 +95,7 @@ def stuck_message(
     ranks = ", ".join(str(r) for r in request.missing)
     failed = sorted(r for r, reply in request.replies.items() if not reply.get("ok") and not reply.get("interrupted"))
     why = "of the interrupt"
-    if request.reason == "failed" and failed and request.run_dir is not None:
+    if request.reason is StopReason.FAILED and failed and request.run_dir is not None:
         why = (
             f"of the interrupt sent {failure_grace_s:g} s after rank(s) {', '.join(map(str, failed))} raised"
             f"{_first_error(request.run_dir, failed)}"

@@ -270,7 +270,7 @@ class MlflowTracking(JobSink):
             "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
             **rank_logging_env(os.environ),
         }
-        return {"env": env}
+        return {"env": env, "tracked": True}
 
     def attached(self, job: Job) -> None:
         """An attached detached job (:func:`sgpu_magic.attach`): take over the run the kernel that started it made,
@@ -467,9 +467,11 @@ class MlflowTracking(JobSink):
         ended_s = job.status.ended_s or time.time()
         try:
             self._stop_monitor()
-            raw = job.status.state
+            final = job.status
             assert self._client is not None  # set with run_id (_create)
-            self._client.set_tag(self.run_id, "sgpu_magic.state", raw)
+            self._client.set_tag(self.run_id, "sgpu_magic.state", final.state.value)
+            if final.stop_reason is not None:
+                self._client.set_tag(self.run_id, "sgpu_magic.stop_reason", final.stop_reason.value)
             self._log_peaks(job)
             self._log_step_times(RunDir(job.run_dir), job.world_size)
             self._log_artifacts(RunDir(job.run_dir))

@@ -418,10 +418,11 @@ def test_kernel_sigkill_leaves_no_actor_or_rank(cluster, tmp_path):
 def test_gpu_ranks_see_their_nodes_gpus_in_local_rank_order(tmp_path):
     """torchrun's contract on GPU nodes: each local rank sees the node's job GPUs and takes cuda:LOCAL_RANK."""
     from sgpu_magic.launch.ray.launcher import _Supervisor
-    from sgpu_magic.rundir import RunDir, atomic_write_json
+    from sgpu_magic.rundir import RunDir
+    from sgpu_magic.wire import LaunchRecord
 
     rd = RunDir.create(tmp_path)
-    atomic_write_json(rd.launch_file, {"job_id": rd.job_id, "world_size": 4, "backend": "nccl", "env": {}})
+    rd.write_launch(LaunchRecord(job_id=rd.job_id, world_size=4, backend="nccl", cwd=str(tmp_path), sys_path=()))
     sup = _Supervisor(rd, "auto", None)
     nodes = [("a", "10.0.0.1", ["3"]), ("a", "10.0.0.1", ["1"]), ("b", "10.0.0.2", ["0"]), ("b", "10.0.0.2", ["5"])]
     envs = [sup._rank_env(r, nodes, 29500) for r in range(4)]
@@ -654,7 +655,9 @@ def test_a_keeper_refuses_a_detached_job_on_another_cluster_than_the_one_it_join
     from sgpu_magic.launch.host.keeper import Keeper
     from sgpu_magic.launch.keeper_main import ray_jobs
     from sgpu_magic.launch.ray.warm import set_keep_warm_s
-    from sgpu_magic.rundir import atomic_write_json, make_private_dir
+    from sgpu_magic.rundir import make_private_dir
+    from sgpu_magic.wire import LaunchRecord
+    from sgpu_magic.wire.host import Launch, RayTarget
 
     folder = make_private_dir(tmp_path / "keeper")
     listener = bind_private(folder / "k.sock")
@@ -662,9 +665,10 @@ def test_a_keeper_refuses_a_detached_job_on_another_cluster_than_the_one_it_join
     first, second = RunDir.create(tmp_path), RunDir.create(tmp_path)
     try:
         for rd, port in ((first, 1), (second, 2)):
-            atomic_write_json(rd.launch_file, {"job_id": rd.job_id, "world_size": 1, "backend": "gloo", "env": {}})
-            ray_job = {"cluster": f"127.0.0.1:{port}", "gpu_type": None}
-            keeper.handle({"op": "launch", "run_dir": str(rd.path), "env": {}, "ray": ray_job})
+            rd.write_launch(
+                LaunchRecord(job_id=rd.job_id, world_size=1, backend="gloo", cwd=str(tmp_path), sys_path=())
+            )
+            keeper.handle(Launch(str(rd.path), {}, RayTarget(f"127.0.0.1:{port}")))
         assert read_json(second.status_file)["launch_error"] == (
             f"RuntimeError: the run keeper (pid {os.getpid()}) drives detached jobs on the Ray cluster '127.0.0.1:1', "
             "not '127.0.0.1:2': a process joins one Ray cluster; run this job once the keeper has exited (10 s after "

@@ -12,11 +12,12 @@ fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 os.dup2(fd, 2)  # as the host's _detach does: stderr is the log file
 from sgpu_magic.launch.host.process import host_logging
 from sgpu_magic.launch.host.cleanup import end_mlflow_run
+from sgpu_magic.wire import RunState
 from sgpu_magic.rundir import RunDir, atomic_write_json
 host_logging()
 rd = RunDir.create(__import__("pathlib").Path(sys.argv[2]))
 atomic_write_json(rd.mlflow_file, {"run_id": "r1", "tracking_uri": "bogus://user:hunter22@host/db"})
-end_mlflow_run(rd, "failed")
+end_mlflow_run(rd, RunState.FAILED)
 """
 
 

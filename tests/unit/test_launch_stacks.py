@@ -25,6 +25,7 @@ from sgpu_magic.launch.stacks import (
 )
 from sgpu_magic.rundir import RunDir
 from sgpu_magic.status import HostStatus
+from sgpu_magic.wire import RunState
 
 from helpers import wait_for
 
@@ -138,8 +139,8 @@ def test_the_launch_hosts_answers_and_their_absence(sleeper, tmp_path):
     """live_stacks as the Job handle runs it, with ``answer`` (the launch host's side) answering in this process."""
     pid, _ = sleeper
     rd = RunDir.create(tmp_path)
-    states = iter([HostStatus("running", pids={0: pid}), HostStatus("cancelled")])
-    running = HostStatus("running", pids={0: pid})
+    states = iter([HostStatus(RunState.RUNNING, pids={0: pid}), HostStatus(RunState.CANCELLED)])
+    running = HostStatus(RunState.RUNNING, pids={0: pid})
 
     stacks = live_stacks(rd, lambda: running, ask=lambda token: answer(rd, token, {0: pid}, False))
     assert list(stacks) == [0] and stacks[0].startswith(f"rank 0 (pid {pid}): ")
@@ -152,4 +153,4 @@ def test_the_launch_hosts_answers_and_their_absence(sleeper, tmp_path):
     with pytest.raises(SgpuError, match=rf"^the launch host did not send the stacks of job {rd.job_id} within 0.05 s$"):
         live_stacks(rd, lambda: running, ask=lambda token: None, wait_s=0.05)
     with pytest.raises(SgpuError, match=rf"^job {rd.job_id} has no running ranks yet \(state starting\); take its"):
-        live_stacks(rd, lambda: HostStatus("starting"))
+        live_stacks(rd, lambda: HostStatus(RunState.STARTING))

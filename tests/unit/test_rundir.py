@@ -50,45 +50,88 @@ def test_directory_of_another_user_is_refused(tmp_path):
 def test_status_writer_makes_the_final_status_the_last_write(tmp_path):
     from sgpu_magic.launch.base import finish_job
     from sgpu_magic.status import StatusWriter
+    from sgpu_magic.wire import RunState
 
     rd = RunDir.create(tmp_path)
     rd.payload_file.write_bytes(b"code")
     rd.log_file(0).write_text("one\ntwo\n")
-    writer = StatusWriter(rd, state="starting", started_s=1.0)
-    assert writer.update(state="running", pids={"0": 123})
+    writer = StatusWriter(rd, state=RunState.STARTING, started_s=1.0)
+    assert writer.update(state=RunState.RUNNING, pids={"0": 123})
     assert read_json(rd.status_file)["state"] == "running"
-    assert finish_job(writer, "succeeded", 1, exitcodes={"0": 0})
+    assert finish_job(writer, RunState.SUCCEEDED, 1, exitcodes={"0": 0})
     final = read_json(rd.status_file)
-    assert final["state"] == "succeeded" and final["log_lines"] == {"0": 2} and final["schema"] == 1
+    assert final["state"] == "succeeded" and final["log_lines"] == {"0": 2} and final["schema"] == 2
+    assert "stop_reason" not in final
     assert final["ended_s"] >= final["started_s"] and not rd.payload_file.exists()
     # every later write is refused and changes nothing on disk
     writer.status["state"] = "running"
     assert not writer.write()
-    assert not writer.update(state="running")
-    assert not writer.finish("failed")
-    assert not finish_job(writer, "failed", 1)
+    assert not writer.update(state=RunState.RUNNING)
+    assert not writer.finish(RunState.FAILED)
+    assert not finish_job(writer, RunState.FAILED, 1)
     assert read_json(rd.status_file) == final
 
 
 def test_status_writer_refuses_a_state_that_is_not_final(tmp_path):
     from sgpu_magic.status import StatusWriter
+    from sgpu_magic.wire import RunState
 
     writer = StatusWriter(RunDir.create(tmp_path))
-    with pytest.raises(ValueError, match=r"^'running' is not a final job state; one of \['cancelled', 'failed', "):
-        writer.finish("running")
-    assert not writer.finished
+    with pytest.raises(ValueError) as err:
+        writer.finish(RunState.RUNNING)
+    assert str(err.value) == (
+        "RunState.RUNNING is not a final state; one of ['SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT']"
+    )
+    with pytest.raises(ValueError) as err:
+        writer.update(state=RunState.SUCCEEDED)
+    assert str(err.value) == "RunState.SUCCEEDED is a final state: a run ends through StatusWriter.finish"
+    assert not writer.finished and not writer.run_dir.status_file.exists()
+
+
+def test_a_run_stopped_for_a_reason_ends_in_its_state_with_the_reason_recorded(tmp_path):
+    """A kernel interrupt is a cancel (state cancelled, stop reason interrupted); a schema 1 file's pseudo-state
+    ``interrupted`` reads the same; a state this version does not know is refused naming it."""
+    from sgpu_magic.errors import RecordError
+    from sgpu_magic.status import HostStatus, StatusWriter
+    from sgpu_magic.wire import RunState, StopReason, read_state
+
+    rd = RunDir.create(tmp_path)
+    assert StatusWriter(rd).finish(StopReason.INTERRUPTED)
+    final = read_json(rd.status_file)
+    assert (final["state"], final["stop_reason"]) == ("cancelled", "interrupted")
+    status = HostStatus.from_dict(final)
+    assert (status.state, status.stop_reason, status.interrupted, status.final) == (
+        RunState.CANCELLED,
+        StopReason.INTERRUPTED,
+        True,
+        True,
+    )
+    assert read_state({"schema": 1, "state": "interrupted"}) == (RunState.CANCELLED, StopReason.INTERRUPTED)
+    assert [r.state for r in StopReason] == [
+        RunState.CANCELLED,
+        RunState.CANCELLED,
+        RunState.TIMED_OUT,
+        RunState.FAILED,
+    ]
+    with pytest.raises(RecordError) as err:
+        read_state({"state": "paused"})
+    assert str(err.value) == (
+        "status.json has state 'paused' / stop reason None, which this sgpu_magic does not know: the run was written "
+        "by a newer sgpu_magic; use that version to read it (pip install -U sgpu_magic)"
+    )
 
 
 def test_status_writer_retries_a_failed_write_and_reports_it_once(tmp_path):
     from sgpu_magic.status import StatusWriter
+    from sgpu_magic.wire import RunState
 
     rd = RunDir.create(tmp_path)
     rd.status_file.mkdir()  # a write cannot replace a directory: each write fails with an OSError
     errors: list[OSError] = []
-    writer = StatusWriter(rd, on_error=errors.append, state="running")
+    writer = StatusWriter(rd, on_error=errors.append, state=RunState.RUNNING)
     assert not writer.write() and not writer.write()
     assert len(errors) == 1 and writer.unwritten
-    assert writer.finish("failed", launch_error="x") and writer.unwritten  # final, but not on disk yet
+    assert writer.finish(RunState.FAILED, launch_error="x") and writer.unwritten  # final, but not on disk yet
     rd.status_file.rmdir()
     assert writer.write() and not writer.unwritten  # the retry writes the final status
     assert read_json(rd.status_file)["state"] == "failed"

@@ -13,21 +13,22 @@ from collections.abc import Iterator
 import psutil
 
 from sgpu_magic.rundir import RunDir, read_json
+from sgpu_magic.wire import LaunchRecord, RunState
 
 log = logging.getLogger(__name__)
 
 
-def release_lease(launch: dict) -> None:
+def release_lease(launch: LaunchRecord) -> None:
     """Give back the job's GPUs as soon as its ranks are gone, also when the kernel is gone (a kernel
     that is shut down or killed never gets to); the kernel's own release is then a no-op."""
-    if not launch.get("lease_dir"):
+    if not launch.lease_dir:
         return
     try:
         from sgpu_magic.launch.leases import LeaseRegistry
 
-        LeaseRegistry(launch["lease_dir"]).release(launch["job_id"])
+        LeaseRegistry(launch.lease_dir).release(launch.job_id)
     except Exception as exc:  # noqa: BLE001 - the next job reclaims it once this host is gone
-        log.warning(f"sgpu_magic host: could not release the GPUs of job {launch['job_id']}: {exc}")
+        log.warning(f"sgpu_magic host: could not release the GPUs of job {launch.job_id}: {exc}")
 
 
 def _belongs_to(process: psutil.Process, job_id: str | None) -> bool:
@@ -59,7 +60,7 @@ def kill_leftovers(rank_pids: set[int], job_id: str | None = None) -> None:
     reap_adopted(rank_pids)
 
 
-_RUN_STATUS = {"succeeded": "FINISHED", "failed": "FAILED"}  # cancelled, interrupted, timed_out: KILLED
+_RUN_STATUS = {RunState.SUCCEEDED: "FINISHED", RunState.FAILED: "FAILED"}  # cancelled, timed out: KILLED
 
 
 _mlflow_import: threading.Thread | None = None
@@ -106,7 +107,7 @@ def _environ(env: dict[str, str] | None) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def end_mlflow_run(run_dir: RunDir, state: str, env: dict[str, str] | None = None) -> None:
+def end_mlflow_run(run_dir: RunDir, state: RunState, env: dict[str, str] | None = None) -> None:
     """End the job's MLflow run if it is still RUNNING, and its child runs still RUNNING (a session's cells', the
     ranks' own): the host is exiting, so the kernel is gone (or let go of the host) and may have died before it
     ended them; a job stopped now ends KILLED. The run is the one the kernel named in ``mlflow.json`` once it made

@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from sgpu_magic._compat import elastic
 from sgpu_magic.launch.base import close_attempt, finish_job, root_cause_first
@@ -20,11 +20,12 @@ from sgpu_magic.launch.host.forensics import OomWatch
 from sgpu_magic.launch.host.progress import ProgressWatch
 from sgpu_magic.launch.host.usage import UsageSampler
 from sgpu_magic.launch.host.warm_pool import WarmPool
-from sgpu_magic.launch.stacks import STACK_STATES, save_stacks
+from sgpu_magic.launch.stacks import save_stacks
 from sgpu_magic.launch.teardown import TeardownGuard
-from sgpu_magic.rundir import RunDir, read_json
+from sgpu_magic.rundir import RunDir
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
 from sgpu_magic.status import StatusWriter
+from sgpu_magic.wire import LaunchRecord, RunState, StopReason
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.api import PContext
@@ -79,20 +80,20 @@ def _rendezvous_store(port: int):
 
 
 def _make_context(
-    run_dir: RunDir, launch: dict[str, Any], port: int, env: dict[str, str], warm: bool, restart_count: int = 0
+    run_dir: RunDir, launch: LaunchRecord, port: int, env: dict[str, str], warm: bool, restart_count: int = 0
 ) -> PContext:
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, MultiprocessContext, SubprocessContext
 
     from sgpu_magic.rank import worker
 
-    world = launch["world_size"]
-    env = {**env, **flight_recorder_env(run_dir, launch["backend"], env)}
+    world = launch.world_size
+    env = {**env, **flight_recorder_env(run_dir, launch.backend, env)}
     envs = {r: rank_env(launch, r, port, env, restart_count) for r in range(world)}
     logs = DefaultLogsSpecs(log_dir=str(run_dir.elastic_dir))
     if warm:
         args: dict[int, tuple[Any, ...]] = {r: (str(run_dir.path), envs[r]) for r in range(world)}
         return elastic.context_class(MultiprocessContext, GRACE_S)(
-            name=launch["job_id"],
+            name=launch.job_id,
             entrypoint=worker.rank_entry,
             args=args,
             envs=envs,
@@ -101,7 +102,7 @@ def _make_context(
         )
     args = {r: ("-u", "-m", "sgpu_magic.rank.worker", str(run_dir.path)) for r in range(world)}
     return elastic.context_class(SubprocessContext, GRACE_S)(
-        name=launch["job_id"], entrypoint=sys.executable, args=args, envs=envs, logs_specs=logs
+        name=launch.job_id, entrypoint=sys.executable, args=args, envs=envs, logs_specs=logs
     )
 
 
@@ -120,17 +121,17 @@ class HostJob:
     def __init__(self, run_dir: RunDir, env: dict, pool: WarmPool | None) -> None:
         self.run_dir = run_dir
         # the kernel wrote launch.json before it handed the run dir over
-        self.launch = cast("dict[str, Any]", read_json(run_dir.launch_file, private=True))
-        self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
+        self.launch = run_dir.read_launch()
+        self.store, self.port = _rendezvous_store(self.launch.port or 0)
         self.started_s = time.time()
-        timeout_s = self.launch.get("timeout_s")
+        timeout_s = self.launch.timeout_s
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.writer = StatusWriter(
             run_dir,
             on_error=lambda exc: log.warning(
                 f"sgpu_magic host: cannot write the status of job {run_dir.job_id} ({exc}); retrying"
             ),
-            state="starting",
+            state=RunState.STARTING,
             port=self.port,
             started_s=self.started_s,
             host_pid=os.getpid(),
@@ -139,28 +140,27 @@ class HostJob:
         self.write()
         # this job's environment is its own value (its ranks get exactly it, warm or cold): never the host's
         # os.environ, which every job of the kernel shares
-        env = {**env, **self.launch.get("env", {})}
-        self.tracked = bool(self.launch.get("mlflow"))  # the host imports mlflow once its ranks have started
+        env = {**env, **self.launch.env}
+        self.tracked = self.launch.tracked  # the host imports mlflow once its ranks have started
         self.env, self.pool = env, pool
-        self.attempt, self.max_restarts = 1, int(self.launch.get("max_restarts") or 0)
+        self.attempt, self.max_restarts = 1, self.launch.max_restarts
         self.done = False
-        grace_s = self.launch.get("teardown_grace_s")
+        grace_s = self.launch.teardown_grace_s
         self.guard = TeardownGuard(
-            run_dir, self.launch["world_size"], DEFAULT_TEARDOWN_GRACE_S if grace_s is None else float(grace_s), GRACE_S
+            run_dir, self.launch.world_size, DEFAULT_TEARDOWN_GRACE_S if grace_s is None else float(grace_s), GRACE_S
         )
         self.ctx: PContext | None = None
         self.pids: dict[int, int] = {}
-        gpus = self.launch.get("env", {}).get("SGPU_MAGIC_GPUS", "")
-        self.usage = UsageSampler([int(i) for i in gpus.split(",") if i] if self.launch["backend"] == "nccl" else [])
+        self.usage = UsageSampler(self.launch.gpus if self.launch.backend == "nccl" else [])
         self.oom = OomWatch()
-        self.progress = ProgressWatch(run_dir, self.launch["world_size"], self.launch.get("stuck_after_s"))
+        self.progress = ProgressWatch(run_dir, self.launch.world_size, self.launch.stuck_after_s)
         self.warm_by = 0.0
         self._start_when_warm()
 
     def _start_when_warm(self) -> None:
         """Start the ranks now, or once the warming forkserver is ready when it is expected to be ready before
         cold interpreters would have started (at the latest when they would have: :meth:`WarmPool.wait_s`)."""
-        wait = None if self.pool is None else self.pool.wait_s(self.launch["world_size"], self.launch["sys_path"])
+        wait = None if self.pool is None else self.pool.wait_s(self.launch.world_size, list(self.launch.sys_path))
         if wait:
             self.warm_by = time.monotonic() + wait
             return
@@ -171,19 +171,18 @@ class HostJob:
 
         ``warm``: fork them from the forkserver; default: if it is ready (else cold while it warms up)."""
         if warm is None:
-            warm = self.pool is not None and self.pool.ready(self.launch["sys_path"])
+            warm = self.pool is not None and self.pool.ready(list(self.launch.sys_path))
         self.status["start_method"] = "forkserver" if warm else "subprocess"
         self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.attempt - 1)
-        self.oom.watch(self.launch["world_size"])
+        self.oom.watch(self.launch.world_size)
         self.ctx.start()
         self.pids = self.ctx.pids()
         self.usage.watch(self.pids)
         self.progress.restart()
         _make_tree_private(self.run_dir.elastic_dir)  # torch elastic made its per-rank folders with the umask
-        self.status.update(
-            state="running", attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()}
+        self.writer.update(
+            state=RunState.RUNNING, attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()}
         )
-        self.write()
 
     def write(self) -> None:
         """Write status.json; when that fails (a full disk that even the reserve did not cover), keep the
@@ -203,11 +202,11 @@ class HostJob:
     def poll(self) -> None:
         """Check the ranks once; finish the job when they are done, failed, or past the timeout."""
         if self.deadline is not None and time.monotonic() > self.deadline:
-            self.stop("timed_out")
+            self.stop(StopReason.TIMED_OUT)
             return
         if self.ctx is None:  # waiting for the warming forkserver
             assert self.pool is not None  # only a forkserver that warms is waited for (_start_when_warm)
-            if self.pool.ready(self.launch["sys_path"]) or time.monotonic() >= self.warm_by:
+            if self.pool.ready(list(self.launch.sys_path)) or time.monotonic() >= self.warm_by:
                 self.status["waited_for_warm_s"] = round(time.time() - self.started_s, 2)
                 self._start_attempt()
             return
@@ -225,7 +224,7 @@ class HostJob:
         if failures and self.attempt <= self.max_restarts:
             self._restart()
             return
-        self._finish("failed" if failures else "succeeded")
+        self._finish(RunState.FAILED if failures else RunState.SUCCEEDED)
 
     def _sample(self) -> None:
         """About once a second: the ranks' usage, their memory cgroups, and whether the job is possibly stuck."""
@@ -245,8 +244,8 @@ class HostJob:
         """
         assert self.ctx is not None  # an attempt ran
         self.ctx.close(timeout=GRACE_S)  # type: ignore[arg-type] # torch says int; its waits take seconds as floats
-        kill_leftovers(set(self.pids.values()), self.launch["job_id"])
-        world = self.launch["world_size"]
+        kill_leftovers(set(self.pids.values()), self.launch.job_id)
+        world = self.launch.world_size
         exitcodes = {str(r): code for r, code in elastic.exitcodes(self.ctx).items()}
         failed = root_cause_first(self.run_dir, world, self.status.pop("failures"), exitcodes)
         self.status.setdefault("attempts", []).append(
@@ -258,17 +257,17 @@ class HostJob:
         for rank, exc in unmarked:
             log.warning(f"sgpu_magic host: could not mark attempt {self.attempt} in rank {rank}'s log ({exc})")
         self.store = None  # a fresh store per attempt, as torchrun's agent makes (stale keys of the last one go)
-        self.store, self.port = _rendezvous_store(self.launch.get("port") or 0)
+        self.store, self.port = _rendezvous_store(self.launch.port or 0)
         self._start_attempt()
 
-    def stop(self, state: str, stacks: bool = True) -> None:
-        """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end in ``state``; when the job timed out or
+    def stop(self, reason: StopReason, stacks: bool = True) -> None:
+        """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end for ``reason``; when the job timed out or
         was cancelled (``stacks``), the stacks of the ranks still running are taken first (:meth:`_save_stacks`)."""
         if self.ctx is not None:
-            if stacks and state in STACK_STATES:
+            if stacks and reason.takes_stacks:
                 self._save_stacks()
             self.ctx.close(timeout=GRACE_S)  # type: ignore[arg-type] # torch says int; its waits take seconds as floats
-        self._finish(state)
+        self._finish(reason)
 
     def _save_stacks(self) -> None:
         """Take the stacks of the ranks still running into ``stacks/`` and their summary into the status; a
@@ -283,8 +282,8 @@ class HostJob:
         except Exception as exc:  # noqa: BLE001 - the stop goes on without them; the host log says why
             log.warning(f"sgpu_magic host: could not take the stacks of job {self.run_dir.job_id}: {exc!r}")
 
-    def _finish(self, state: str) -> None:
-        kill_leftovers(set(self.pids.values()), self.launch["job_id"])
+    def _finish(self, end: RunState | StopReason) -> None:
+        kill_leftovers(set(self.pids.values()), self.launch.job_id)
         self.status.pop("stuck", None)
         self.usage.gpu.close()
         if self.guard.ended:
@@ -294,5 +293,5 @@ class HostJob:
         # the final status is the last thing written: once the kernel reads it, the run dir and the
         # leases are in their final form (no payload, GPUs free)
         release_lease(self.launch)
-        finish_job(self.writer, state, self.launch["world_size"], exitcodes=exitcodes)
+        finish_job(self.writer, end, self.launch.world_size, exitcodes=exitcodes)
         self.done = True

@@ -24,7 +24,6 @@ its ended jobs that no kernel ended. Its ranks die with it (as a kernel's host's
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -43,6 +42,8 @@ from sgpu_magic.launch.host.process import Host
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.status import StatusWriter
+from sgpu_magic.wire import RunState, StopReason, read_state
+from sgpu_magic.wire.host import Cancel, HostCommand, KeeperGreeting, Launch, RayTarget, Release
 
 
 class RayJobs(Protocol):
@@ -54,10 +55,10 @@ class RayJobs(Protocol):
     gpu_type: str | None
 
     def launch_with_env(self, run_dir: RunDir, base_env: dict[str, str] | None) -> None: ...
-    def cancel(self, run_dir: RunDir, reason: str) -> None: ...
+    def cancel(self, run_dir: RunDir, reason: StopReason) -> None: ...
     def answer_stacks(self, run_dir: RunDir, token: str, native: bool) -> None: ...
     def running(self) -> list[str]: ...
-    def stop_all(self, reason: str, wait_s: float) -> None: ...
+    def stop_all(self, reason: StopReason, wait_s: float) -> None: ...
     def keep_warm(self, seconds: float | None) -> None: ...
     def warm(self) -> str | None: ...
     def release(self, why: str) -> str | None: ...
@@ -123,47 +124,44 @@ class Keeper(Host):
         """The line each connection is greeted with: the keeper's pid and log, and what it keeps warm on a Ray
         cluster (``None``: nothing)."""
         warm = self.ray.warm() if self.ray is not None else None
-        return (json.dumps({"pid": os.getpid(), "log": self.log_path, "warm": warm}) + "\n").encode()
+        return KeeperGreeting(os.getpid(), self.log_path, warm).encode()
 
-    def handle(self, cmd: dict) -> None:
+    def handle(self, cmd: HostCommand) -> None:
         """The host's commands (:meth:`Host.handle`); those of a detached Ray job go to its supervisor here, and
         ``{"op": "release"}`` gives back what it keeps warm on the Ray cluster."""
-        if cmd["op"] == "release":
+        if isinstance(cmd, Release):
             if self.ray is not None:
-                self.ray.release(cmd.get("why") or "sgpu_magic.release()")
+                self.ray.release(cmd.why)
             return
-        run_dir = RunDir(cmd["run_dir"])
-        if cmd["op"] == "launch" and cmd.get("ray"):
-            self._launch_on_ray(run_dir, cmd)
-        elif self.ray is not None and run_dir.job_id in self.ray_envs:
-            if cmd["op"] == "cancel":
-                self.ray.cancel(run_dir, cmd.get("reason", "cancelled"))
-            elif cmd["op"] == "stacks":
+        run_dir = RunDir(cmd.run_dir)
+        if isinstance(cmd, Launch) and cmd.ray is not None:
+            self._launch_on_ray(run_dir, cmd.ray, dict(cmd.env))
+        elif self.ray is not None and run_dir.job_id in self.ray_envs and not isinstance(cmd, Launch):
+            if isinstance(cmd, Cancel):
+                self.ray.cancel(run_dir, cmd.reason)
+            else:
                 threading.Thread(
-                    target=self.ray.answer_stacks,
-                    args=(run_dir, cmd["token"], bool(cmd.get("native"))),
-                    daemon=True,
+                    target=self.ray.answer_stacks, args=(run_dir, cmd.token, cmd.native), daemon=True
                 ).start()
         else:
             super().handle(cmd)
 
-    def _launch_on_ray(self, run_dir: RunDir, cmd: dict) -> None:
-        ray_job = cmd["ray"]
+    def _launch_on_ray(self, run_dir: RunDir, ray_job: RayTarget, env: dict[str, str]) -> None:
         try:
             if self.ray is None:
-                self.ray = self.make_ray_jobs(ray_job["cluster"], ray_job.get("gpu_type"))
-            elif self.ray.cluster != ray_job["cluster"]:
+                self.ray = self.make_ray_jobs(ray_job.cluster, ray_job.gpu_type)
+            elif self.ray.cluster != ray_job.cluster:
                 raise RuntimeError(
                     f"the run keeper (pid {os.getpid()}) drives detached jobs on the Ray cluster {self.ray.cluster!r}, "
-                    f"not {ray_job['cluster']!r}: a process joins one Ray cluster; run this job once the keeper has "
+                    f"not {ray_job.cluster!r}: a process joins one Ray cluster; run this job once the keeper has "
                     f"exited ({self.linger_s:g} s after its last run ends), or without detach"
                 )
-            self.ray.gpu_type = ray_job.get("gpu_type")
-            self.ray.keep_warm(ray_job.get("keep_warm_s"))  # the job's kernel's: read when the job ends
-            self.ray_envs[run_dir.job_id] = (run_dir, cmd["env"])
-            self.ray.launch_with_env(run_dir, cmd["env"])
+            self.ray.gpu_type = ray_job.gpu_type
+            self.ray.keep_warm(ray_job.keep_warm_s)  # the job's kernel's: read when the job ends
+            self.ray_envs[run_dir.job_id] = (run_dir, env)
+            self.ray.launch_with_env(run_dir, env)
         except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
-            StatusWriter(run_dir).finish("failed", launch_error=f"{type(exc).__name__}: {exc}")
+            StatusWriter(run_dir).finish(RunState.FAILED, launch_error=f"{type(exc).__name__}: {exc}")
 
     def run(self) -> None:
         try:
@@ -176,12 +174,12 @@ class Keeper(Host):
         ended, as :meth:`Host.run` does for the keeper's local jobs."""
         if self.ray is None:
             return
-        self.ray.stop_all("cancelled", RAY_STOP_WAIT_S)
+        self.ray.stop_all(StopReason.CANCELLED, RAY_STOP_WAIT_S)
         self.ray.release("the run keeper exits")
         for run_dir, env in self.ray_envs.values():
             if not run_dir.mlflow_ended_file.exists():
                 status = read_json(run_dir.status_file) or {}
-                end_mlflow_run(run_dir, status.get("state", "cancelled"), env)
+                end_mlflow_run(run_dir, read_state(status)[0] if status else RunState.CANCELLED, env)
 
     def inputs(self) -> list[int]:
         return [self.listener.fileno(), *self.clients]

@@ -1,12 +1,13 @@
 """The launch host: one process per kernel that starts and watches ranks with torch elastic.
 
 Started through :mod:`sgpu_magic.launch.host.boot` (which detaches it from the kernel, answers ``ready <pid>``,
-imports torch and forks its forkserver), it then reads JSON commands from stdin (:func:`serve`):
+imports torch and forks its forkserver), it then reads the kernel's commands from stdin (:func:`serve`), one JSON
+line each (:mod:`sgpu_magic.wire.host`):
 
-- ``{"op": "launch", "run_dir": ..., "env": {...}}``: start the job's ranks.
-- ``{"op": "cancel", "run_dir": ..., "reason": "cancelled" | "timed_out" | "interrupted"}``.
-- ``{"op": "stacks", "run_dir": ..., "token": ..., "native": false}``: the running ranks' stacks into the reply
-  file the token names (:func:`sgpu_magic.launch.stacks.answer`).
+- :class:`~sgpu_magic.wire.host.Launch`: start the job's ranks.
+- :class:`~sgpu_magic.wire.host.Cancel`: stop them for a :class:`~sgpu_magic.wire.StopReason`.
+- :class:`~sgpu_magic.wire.host.Stacks`: the running ranks' stacks into the reply file the token names
+  (:func:`sgpu_magic.launch.stacks.answer`).
 
 Ranks are started through torch.distributed.elastic's ``SubprocessContext`` with torchrun's
 environment contract; the first failure stops the others (SIGTERM, then SIGKILL after
@@ -23,7 +24,6 @@ single-machine job listens on no other address.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import select
@@ -36,12 +36,15 @@ import psutil
 
 from sgpu_magic._util.fs import touch_private
 from sgpu_magic._util.redact import RedactingFormatter
+from sgpu_magic.errors import RecordError
 from sgpu_magic.launch.host.cleanup import end_mlflow_run, import_mlflow_in_background, reap_adopted
 from sgpu_magic.launch.host.job import HostJob
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import answer as answer_stacks
 from sgpu_magic.rundir import RunDir, host_ready_marker
 from sgpu_magic.status import StatusWriter
+from sgpu_magic.wire import RunState, StopReason, read_state
+from sgpu_magic.wire.host import Cancel, HostCommand, Launch, Release, Stacks, decode_command
 
 log = logging.getLogger(__name__)
 
@@ -89,34 +92,40 @@ class Host:
         return True
 
     def handle_lines(self, data: bytes) -> bytes:
-        """Handle each complete JSON line of ``data``; returns the incomplete rest."""
+        """Handle each complete JSON line of ``data``; returns the incomplete rest. A line that is not a command this
+        version reads is logged and skipped."""
         *lines, rest = data.split(b"\n")
         for line in lines:
             if line.strip():
-                self.handle(json.loads(line))
+                try:
+                    cmd = decode_command(line)
+                except RecordError as exc:
+                    log.warning(f"sgpu_magic host: {exc}")
+                    continue
+                self.handle(cmd)
         return rest
 
-    def handle(self, cmd: dict) -> None:
-        run_dir = RunDir(cmd["run_dir"])
-        if cmd["op"] == "launch":
+    def handle(self, cmd: HostCommand) -> None:
+        if isinstance(cmd, Release):  # the run keeper's (it keeps Ray agents warm); a kernel's host holds none
+            return
+        run_dir = RunDir(cmd.run_dir)
+        if isinstance(cmd, Launch):
             try:
-                self.jobs[run_dir.job_id] = HostJob(run_dir, cmd["env"], self.pool)
+                self.jobs[run_dir.job_id] = HostJob(run_dir, dict(cmd.env), self.pool)
             except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
                 try:
-                    StatusWriter(run_dir).finish("failed", launch_error=f"{type(exc).__name__}: {exc}")
+                    StatusWriter(run_dir).finish(RunState.FAILED, launch_error=f"{type(exc).__name__}: {exc}")
                 except OSError as write_exc:
                     log.warning(
                         f"sgpu_magic host: job {run_dir.job_id} could not start ({exc}) nor say so ({write_exc})"
                     )
-        elif cmd["op"] == "stacks":  # answered from a thread: the dumps take up to stacks.DUMP_TIMEOUT_S
+        elif isinstance(cmd, Stacks):  # answered from a thread: the dumps take up to stacks.DUMP_TIMEOUT_S
             job = self.jobs.get(run_dir.job_id)
             pids = None if job is None else dict(job.pids)
-            threading.Thread(
-                target=answer_stacks, args=(run_dir, cmd["token"], pids, bool(cmd.get("native"))), daemon=True
-            ).start()
-        elif cmd["op"] == "cancel" and run_dir.job_id in self.jobs:
+            threading.Thread(target=answer_stacks, args=(run_dir, cmd.token, pids, cmd.native), daemon=True).start()
+        elif isinstance(cmd, Cancel) and run_dir.job_id in self.jobs:
             job = self.jobs.pop(run_dir.job_id)
-            job.stop(cmd.get("reason", "cancelled"))
+            job.stop(cmd.reason)
             self.ended.append(job)
 
     def read_commands(self) -> bool:
@@ -141,7 +150,7 @@ class Host:
             job.poll()
         except Exception as exc:  # noqa: BLE001 - one broken job must not take the host down
             job.status["launch_error"] = f"the launch host lost this job: {type(exc).__name__}: {exc}"
-            job.stop("failed")
+            job.stop(StopReason.FAILED)
 
     def run(self) -> None:
         last_check = 0.0
@@ -165,12 +174,12 @@ class Host:
                     reap_adopted({pid for job in self.jobs.values() for pid in job.pids.values()})
         finally:
             for job in self.jobs.values():
-                job.stop("cancelled", stacks=False)  # the kernel is gone: end at once
+                job.stop(StopReason.CANCELLED, stacks=False)  # the kernel is gone: end at once
             if self.pool is not None:
                 self.pool.stop()
             for job in [*self.ended, *self.jobs.values()]:
                 if not job.run_dir.mlflow_ended_file.exists():  # the kernel did not get to end it
-                    end_mlflow_run(job.run_dir, job.status.get("state", "cancelled"), job.env)
+                    end_mlflow_run(job.run_dir, read_state(job.status)[0], job.env)
 
 
 def host_logging() -> None:

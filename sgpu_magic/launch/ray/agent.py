@@ -23,12 +23,12 @@ from sgpu_magic.launch.ray.cluster import ray_module
 from sgpu_magic.rundir import (
     RunDir,
     atomic_write_bytes,
-    atomic_write_json,
     make_private_dir,
     make_private_fifo,
     open_private_fifo,
     read_json,
 )
+from sgpu_magic.wire import LaunchRecord
 
 if TYPE_CHECKING:
     import subprocess
@@ -171,7 +171,8 @@ class RankAgent:
     def run(self, rank: int, payload: bytes, launch: dict, env: dict) -> dict:
         """Run the rank to its end: ``{"exitcode", "result", "error", "teardown", "profile", "warm"}`` (``profile``: a
         profiled job's files of this rank, ``{name: bytes}``; ``warm``: it was forked by the agent's zygote).
-        ``launch["session"]``: a live session's rank, whose FIFOs are made here first."""
+        ``launch``: the job's :class:`~sgpu_magic.wire.LaunchRecord` as JSON (its ``session``: a live session's
+        rank, whose FIFOs are made here first)."""
         import subprocess
         import sys
 
@@ -179,21 +180,22 @@ class RankAgent:
         from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
 
         self.jobs += 1
-        self.sys_path = list(launch.get("sys_path") or sys.path)
-        self.dir = self.root / str(launch.get("job_id") or "job")  # the job's own: an earlier job's rank may linger
+        record = LaunchRecord.from_json(launch)
+        self.sys_path = list(record.sys_path)
+        self.dir = self.root / record.job_id  # the job's own: an earlier job's rank may linger
         rd = RunDir(self.dir)
         for folder in (rd.path, rd.logs_dir, rd.results_dir, rd.errors_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
         atomic_write_bytes(rd.payload_file, payload)
-        atomic_write_json(rd.launch_file, launch)
+        rd.write_launch(record)
         for last in (rd.result_file(rank), rd.error_file(rank), rd.exit_file(rank)):  # a restarted job's last try's
             last.unlink(missing_ok=True)
         rd.log_file(rank).touch(mode=0o600)  # a restarted job's log goes on
-        if launch.get("session"):
+        if record.session:
             self.session = SessionPipe(rd, rank)
         env = {**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())}
         proc: subprocess.Popen[bytes] | _ForkedRank | None = None
-        packages = site_packages_fingerprint(list(launch.get("sys_path") or sys.path))
+        packages = site_packages_fingerprint(self.sys_path)
         if self.zygote is not None and self.zygote.packages != packages:  # a %pip install since it preloaded
             self.zygote.stop()
             self.zygote = None
@@ -213,7 +215,7 @@ class RankAgent:
             )
         self.proc = proc
         self._started.set()
-        grace_s = launch.get("teardown_grace_s")
+        grace_s = record.teardown_grace_s
         code, ended = wait_with_grace(
             cast("subprocess.Popen[bytes]", proc),  # a _ForkedRank waits as a Popen does
             rd,

@@ -9,17 +9,18 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from sgpu_magic.errors import SgpuError, SpecError
 from sgpu_magic.launch.base import close_attempt, finish_job, root_cause_first
 from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import NAMESPACE, PENDING_NOTE_S, ray_module
 from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
-from sgpu_magic.launch.stacks import REPLY_WAIT_S, STACK_STATES, CodeMap, RankStack, no_stack, write_stacks
+from sgpu_magic.launch.stacks import REPLY_WAIT_S, CodeMap, RankStack, no_stack, write_stacks
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json
 from sgpu_magic.status import HostStatus, StatusWriter
+from sgpu_magic.wire import RunState, StopReason
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -85,7 +86,7 @@ class RayLauncher:
         now = status()
         if not now.final:
             raise SgpuError(
-                f"job {run_dir.job_id} has no running ranks yet (state {now.state}); take its stacks once it runs"
+                f"job {run_dir.job_id} has no running ranks yet (state {now.state.label}); take its stacks once it runs"
             )
         return live_stacks(run_dir, status, native)  # raises: it has ended, and where its saved stacks are
 
@@ -114,7 +115,7 @@ class RayLauncher:
             return reply_stacks(run_dir, token, None)
         reply_stacks(run_dir, token, lambda: sup.take_stacks(range(sup.world), native))
 
-    def stop_all(self, reason: str, wait_s: float) -> None:
+    def stop_all(self, reason: StopReason, wait_s: float) -> None:
         """Stop every running job (the run keeper is exiting) and wait up to ``wait_s`` seconds for them to end."""
         deadline = time.monotonic() + wait_s
         for sup in self._jobs.values():
@@ -122,7 +123,7 @@ class RayLauncher:
         for sup in self._jobs.values():
             sup.join(max(0.0, deadline - time.monotonic()))
 
-    def cancel(self, run_dir: RunDir, reason: str) -> None:
+    def cancel(self, run_dir: RunDir, reason: StopReason) -> None:
         sup = self._jobs.get(run_dir.job_id)
         if sup is not None:
             sup.stop(reason)
@@ -149,13 +150,18 @@ class _Supervisor(threading.Thread):
         """The ranks' environment before the job's own; ``None``: this process's (a kernel's job). Given: a detached
         job in the run keeper, which connects to the cluster in this thread."""
         # the kernel wrote launch.json before it handed the run dir over
-        self.launch = cast("dict[str, Any]", read_json(rd.launch_file, private=True))
-        self.world = self.launch["world_size"]
+        self.launch = rd.read_launch()
+        self.world = self.launch.world_size
         self.writer = StatusWriter(
-            rd, state="starting", started_s=time.time(), host_pid=os.getpid(), cluster=cluster, start_method="ray"
+            rd,
+            state=RunState.STARTING,
+            started_s=time.time(),
+            host_pid=os.getpid(),
+            cluster=cluster,
+            start_method="ray",
         )
         self.status = self.writer.status  # changed in place, written by _write
-        self._stop_reason: str | None = None
+        self._stop_reason: StopReason | None = None
         self._mlflow: dict[str, str] | None = None
         self.finished = False
         self.offsets = [0] * self.world
@@ -165,34 +171,34 @@ class _Supervisor(threading.Thread):
         """Set once every rank has started (its actor's ``run`` called)."""
         self.pg: PlacementGroup | None = None
         self.pg_name = f"sgpu_magic-{rd.job_id}"
-        self.bundle = _bundle(self.launch["backend"], gpu_type)
+        self.bundle = _bundle(self.launch.backend, gpu_type)
         self.nodes: list[tuple[str, str, list[str]]] = []
-        self.attempt, self.max_restarts = 1, int(self.launch.get("max_restarts") or 0)
+        self.attempt, self.max_restarts = 1, self.launch.max_restarts
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: StopReason) -> None:
         self._stop_reason = reason  # read by the supervisor's loop within 0.1 s
 
-    def _write(self, **change) -> None:
-        self.writer.update(**change)
+    def _write(self, state: RunState | None = None, **change) -> None:
+        self.writer.update(state, **change)
 
     def run(self) -> None:
         try:
             self._run()
         except Exception as exc:  # noqa: BLE001 - reported to the kernel as the job's failure
-            self._finish("failed", launch_error=f"{type(exc).__name__}: {exc}")
+            self._finish(RunState.FAILED, launch_error=f"{type(exc).__name__}: {exc}")
         finally:
             self._release()
             self.finished = True
 
     def _deadline(self) -> float | None:
-        timeout_s = self.launch.get("timeout_s")
+        timeout_s = self.launch.timeout_s
         return None if timeout_s is None else self.status["started_s"] + timeout_s
 
-    def _should_stop(self) -> str | None:
+    def _should_stop(self) -> StopReason | None:
         if self._stop_reason:
             return self._stop_reason
         deadline = self._deadline()
-        return "timed_out" if deadline is not None and time.time() > deadline else None
+        return StopReason.TIMED_OUT if deadline is not None and time.time() > deadline else None
 
     def _run(self) -> None:
         if self.base_env is not None:  # in the run keeper: connected by the job's own thread (seconds, the first time)
@@ -210,7 +216,7 @@ class _Supervisor(threading.Thread):
         self.running.set()
         self._follow(refs)
 
-    def _reserve(self, bundle: dict[str, float]) -> str | None:
+    def _reserve(self, bundle: dict[str, float]) -> StopReason | None:
         """The job's placement group, waited for (saying so every ``PENDING_NOTE_S``); why it stopped waiting, if."""
         ray = ray_module()
         from ray.util.placement_group import placement_group
@@ -225,7 +231,7 @@ class _Supervisor(threading.Thread):
                 WARM.waiting(-1)
         return None
 
-    def _wait_for(self, ready: Any, bundle: dict[str, float]) -> str | None:
+    def _wait_for(self, ready: Any, bundle: dict[str, float]) -> StopReason | None:
         ray = ray_module()
         noted = 0.0
         while not ray.wait([ready], timeout=0.1)[0]:
@@ -265,10 +271,10 @@ class _Supervisor(threading.Thread):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         assert self.pg is not None  # reserved by _reserve
-        gloo = self.launch["backend"] == "gloo"
+        gloo = self.launch.backend == "gloo"
         agent = agent_class()
         # a detached session's agents are named, so a kernel (not their driver, the run keeper) finds them
-        named = self.launch.get("detached") and self._session()
+        named = self.launch.detached and self._session()
         self.actors = [
             agent.options(
                 num_cpus=int(gloo),
@@ -285,10 +291,10 @@ class _Supervisor(threading.Thread):
         ray = ray_module()
         nodes = self.nodes
         port = None
-        if self.status.get("warm_agents") and not self.launch.get("port"):
+        if self.status.get("warm_agents") and not self.launch.port:
             port = ray.get(self.actors[0].open_store.remote(nodes[0][1]))  # rank 0's agent serves the store
         agent_store = port is not None
-        port = port or self.launch.get("port") or ray.get(self.actors[0].free_port.remote())
+        port = port or self.launch.port or ray.get(self.actors[0].free_port.remote())
         payload = self.rd.payload_file.read_bytes()
         refs = [
             a.run.remote(r, payload, self._rank_launch(), self._rank_env(r, nodes, port, agent_store))
@@ -296,7 +302,7 @@ class _Supervisor(threading.Thread):
         ]
         pids = ray.get([a.pid.remote(wait_s=10.0) for a in self.actors])
         self._write(
-            state="running",
+            state=RunState.RUNNING,
             port=port,
             attempt=self.attempt,
             master_addr=nodes[0][1],
@@ -325,16 +331,16 @@ class _Supervisor(threading.Thread):
                     failed = True
                     break
             if failed and self.attempt > self.max_restarts:
-                return self._finish("failed", exitcodes=exitcodes)
+                return self._finish(RunState.FAILED, exitcodes=exitcodes)
             if failed:
                 pending, exitcodes = self._restart(pending, exitcodes), {}
                 continue
             reason = self._should_stop()
             if reason:
-                if reason in STACK_STATES:
+                if reason.takes_stacks:
                     self._save_stacks(sorted(pending.values()))
                 return self._finish(reason, exitcodes=exitcodes)
-        self._finish("succeeded", exitcodes=exitcodes)
+        self._finish(RunState.SUCCEEDED, exitcodes=exitcodes)
 
     def _restart(self, pending: dict[Any, int], exitcodes: dict[str, int | None]) -> dict[Any, int]:
         """torchrun's restart policy, as the launch host's (:meth:`sgpu_magic.launch.host.job.HostJob._restart`):
@@ -428,16 +434,17 @@ class _Supervisor(threading.Thread):
         return True
 
     def _rank_launch(self) -> dict:
-        keep = ("job_id", "name", "world_size", "backend", "cwd", "sys_path", "teardown_grace_s")
-        # a live session's run directory has its session folder (made by its channel): the agents make the FIFOs
-        return {**{k: self.launch.get(k) for k in keep}, "session": self.rd.session_dir.is_dir()}
+        """The job's launch record as the agents write it on their nodes (JSON: an agent of another sgpu_magic
+        version reads it by its schema); a live session's run directory has its session folder (made by its
+        channel): the agents make the FIFOs."""
+        return self.launch.for_rank_agent(session=self.rd.session_dir.is_dir()).to_json()
 
     def _mlflow_env(self) -> dict[str, str]:
         """The job's MLflow run as the ranks' environment gives it (the kernel makes it while the actors start; the
         ranks on the nodes cannot read the run directory's ``mlflow.json``, so the supervisor waits for it here,
         once)."""
         if self._mlflow is None:
-            run_file = self.launch.get("env", {}).get(RUN_FILE_ENV)
+            run_file = self.launch.env.get(RUN_FILE_ENV)
             self._mlflow = run_env(run_file) if run_file else {}
         return self._mlflow
 
@@ -456,7 +463,7 @@ class _Supervisor(threading.Thread):
         node_id = nodes[rank][0]
         local = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
         base = rank_base_env() if self.base_env is None else self.base_env
-        env = {**base, **self.launch.get("env", {}), **self._mlflow_env()}
+        env = {**base, **self.launch.env, **self._mlflow_env()}
         env.pop(RUN_FILE_ENV, None)  # the kernel's run directory is not on the nodes: the run's identity is given
         env.update(
             torchrun_env(
@@ -475,7 +482,7 @@ class _Supervisor(threading.Thread):
             )
         )
         env.setdefault("OMP_NUM_THREADS", "1")
-        env.update(cpu_framework_env(str(self.launch.get("backend")), env))
+        env.update(cpu_framework_env(self.launch.backend, env))
         gpus = [g for r in local for g in nodes[r][2]]
         if gpus:  # as torchrun on one node: every local rank sees the node's job GPUs, and takes cuda:LOCAL_RANK
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
@@ -517,11 +524,11 @@ class _Supervisor(threading.Thread):
             offset, names_offset = self.metric_offsets[rank]
             self.metric_offsets[rank] = (offset + len(records), names_offset + len(names))
 
-    def _finish(self, state: str, **change) -> None:
+    def _finish(self, end: RunState | StopReason, **change) -> None:
         ray = ray_module()
         self._pull_logs()  # what the ranks wrote up to now, before their actors go
         if self._park():
-            finish_job(self.writer, state, self.world, **change)
+            finish_job(self.writer, end, self.world, **change)
             return
         cleanups = []
         for actor in self.actors:
@@ -538,7 +545,7 @@ class _Supervisor(threading.Thread):
                 ray.kill(actor)
             except Exception:  # noqa: BLE001
                 pass
-        finish_job(self.writer, state, self.world, **change)
+        finish_job(self.writer, end, self.world, **change)
 
     def _park(self) -> bool:
         """Keep the job's placement group and agents warm for the next job of its shape (:mod:`~sgpu_magic.launch.

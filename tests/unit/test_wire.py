@@ -1,0 +1,245 @@
+"""The cross-process records (sgpu_magic.wire): the launch record's codec and its errors, a run directory written by the
+previous version (schema 2, stored under data/run_v2) still read, and the rule that only wire/ spells their keys."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sgpu_magic.errors import RecordError
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, detached_index
+from sgpu_magic.wire import LAUNCH_SCHEMA, LaunchRecord
+
+from helpers import wait_for
+
+PACKAGE = Path(__file__).resolve().parents[2] / "sgpu_magic"
+STORED_V2 = Path(__file__).with_name("data") / "run_v2" / "20261207-055109-f279ee"
+
+
+def _record(**change) -> LaunchRecord:
+    base = LaunchRecord(job_id="j1", world_size=2, backend="gloo", cwd="/work", sys_path=("/work", "/lib"))
+    return dataclasses.replace(base, **change)
+
+
+def test_a_launch_record_reads_back_as_written(tmp_path):
+    rd = RunDir.create(tmp_path)
+    record = _record(
+        job_id=rd.job_id, env={"SGPU_MAGIC_GPUS": "0,3"}, timeout_s=30.0, port=29500, max_restarts=2, tracked=True
+    )
+    rd.write_launch(record)
+    assert rd.launch_file.stat().st_mode & 0o777 == 0o600
+    back = rd.read_launch()
+    assert back == record and back.gpus == [0, 3] and back.schema == LAUNCH_SCHEMA
+    assert json.loads(rd.launch_file.read_bytes())["schema"] == LAUNCH_SCHEMA
+
+
+def test_a_run_directory_of_the_previous_version_still_reads(tmp_path):
+    """A detached job's run directory as 0.2 (launch.json without a schema) wrote it: its record reads, and the
+    detached-run listing (%distributed_jobs --all, sgpu_magic.attach) shows it as it did."""
+    from sgpu_magic.front.detached import detached_runs
+
+    home = tmp_path / "home"
+    shutil.copytree(STORED_V2, home / "runs" / STORED_V2.name)
+    for path in [home, home / "runs", *(home / "runs").rglob("*")]:  # git keeps no modes: private as a run is
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    rd = RunDir(home / "runs" / STORED_V2.name)
+    record = rd.read_launch()
+    assert record.schema == 2 and "schema" not in json.loads(rd.launch_file.read_bytes())
+    assert (record.job_id, record.name, record.world_size, record.backend, record.timeout_s) == (
+        STORED_V2.name,
+        "hello",
+        2,
+        "gloo",
+        10800.0,
+    )
+    assert (record.detached, record.tracked, record.session, record.gpus, record.port) == (True, False, False, [], None)
+    (detached_index(home) / STORED_V2.name).touch()
+    (run,) = detached_runs(home, recent_s=None)
+    assert (run.job_id, run.state.value, run.world_size, run.gpus) == (STORED_V2.name, "succeeded", 2, "cpu")
+
+
+def test_a_launch_record_of_a_newer_version_is_refused_naming_the_remedy(tmp_path):
+    """The launch host, a rank or the listing must not half-read what to run: a newer schema is refused; the detached
+    listing skips such a run and keeps it for the version that reads it."""
+    from sgpu_magic.front.detached import detached_runs
+
+    rd = RunDir.create(tmp_path, job_id="newer")
+    atomic_write_bytes(rd.launch_file, json.dumps({**_record(detached=True).to_json(), "schema": 99}).encode())
+    with pytest.raises(RecordError) as err:
+        rd.read_launch()
+    assert str(err.value) == (
+        f"launch.json has schema 99, newer than this sgpu_magic reads ({LAUNCH_SCHEMA}): the run was started by a "
+        "newer sgpu_magic; use that version to read it (pip install -U sgpu_magic)"
+    )
+    entry = detached_index(tmp_path) / "newer"
+    entry.touch()
+    assert detached_runs(tmp_path, recent_s=None) == [] and entry.exists()
+
+
+def test_the_launch_host_reports_a_launch_record_it_cannot_read_as_the_jobs_launch_error(tmp_path):
+    """The host's job start reads the typed record first: a file that is not one fails the job with the reason in
+    its status (the kernel raises it), before any rank starts."""
+    from sgpu_magic.launch.host.job import HostJob
+
+    rd = RunDir.create(tmp_path)
+    atomic_write_bytes(rd.launch_file, json.dumps({"job_id": rd.job_id, "world_size": 1}).encode())
+    with pytest.raises(RecordError, match=r"^launch.json lacks backend, cwd, sys_path: it was not written by sgpu_"):
+        HostJob(rd, {}, None)
+    assert not rd.status_file.exists()
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"{not json", "launch.json is not JSON: Expecting property name enclosed in double quotes: line 1 column 2"),
+        (b"[1, 2]", "launch.json holds list, not an object"),
+        (b'{"world_size": 1}', "launch.json lacks job_id, backend, cwd, sys_path: it was not written by sgpu_magic"),
+    ],
+)
+def test_a_file_that_is_not_a_launch_record_is_refused_naming_why(raw, message):
+    with pytest.raises(RecordError) as err:
+        LaunchRecord.decode(raw)
+    assert str(err.value).startswith(message)
+
+
+def test_a_sink_that_prepares_an_unknown_launch_field_is_refused():
+    record = _record(env={"A": "1"})
+    assert record.prepared({"env": {"B": "2"}, "tracked": True}) == _record(env={"A": "1", "B": "2"}, tracked=True)
+    with pytest.raises(RecordError) as err:
+        record.prepared({"env": {}, "mlflow": True})
+    assert str(err.value) == "a job sink prepared ['mlflow'] for launch.json, which has no such field"
+
+
+def test_a_rank_agents_copy_has_no_env_nor_lease():
+    record = _record(env={"SECRET": "x"}, lease_dir="/leases")
+    agent = LaunchRecord.from_json(record.for_rank_agent(session=True).to_json())
+    assert (agent.env, agent.lease_dir, agent.session, agent.job_id) == ({}, None, True, "j1")
+
+
+# -- only wire/ spells a record's keys
+
+RECORD_NAMES = {"launch"}
+
+
+def _keyed_reads(path: Path, rel: str) -> list[str]:
+    """``launch["k"]`` / ``launch.get("k")`` / ``x.launch["k"]`` and ``launch.json`` read or written by hand
+    (``read_json(rd.launch_file)``) in one module."""
+    found = []
+
+    def recordlike(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in RECORD_NAMES) or (
+            isinstance(node, ast.Attribute) and node.attr in RECORD_NAMES
+        )
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Subscript) and recordlike(node.value) and isinstance(node.slice, ast.Constant):
+            found.append(f"{rel}:{node.lineno}: [{node.slice.value!r}]")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("get", "setdefault", "pop", "update")
+            and recordlike(node.func.value)
+        ):
+            found.append(f"{rel}:{node.lineno}: .{node.func.attr}(...)")
+        elif isinstance(node, ast.Call) and rel != "rundir.py":  # the file's bytes read or written by hand
+            for arg in node.args:
+                if isinstance(arg, ast.Attribute) and arg.attr == "launch_file":
+                    found.append(f"{rel}:{node.lineno}: launch_file (read it with RunDir.read_launch)")
+    return found
+
+
+def test_no_module_outside_wire_reads_a_launch_record_by_key():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if not rel.startswith("wire/"):
+            found += _keyed_reads(path, rel)
+    assert found == [], "launch.json read by key outside sgpu_magic/wire (use LaunchRecord's fields):\n" + "\n".join(
+        found
+    )
+
+
+def test_the_keyed_read_check_finds_each_kind(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "def f(launch, self, rd):\n"
+        "    a = launch['world_size']\n"
+        "    b = self.launch.get('port')\n"
+        "    launch.update({'x': 1})\n"
+        "    c = read_json(rd.launch_file, private=True)\n"
+        "    ok = launch.world_size, other['world_size'], rd.launch_file.stat()\n"
+    )
+    assert _keyed_reads(module, "m.py") == [
+        "m.py:2: ['world_size']",
+        "m.py:3: .get(...)",
+        "m.py:4: .update(...)",
+        "m.py:5: launch_file (read it with RunDir.read_launch)",
+    ]
+
+
+# -- the host's and keeper's commands
+
+
+def test_every_host_command_reads_back_as_sent():
+    from sgpu_magic.wire.host import Cancel, KeeperGreeting, Launch, RayTarget, Release, Stacks, decode_command
+    from sgpu_magic.wire.host import encode_command as encode
+    from sgpu_magic.wire.state import StopReason
+
+    commands = [
+        Launch("/runs/a", {"A": "1"}),
+        Launch("/runs/b", {}, RayTarget("10.0.0.1:6379", "H100", 30.0)),
+        Cancel("/runs/a", StopReason.INTERRUPTED),
+        Stacks("/runs/a", "tok", native=True),
+        Release("the run keeper exits"),
+    ]
+    for cmd in commands:
+        line = encode(cmd)
+        assert line.endswith(b"\n") and line.count(b"\n") == 1 and decode_command(line) == cmd
+    assert decode_command(b'{"op": "cancel", "run_dir": "/r"}') == Cancel("/r", StopReason.CANCELLED)
+    greeting = KeeperGreeting(12, "/k.log", "2 x cpu")
+    assert KeeperGreeting.decode(greeting.encode()) == greeting
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (b'{"op": "pause", "run_dir": "/r"}', "a host command has the op 'pause', which this sgpu_magic does not know"),
+        (b'{"op": "stacks", "run_dir": "/r"}', "a host command lacks 'token'"),
+        (
+            b'{"op": "cancel", "run_dir": "/r", "reason": "bored"}',
+            "a host command line is not one this sgpu_magic reads",
+        ),
+        (b"not json", "a host command line is not one this sgpu_magic reads (Expecting value"),
+    ],
+)
+def test_a_host_command_this_version_does_not_know_is_refused_naming_it(line, message):
+    from sgpu_magic.wire.host import decode_command
+
+    with pytest.raises(RecordError) as err:
+        decode_command(line)
+    assert str(err.value).startswith(message) and str(err.value).endswith(repr(line))
+
+
+def test_the_launch_host_logs_a_command_it_cannot_read_and_serves_the_next(tmp_path, caplog):
+    """A kernel of a newer version (or a stray writer on the pipe) must not take the host down: the line is logged
+    and skipped; the next command is handled (a stacks request for a job the host does not hold is answered)."""
+    from sgpu_magic.launch.host.process import Host
+    from sgpu_magic.wire.host import Stacks, encode_command
+
+    rd = RunDir.create(tmp_path)
+    host = Host(None, None)
+    with caplog.at_level("WARNING", logger="sgpu_magic.launch.host.process"):
+        rest = host.handle_lines(b'{"op": "pause"}\n' + encode_command(Stacks(str(rd.path), "t1")) + b'{"op": "ca')
+    assert rest == b'{"op": "ca'
+    assert [r.getMessage() for r in caplog.records] == [
+        "sgpu_magic host: a host command has the op 'pause', which this sgpu_magic does not know: "
+        'b\'{"op": "pause"}\''
+    ]
+    from sgpu_magic.rundir import read_json
+
+    assert wait_for(lambda: read_json(rd.stacks_reply_file("t1")), 30, "the host's answer") == {"ended": True}
