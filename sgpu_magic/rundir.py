@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from sgpu_magic._util.fs import atomic_write
-from sgpu_magic.wire import LaunchRecord
+from sgpu_magic.errors import RecordError
+from sgpu_magic.wire import LaunchRecord, RankError
 
 
 def default_root() -> Path:
@@ -475,6 +476,19 @@ class RunDir:
     def write_launch(self, record: LaunchRecord) -> None:
         """Write ``launch.json`` (atomically, 0600) from ``record``."""
         atomic_write_bytes(self.launch_file, record.encode())
+
+    def write_error(self, record: RankError) -> None:
+        """Write ``errors/rank_<r>.json`` for ``record.rank`` (atomically, 0600; on a full disk it takes the run
+        directory's reserve)."""
+        atomic_write_bytes(self.error_file(record.rank), record.encode())
+
+    def read_error(self, rank: int) -> RankError | None:
+        """The exception rank ``rank`` saved, or ``None``: it saved none (yet), or the file is not one this version
+        reads (caught half-written on a full disk, say)."""
+        try:
+            return RankError.decode(self.error_file(rank).read_bytes())
+        except (OSError, RecordError):
+            return None
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"

@@ -27,7 +27,7 @@ from sgpu_magic.job.steps import Straggler, find_straggler
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import LeaseRegistry
 from sgpu_magic.launch.resources import DevicePlan
-from sgpu_magic.rundir import RunDir, read_json
+from sgpu_magic.rundir import RunDir
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import HostStatus
 from sgpu_magic.wire import StopReason
@@ -340,10 +340,10 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         """
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} is not in this job (world_size={self.world_size})")
-        error = read_json(self._rd.error_file(rank))
+        error = self._rd.read_error(rank)
         if error is None:
             raise SgpuError(f"rank {rank} of {self.title} did not fail with a Python exception: it saved no locals")
-        return dict(error.get("locals") or {})
+        return dict(error.saved_locals)
 
     @property
     def attempt(self) -> int:

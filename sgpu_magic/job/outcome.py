@@ -57,24 +57,24 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
     usage = HostStatus.from_dict(status).usage
     failures = []
     for rank in range(world_size):
-        err = read_json(rd.error_file(rank))
+        err = rd.read_error(rank)
         if rank not in observed and err is None:
             continue
         seen = observed.get(rank, {})
         failures.append(
             RankFailure(
-                last_lines=log_tail(rd.log_file(rank)) if err is None or not err.get("traceback") else (),
+                last_lines=log_tail(rd.log_file(rank)) if err is None or not err.traceback else (),
                 oom=seen.get("oom", ""),
                 oom_killed=seen.get("oom_killed"),
                 peak_rss_bytes=usage[rank].peak_rss_bytes if rank in usage else None,
                 rank=rank,
                 exitcode=seen.get("exitcode", exitcodes.get(rank)),
-                exc_type=err["exc_type"] if err else None,
-                message=(err or {}).get("message", ""),
-                traceback=(err or {}).get("traceback", ""),
+                exc_type=err.exc_type if err else None,
+                message=err.message if err else "",
+                traceback=err.traceback if err else "",
                 log_path=str(rd.log_file(rank)),
-                time_s=err["time_s"] if err else seen.get("time_s", float("inf")),
-                cuda=bool((err or {}).get("cuda")),
+                time_s=err.time_s if err else seen.get("time_s", float("inf")),
+                cuda=bool(err and err.cuda),
             )
         )
     if not failures:

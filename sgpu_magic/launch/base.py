@@ -10,7 +10,6 @@ Three launchers implement it: the kernel's client of its local launch host
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable
@@ -93,10 +92,9 @@ def root_cause_first(
     ``exitcodes``: the attempt's, by rank."""
     errors: dict[int, float] = {}
     for rank in range(world_size):
-        try:
-            errors[rank] = float(json.loads(rd.error_file(rank).read_bytes()).get("time_s") or math.inf)
-        except (OSError, ValueError):
-            continue
+        error = rd.read_error(rank)
+        if error is not None:
+            errors[rank] = error.time_s or math.inf
     found = {int(f["rank"]): f for f in failed}
     when = {rank: errors.get(rank, -math.inf) for rank in found}
     first_seen = min(when.values(), default=math.inf)

@@ -30,7 +30,8 @@ from sgpu_magic.errors import Unpicklable
 from sgpu_magic.rank import exit as rank_exit
 from sgpu_magic.rank import steps
 from sgpu_magic.rank.mlflow_guard import flush_async_logging, settled_value
-from sgpu_magic.rundir import RunDir, atomic_write_json, traceback_marker
+from sgpu_magic.rundir import RunDir, traceback_marker
+from sgpu_magic.wire import RankError
 
 
 def redirect_output(log_file) -> None:
@@ -214,17 +215,16 @@ def _failure_locals(exc: BaseException) -> dict[str, str]:
 def write_error(run_dir: RunDir, rank: int, exc: BaseException, labels: dict[str, str] | None = None) -> None:
     text = _user_traceback(exc, labels or {})
     # the error file first: on a full disk it takes the run dir's reserve, and the log may not take a line
-    atomic_write_json(
-        run_dir.error_file(rank),
-        {
-            "rank": rank,
-            "exc_type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": text,
-            "time_s": time.time(),
-            "cuda": rank_exit.involves_cuda(exc),
-            "locals": _failure_locals(exc),
-        },
+    run_dir.write_error(
+        RankError(
+            rank=rank,
+            exc_type=type(exc).__name__,
+            message=str(exc),
+            traceback=text,
+            time_s=time.time(),
+            cuda=rank_exit.involves_cuda(exc),
+            saved_locals=_failure_locals(exc),
+        )
     )
     try:
         sys.stderr.write(traceback_marker(rank, type(exc).__name__) + "\n" + text)

@@ -25,7 +25,7 @@ from sgpu_magic.rank import exit as rank_exit
 from sgpu_magic.rank.mlflow_guard import guard_job_run
 from sgpu_magic.rank.payload import build_namespace, dump_result, redirect_output, run_payload, write_error
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_private
-from sgpu_magic.wire import LaunchRecord
+from sgpu_magic.wire import LaunchRecord, RankError
 
 
 def _die_with_parent(expected_parent: int | None) -> None:
@@ -100,10 +100,7 @@ def _system_exit(run_dir: RunDir, rank: int, exc: SystemExit, payload: dict) -> 
     if code:
         if not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr, flush=True)
-        atomic_write_json(
-            run_dir.error_file(rank),
-            {"rank": rank, "exc_type": "SystemExit", "message": str(code), "traceback": "", "time_s": time.time()},
-        )
+        run_dir.write_error(RankError(rank=rank, exc_type="SystemExit", message=str(code), time_s=time.time()))
         return code
     atomic_write_json(
         run_dir.exit_file(rank),

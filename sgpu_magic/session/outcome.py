@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from sgpu_magic.errors import RankFailure, describe_exit
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
-from sgpu_magic.rundir import RunDir, read_json
+from sgpu_magic.rundir import RunDir
 from sgpu_magic.session.channel import Request
 from sgpu_magic.wire import RunState, StopReason
 
@@ -166,10 +166,8 @@ _COLLECTIVES = frozenset(
 
 def _first_error(run_dir: RunDir, ranks: list[int]) -> str:
     """`` (RuntimeError: ...)``: the exception the first of ``ranks`` saved, for a message; ``""`` when none was."""
-    error = read_json(run_dir.error_file(ranks[0]))
-    if not error:
+    error = run_dir.read_error(ranks[0])
+    if error is None:
         return ""
-    failure = RankFailure(
-        rank=ranks[0], exitcode=None, exc_type=error.get("exc_type"), message=error.get("message", "")
-    )
+    failure = RankFailure(rank=ranks[0], exitcode=None, exc_type=error.exc_type, message=error.message)
     return f" ({failure.what()})"

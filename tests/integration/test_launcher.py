@@ -149,6 +149,7 @@ def test_teardown_leaves_user_objects_alone_once_the_group_is_gone():
 )
 def test_omp_num_threads_follows_torchrun(backend, world, kernel_env, expected):
     from sgpu_magic.launch.env import rank_env
+    from sgpu_magic.wire import LaunchRecord
 
-    launch = {"world_size": world, "backend": backend, "job_id": "j", "max_restarts": 0}
+    launch = LaunchRecord(job_id="j", world_size=world, backend=backend, cwd="/", sys_path=())
     assert rank_env(launch, 0, 29500, kernel_env).get("OMP_NUM_THREADS") == expected

@@ -80,15 +80,14 @@ def test_a_rank_that_raised_before_the_failure_seen_is_named_first_and_a_killed_
     """The launcher may see a peer fail first (on the connection the raising rank tore down as it left): the rank whose
     own error is earlier is then added and named first; a rank seen killed by a signal (no error of its own) stays
     the first, and a peer's later error is not added (found by CI: the panel named rank 0 for rank 1's ValueError)."""
-    import json
-
     from sgpu_magic.launch.base import root_cause_first
     from sgpu_magic.rundir import RunDir
+    from sgpu_magic.wire import RankError
 
     rd = RunDir.create(tmp_path)
 
     def error(rank: int, time_s: float) -> None:
-        rd.error_file(rank).write_text(json.dumps({"rank": rank, "message": "x", "time_s": time_s}))
+        rd.write_error(RankError(rank, "RuntimeError", "x", time_s=time_s))
 
     error(0, 20.0)
     error(1, 10.0)

@@ -90,6 +90,7 @@ def test_a_rank_imports_no_front_door_nor_kernel_side_library():
         "sgpu_magic.rank.worker",
         "sgpu_magic.rundir",
         "sgpu_magic.wire",
+        "sgpu_magic.wire.errors",
         "sgpu_magic.wire.launch",
         "sgpu_magic.wire.state",
     ]

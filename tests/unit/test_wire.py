@@ -127,8 +127,8 @@ RECORD_NAMES = {"launch"}
 
 
 def _keyed_reads(path: Path, rel: str) -> list[str]:
-    """``launch["k"]`` / ``launch.get("k")`` / ``x.launch["k"]`` and ``launch.json`` read or written by hand
-    (``read_json(rd.launch_file)``) in one module."""
+    """``launch["k"]`` / ``launch.get("k")`` / ``x.launch["k"]``, and ``launch.json`` or a rank's error file read or
+    written by hand (``read_json(rd.launch_file)``, ``read_json(rd.error_file(r))``) in one module."""
     found = []
 
     def recordlike(node: ast.AST) -> bool:
@@ -146,20 +146,23 @@ def _keyed_reads(path: Path, rel: str) -> list[str]:
             and recordlike(node.func.value)
         ):
             found.append(f"{rel}:{node.lineno}: .{node.func.attr}(...)")
-        elif isinstance(node, ast.Call) and rel != "rundir.py":  # the file's bytes read or written by hand
+        elif isinstance(node, ast.Call) and rel != "rundir.py":  # a record's file read or written by hand
             for arg in node.args:
                 if isinstance(arg, ast.Attribute) and arg.attr == "launch_file":
                     found.append(f"{rel}:{node.lineno}: launch_file (read it with RunDir.read_launch)")
+                called = arg.func if isinstance(arg, ast.Call) else None
+                if isinstance(called, ast.Attribute) and called.attr == "error_file":
+                    found.append(f"{rel}:{node.lineno}: error_file (read it with RunDir.read_error)")
     return found
 
 
-def test_no_module_outside_wire_reads_a_launch_record_by_key():
+def test_no_module_outside_wire_reads_a_record_by_key_or_by_hand():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
         if not rel.startswith("wire/"):
             found += _keyed_reads(path, rel)
-    assert found == [], "launch.json read by key outside sgpu_magic/wire (use LaunchRecord's fields):\n" + "\n".join(
+    assert found == [], "a record read by key or by hand outside sgpu_magic/wire (use its typed record):\n" + "\n".join(
         found
     )
 
@@ -172,13 +175,15 @@ def test_the_keyed_read_check_finds_each_kind(tmp_path):
         "    b = self.launch.get('port')\n"
         "    launch.update({'x': 1})\n"
         "    c = read_json(rd.launch_file, private=True)\n"
-        "    ok = launch.world_size, other['world_size'], rd.launch_file.stat()\n"
+        "    ok = launch.world_size, other['world_size'], rd.launch_file.stat(), rd.error_file(0).exists()\n"
+        "    e = json.loads(rd.error_file(1).read_bytes()), read_json(rd.error_file(2))\n"
     )
     assert _keyed_reads(module, "m.py") == [
         "m.py:2: ['world_size']",
         "m.py:3: .get(...)",
         "m.py:4: .update(...)",
         "m.py:5: launch_file (read it with RunDir.read_launch)",
+        "m.py:7: error_file (read it with RunDir.read_error)",
     ]
 
 
@@ -243,3 +248,19 @@ def test_the_launch_host_logs_a_command_it_cannot_read_and_serves_the_next(tmp_p
     from sgpu_magic.rundir import read_json
 
     assert wait_for(lambda: read_json(rd.stacks_reply_file("t1")), 30, "the host's answer") == {"ended": True}
+
+
+def test_a_rank_error_reads_back_and_one_of_an_older_release_too(tmp_path):
+    from sgpu_magic.wire import RankError
+
+    rd = RunDir.create(tmp_path)
+    error = RankError(1, "ValueError", "bad batch", "Traceback ...", 12.5, cuda=True, saved_locals={"x": "3"})
+    rd.write_error(error)
+    assert rd.read_error(1) == error and rd.read_error(0) is None
+    atomic_write_bytes(rd.error_file(0), b'{"rank": 0, "exc_type": "SystemExit", "message": "2"}')  # no time_s, cuda
+    assert rd.read_error(0) == RankError(0, "SystemExit", "2")
+    atomic_write_bytes(rd.error_file(0), b'{"rank": 0, "mess')  # caught half-written on a full disk
+    assert rd.read_error(0) is None
+    with pytest.raises(RecordError) as err:
+        RankError.from_json({"rank": 0})
+    assert str(err.value) == "a rank's error record lacks or mangles 'exc_type': not written by sgpu_magic"

@@ -26,7 +26,6 @@ from sgpu_magic.rundir import (
     make_private_dir,
     make_private_fifo,
     open_private_fifo,
-    read_json,
 )
 from sgpu_magic.wire import LaunchRecord
 
@@ -230,7 +229,7 @@ class RankAgent:
         return {
             "exitcode": code,
             "result": result,
-            "error": read_json(rd.error_file(rank)),
+            "error": None if (error := rd.read_error(rank)) is None else error.to_json(),
             "teardown": ended,
             "profile": profile,
             "warm": warm,

@@ -18,9 +18,9 @@ from sgpu_magic.launch.ray.cluster import NAMESPACE, PENDING_NOTE_S, ray_module
 from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
 from sgpu_magic.launch.stacks import REPLY_WAIT_S, CodeMap, RankStack, no_stack, write_stacks
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.status import HostStatus, StatusWriter
-from sgpu_magic.wire import RunState, StopReason
+from sgpu_magic.wire import RankError, RunState, StopReason
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -174,6 +174,10 @@ class _Supervisor(threading.Thread):
         self.bundle = _bundle(self.launch.backend, gpu_type)
         self.nodes: list[tuple[str, str, list[str]]] = []
         self.attempt, self.max_restarts = 1, self.launch.max_restarts
+        timeout_s = self.launch.timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        """When the job times out (``time.monotonic()``), as the launch host's: from when its launcher took it (a
+        clock step of the machine moves neither)."""
 
     def stop(self, reason: StopReason) -> None:
         self._stop_reason = reason  # read by the supervisor's loop within 0.1 s
@@ -190,15 +194,11 @@ class _Supervisor(threading.Thread):
             self._release()
             self.finished = True
 
-    def _deadline(self) -> float | None:
-        timeout_s = self.launch.timeout_s
-        return None if timeout_s is None else self.status["started_s"] + timeout_s
-
     def _should_stop(self) -> StopReason | None:
         if self._stop_reason:
             return self._stop_reason
-        deadline = self._deadline()
-        return StopReason.TIMED_OUT if deadline is not None and time.time() > deadline else None
+        deadline = self.deadline
+        return StopReason.TIMED_OUT if deadline is not None and time.monotonic() > deadline else None
 
     def _run(self) -> None:
         if self.base_env is not None:  # in the run keeper: connected by the job's own thread (seconds, the first time)
@@ -360,7 +360,7 @@ class _Supervisor(threading.Thread):
                 continue
             exitcodes[str(rank)] = out["exitcode"]
             if out["error"]:  # kept with the attempt's, by close_attempt
-                atomic_write_json(self.rd.error_file(rank), out["error"])
+                self.rd.write_error(RankError.from_json(out["error"]))
         self._pull_logs()  # the attempt's last lines, before the marker
         failed = root_cause_first(self.rd, self.world, self.status.pop("failures"), exitcodes)
         self.status.setdefault("attempts", []).append(
@@ -420,7 +420,7 @@ class _Supervisor(threading.Thread):
         if out["result"] is not None:
             atomic_write_bytes(self.rd.result_file(rank), out["result"])
         if out["error"]:
-            atomic_write_json(self.rd.error_file(rank), out["error"])
+            self.rd.write_error(RankError.from_json(out["error"]))
         if out.get("profile"):  # a profiled rank's trace and figures, from its node
             self.rd.profile_dir.mkdir(mode=0o700, exist_ok=True)
             for name, data in out["profile"].items():
