@@ -389,14 +389,14 @@ def live_stacks(
     now = status()
     if not now.final and not now.pids:
         raise SgpuError(
-            f"job {rd.job_id} has no running ranks yet (state {now.state.label}); take its stacks once it runs"
+            f"job {rd.job_id} has no running ranks yet (state {now.state.value}); take its stacks once it runs"
         )
     if not now.final:
         stacks = _asked(rd, ask, wait_s) if ask is not None else _here(rd, now.pids, native)
         if stacks is not None:
             return stacks
         now = status()
-    raise SgpuError(f"job {rd.job_id} has ended ({now.state.label}): its ranks are gone; {saved_note(rd)}")
+    raise SgpuError(f"job {rd.job_id} has ended ({now.state.value}): its ranks are gone; {saved_note(rd)}")
 
 
 def _here(rd: RunDir, pids: dict[int, int], native: bool) -> dict[int, str]:

@@ -73,7 +73,7 @@ def death_message(name: str, job: Job) -> str:
         first = failures[0]
         what = f"rank {first['rank']} died ({describe_exit(first.get('exitcode'))})"
     else:
-        what = f"its ranks ended ({status.state.label})"
+        what = f"its ranks ended ({status.state.value})"
     return (
         f"session {name} is broken: {what}; the other ranks were stopped and the session's state is gone. Run "
         f"%distributed_session restart (or sess.restart()) for fresh ranks. Logs: {job.run_dir}"

@@ -86,7 +86,7 @@ class RayLauncher:
         now = status()
         if not now.final:
             raise SgpuError(
-                f"job {run_dir.job_id} has no running ranks yet (state {now.state.label}); take its stacks once it runs"
+                f"job {run_dir.job_id} has no running ranks yet (state {now.state.value}); take its stacks once it runs"
             )
         return live_stacks(run_dir, status, native)  # raises: it has ended, and where its saved stacks are
 
