@@ -288,3 +288,29 @@ def test_no_import_cycle_at_run_time():
     """A ring of modules importing each other (rank/session and rank/worker, rundir and status, the doctor's package
     and its checks, before) is a layer that is not one: the shared part belongs in a module both import."""
     assert _import_cycles() == []
+
+
+def _record_rows() -> list[list[str]]:
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table = text.split("## Records")[1].split("## Layers")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in row.strip("|").split("|")] for row in rows[1:]]  # the header row left out
+
+
+def test_the_record_table_names_every_wire_record_and_only_what_exists():
+    import importlib
+
+    import sgpu_magic.wire
+    import sgpu_magic.wire.host
+
+    named = set()
+    for row in _record_rows():
+        for ref in re.findall(r"`(wire\.[\w.]+)`", " ".join(row)):
+            module, _, attr = f"sgpu_magic.{ref}".rpartition(".")
+            assert hasattr(importlib.import_module(module), attr), f"docs/architecture.md's record table: {ref}"
+            named.add(ref)
+        for path in re.findall(r"`((?:[a-z_]+/)+[a-z_]+)`", " ".join(row[2:])):
+            assert (PACKAGE / f"{path}.py").exists() or (PACKAGE / path).is_dir(), f"record table: no {path}"
+    records = {f"wire.{name}" for name in sgpu_magic.wire.__all__ if name[0].isupper() and not name.isupper()}
+    commands = {f"wire.host.{cls.__name__}" for cls in sgpu_magic.wire.host.HostCommand.__args__}
+    assert records | commands | {"wire.host.KeeperGreeting"} <= named
