@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sgpu_magic.wire import RunState, read_state
+from sgpu_magic.wire import read_state
+from sgpu_magic.wire.state import JobState
 
-JobState = RunState
-"""Life cycle of a job: PENDING, STARTING, RUNNING, then one final state: SUCCEEDED, FAILED, CANCELLED, TIMED_OUT
-(the same enum as :class:`sgpu_magic.wire.RunState`, which every launcher writes)."""
+__all__ = ["JobState", "state_from_status"]
 
 
 def state_from_status(status: dict[str, Any]) -> JobState:

@@ -14,9 +14,10 @@ from typing import Any
 from sgpu_magic.errors import RecordError
 
 
-class RunState(enum.Enum):
+class JobState(enum.Enum):
     """Life cycle of a run (a job, a session's cell): PENDING (waiting for GPUs), STARTING, RUNNING, then one final
-    state: SUCCEEDED, FAILED, CANCELLED, TIMED_OUT. Public as :class:`sgpu_magic.JobState` (the same enum)."""
+    state: SUCCEEDED, FAILED, CANCELLED, TIMED_OUT. The one state vocabulary of every launcher and reader; public as
+    :class:`sgpu_magic.JobState` (the name it prints with, as notebooks show it), :data:`RunState` in the records."""
 
     PENDING = "pending"
     STARTING = "starting"
@@ -35,6 +36,9 @@ class RunState(enum.Enum):
         """The state in words, as the panel, the summary line and the job table show it: ``timed out``."""
         return self.value.replace("_", " ")
 
+
+RunState = JobState
+"""The run state of the records (:class:`JobState`: the same enum, under the name a job's state prints with)."""
 
 _FINAL = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED, RunState.TIMED_OUT})
 

@@ -80,11 +80,11 @@ def test_status_writer_refuses_a_state_that_is_not_final(tmp_path):
     with pytest.raises(ValueError) as err:
         writer.finish(RunState.RUNNING)
     assert str(err.value) == (
-        "RunState.RUNNING is not a final state; one of ['SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT']"
+        "JobState.RUNNING is not a final state; one of ['SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT']"
     )
     with pytest.raises(ValueError) as err:
         writer.update(state=RunState.SUCCEEDED)
-    assert str(err.value) == "RunState.SUCCEEDED is a final state: a run ends through StatusWriter.finish"
+    assert str(err.value) == "JobState.SUCCEEDED is a final state: a run ends through StatusWriter.finish"
     assert not writer.finished and not writer.run_dir.status_file.exists()
 
 

@@ -264,3 +264,13 @@ def test_a_rank_error_reads_back_and_one_of_an_older_release_too(tmp_path):
     with pytest.raises(RecordError) as err:
         RankError.from_json({"rank": 0})
     assert str(err.value) == "a rank's error record lacks or mangles 'exc_type': not written by sgpu_magic"
+
+
+def test_the_one_state_vocabulary_is_the_public_job_state_and_prints_as_it():
+    """A notebook prints a job's state (the example notebooks check their outputs): the records' RunState is the
+    public JobState, under that name."""
+    import sgpu_magic
+    from sgpu_magic.wire import RunState
+
+    assert sgpu_magic.JobState is RunState and str(RunState.SUCCEEDED) == "JobState.SUCCEEDED"
+    assert repr(RunState.CANCELLED) == "<JobState.CANCELLED: 'cancelled'>"
