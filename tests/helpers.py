@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
 PID_GONE_S = 10.0
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sgpu_magic"
+
+
+def package_findings(check: Callable[[Path, str], list[str]], skip: Callable[[str], bool]) -> list[str]:
+    """What ``check(path, rel)`` finds in every module of sgpu_magic (``rel``: its path in the package, with ``/``),
+    in path order, leaving out the modules ``skip(rel)`` names: the walk of the source-rule tests."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if not skip(rel):
+            found += check(path, rel)
+    return found
+
 
 C01_CELL1 = """
 import math

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 
@@ -61,7 +61,7 @@ def count_lines(paths: list[Path]) -> dict[str, int]:
     return counts
 
 
-def site_packages_fingerprint(sys_path: list[str]) -> tuple:
+def site_packages_fingerprint(sys_path: Sequence[str]) -> tuple:
     """The modification times of the ``site-packages`` / ``dist-packages`` folders on ``sys_path``: it changes when
     a package is installed or removed there (``%pip install``), so a process that preloaded packages knows it is
     stale. Folders that cannot be read are left out."""

@@ -24,7 +24,7 @@ from sgpu_magic.job.state import JobState, state_from_status
 from sgpu_magic.launch.keeper import KeeperPaths, RunKeeper
 from sgpu_magic.rundir import RunDir, default_root, detached_index, read_json, read_private
 from sgpu_magic.session.core import SessionState
-from sgpu_magic.wire import StopReason
+from sgpu_magic.wire import GPUS_ENV, StopReason
 
 if TYPE_CHECKING:
     from sgpu_magic.front.session import Session
@@ -75,7 +75,7 @@ def _read(rd: RunDir) -> DetachedRun | None:
         run_dir=rd.path,
         state=state,
         world_size=launch.world_size,
-        gpus=",".join(map(str, launch.gpus)) or "cpu",
+        gpus=launch.env.get(GPUS_ENV) or "cpu",
         started_s=float(started_s),
         ended_s=status.get("ended_s"),
         mlflow_run_id=mlflow.get("run_id"),

@@ -145,10 +145,10 @@ class JobLifecycle:
                 self._error = ResourceError(
                     f"job {self.job_id} cannot start now: {why}. Leave out --no-wait / wait=False to queue for the GPUs"
                 )
-                forget(self)  # refused before anything started: not one of the kernel's jobs (nor an ended one
-                self._write_final(
-                    RunState.FAILED, launch_error=why
-                )  # that pushes the oldest ended job out of the list)
+                # refused before anything started: not one of the kernel's jobs (nor an ended one that pushes the
+                # oldest ended job out of the list)
+                forget(self)
+                self._write_final(RunState.FAILED, launch_error=why)
                 raise self._error
             self._set_pending(why)
             return False
@@ -198,6 +198,10 @@ class JobLifecycle:
     def _launch_record(self) -> LaunchRecord:
         """``launch.json`` as the job's spec and plan make it (before the sinks add theirs)."""
         rd, plan, spec = self._rd, self.plan, self.spec
+        lease_dir = None
+        if self._lease is not None:  # the launch host gives the GPUs back as soon as the ranks are gone
+            assert self._registry is not None  # the lease came from it
+            lease_dir = str(self._registry.dir)
         return LaunchRecord(
             job_id=rd.job_id,
             name=spec.name,
@@ -213,8 +217,7 @@ class JobLifecycle:
             teardown_grace_s=spec.teardown_grace_s,
             stuck_after_s=spec.stuck_after_s,
             detached=spec.detach,
-            # the launch host gives the GPUs back as soon as the ranks are gone
-            lease_dir=str(self._registry.dir) if self._lease is not None and self._registry is not None else None,
+            lease_dir=lease_dir,
         )
 
     def _launch(self) -> None:

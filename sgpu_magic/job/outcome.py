@@ -17,7 +17,7 @@ from sgpu_magic.errors import (
     SgpuError,
     rank_ranges,
 )
-from sgpu_magic.job.state import JobState, state_from_status
+from sgpu_magic.job.state import JobState
 from sgpu_magic.launch.flight_recorder import flight_recorder_note
 from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.launch.stacks import summary
@@ -161,7 +161,7 @@ def _still_running(rd: RunDir, status: dict) -> str:
 def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) -> BaseException:
     """The error of a job that ended without succeeding, from its final ``status``: a timeout, a cancel (or
     interrupt), a lost launcher, a launch that failed, or the :class:`RankFailedError` naming the root cause."""
-    state, job_id = state_from_status(status), rd.job_id
+    (state, reason), job_id = read_state(status), rd.job_id
     if state is JobState.TIMED_OUT and "rank_outcomes" in status:
         return JobTimeoutError(cell_stopped_message(rd, f"ran longer than its timeout of {spec.timeout_s:g} s", status))
     if state is JobState.TIMED_OUT:
@@ -170,7 +170,7 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
             f"{_still_running(rd, status)}{flight_recorder_note(rd)} Logs: {rd.logs_dir}"
         )
     if state is JobState.CANCELLED:
-        how = "interrupted" if read_state(status)[1] is StopReason.INTERRUPTED else "cancelled"
+        how = "interrupted" if reason is StopReason.INTERRUPTED else "cancelled"
         if "started_s" not in status:
             return JobCancelledError(f"job {job_id} was {how} before it started (no rank ran)")
         return stopped_error(rd, how, status)

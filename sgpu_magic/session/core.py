@@ -640,9 +640,8 @@ class SessionCore:
         if request.deadline is not None and now > request.deadline and request.reason is None:
             self.interrupt(StopReason.TIMED_OUT)
         elif request.failed_at is not None and now > request.failed_at + FAILURE_GRACE_S and request.reason is None:
-            self.interrupt(
-                StopReason.FAILED
-            )  # the cell has failed; the ranks still in it are most likely waiting for a peer
+            # the cell has failed; the ranks still in it are most likely waiting for a peer
+            self.interrupt(StopReason.FAILED)
         elif request.grace_end is not None and now > request.grace_end and request.missing:
             stuck = self._take_stuck(request)
             recoverable = self._channel is not None and self._channel.releases

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from helpers import package_findings
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "sgpu_magic"
 
@@ -199,12 +201,7 @@ def _private_uses(path: Path, rel: str) -> list[str]:
 def test_only_the_compat_seam_touches_other_libraries_privates():
     """Every private internal of another library (``api._wrap``, ``getattr(comm, "_reply_subshell_lock")``,
     ``sys.modules.get("mlflow.tracking._tracking_service.utils")``) is used through ``sgpu_magic/_compat``."""
-    found = [
-        use
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if "_compat" not in path.relative_to(PACKAGE).parts
-        for use in _private_uses(path, path.relative_to(PACKAGE).as_posix())
-    ]
+    found = package_findings(_private_uses, skip=lambda rel: "_compat" in rel.split("/"))
     assert found == [], "another library's private outside sgpu_magic/_compat (add a function there):\n" + "\n".join(
         found
     )

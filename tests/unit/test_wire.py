@@ -15,9 +15,8 @@ from sgpu_magic.errors import RecordError
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, detached_index
 from sgpu_magic.wire import LAUNCH_SCHEMA, LaunchRecord
 
-from helpers import wait_for
+from helpers import package_findings, wait_for
 
-PACKAGE = Path(__file__).resolve().parents[2] / "sgpu_magic"
 STORED_V2 = Path(__file__).with_name("data") / "run_v2" / "20261207-055109-f279ee"
 
 
@@ -157,11 +156,7 @@ def _keyed_reads(path: Path, rel: str) -> list[str]:
 
 
 def test_no_module_outside_wire_reads_a_record_by_key_or_by_hand():
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).as_posix()
-        if not rel.startswith("wire/"):
-            found += _keyed_reads(path, rel)
+    found = package_findings(_keyed_reads, skip=lambda rel: rel.startswith("wire/"))
     assert found == [], "a record read by key or by hand outside sgpu_magic/wire (use its typed record):\n" + "\n".join(
         found
     )

@@ -160,7 +160,7 @@ class HostJob:
     def _start_when_warm(self) -> None:
         """Start the ranks now, or once the warming forkserver is ready when it is expected to be ready before
         cold interpreters would have started (at the latest when they would have: :meth:`WarmPool.wait_s`)."""
-        wait = None if self.pool is None else self.pool.wait_s(self.launch.world_size, list(self.launch.sys_path))
+        wait = None if self.pool is None else self.pool.wait_s(self.launch.world_size, self.launch.sys_path)
         if wait:
             self.warm_by = time.monotonic() + wait
             return
@@ -171,7 +171,7 @@ class HostJob:
 
         ``warm``: fork them from the forkserver; default: if it is ready (else cold while it warms up)."""
         if warm is None:
-            warm = self.pool is not None and self.pool.ready(list(self.launch.sys_path))
+            warm = self.pool is not None and self.pool.ready(self.launch.sys_path)
         self.status["start_method"] = "forkserver" if warm else "subprocess"
         self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.attempt - 1)
         self.oom.watch(self.launch.world_size)
@@ -206,7 +206,7 @@ class HostJob:
             return
         if self.ctx is None:  # waiting for the warming forkserver
             assert self.pool is not None  # only a forkserver that warms is waited for (_start_when_warm)
-            if self.pool.ready(list(self.launch.sys_path)) or time.monotonic() >= self.warm_by:
+            if self.pool.ready(self.launch.sys_path) or time.monotonic() >= self.warm_by:
                 self.status["waited_for_warm_s"] = round(time.time() - self.started_s, 2)
                 self._start_attempt()
             return

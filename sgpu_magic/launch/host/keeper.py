@@ -128,7 +128,7 @@ class Keeper(Host):
 
     def handle(self, cmd: HostCommand) -> None:
         """The host's commands (:meth:`Host.handle`); those of a detached Ray job go to its supervisor here, and
-        ``{"op": "release"}`` gives back what it keeps warm on the Ray cluster."""
+        :class:`~sgpu_magic.wire.host.Release` gives back what it keeps warm on the Ray cluster."""
         if isinstance(cmd, Release):
             if self.ray is not None:
                 self.ray.release(cmd.why)
@@ -179,7 +179,7 @@ class Keeper(Host):
         for run_dir, env in self.ray_envs.values():
             if not run_dir.mlflow_ended_file.exists():
                 status = read_json(run_dir.status_file) or {}
-                end_mlflow_run(run_dir, read_state(status)[0] if status else RunState.CANCELLED, env)
+                end_mlflow_run(run_dir, read_state(status)[0], env)  # a job not started (no state) ends KILLED too
 
     def inputs(self) -> list[int]:
         return [self.listener.fileno(), *self.clients]

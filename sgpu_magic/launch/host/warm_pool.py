@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from sgpu_magic._compat.forkserver import fork_forkserver, forkserver_pid, stop_forkserver
@@ -76,7 +77,7 @@ class WarmPool:
         self.ratio: float | None = _read_ratio(stats_path)
         self._measured = False
 
-    def ready(self, sys_path: list[str]) -> bool:
+    def ready(self, sys_path: Sequence[str]) -> bool:
         """Start (or restart) the forkserver as needed; whether it has finished preloading."""
         import multiprocessing.forkserver as forkserver
 
@@ -148,7 +149,7 @@ class WarmPool:
         """Estimated seconds until ``world_size`` cold interpreters have imported torch on this machine's cores."""
         return (self.import_s or 2.0) * math.ceil(world_size / _cores()) + INTERPRETER_S
 
-    def wait_s(self, world_size: int, sys_path: list[str]) -> float | None:
+    def wait_s(self, world_size: int, sys_path: Sequence[str]) -> float | None:
         """How long a launch of ``world_size`` ranks should wait for the warming forkserver (:func:`warm_wait_s`):
         ``0.0`` when it is ready, ``None`` to start cold ranks now."""
         if self.ready(sys_path):
