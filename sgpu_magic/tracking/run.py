@@ -62,7 +62,7 @@ from sgpu_magic.job.state import JobState
 from sgpu_magic.rank.mlflow_guard import RANK_TAG, RUN_FILE_ENV
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
 from sgpu_magic.tracking.server import run_link, start_ui
-from sgpu_magic.tracking.uri import http_base, kernel_tracking_uri, notebook_path, sqlite_dir
+from sgpu_magic.tracking.uri import http_base, kernel_tracking_uri, notebook_path, open_client, sqlite_dir
 from sgpu_magic.tracking.worker import worker
 
 if TYPE_CHECKING:
@@ -110,10 +110,8 @@ def warm_up() -> None:
             _warming.clear()
         if sqlite_dir(uri) is not None:
             try:  # a new local store creates its tables here (3.5 s of CPU on 2 cores), not under the first job
-                from mlflow import MlflowClient
-
                 divert_info(*STORE_LOGGERS)
-                MlflowClient(uri).search_experiments(max_results=1)
+                open_client(mlflow, uri).search_experiments(max_results=1)
             except Exception:  # noqa: BLE001 - as above
                 pass
 
@@ -339,11 +337,11 @@ class MlflowTracking(JobSink):
 
     def _create_run(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> None:
         mlflow, entities = import_mlflow("mlflow.entities")  # at once once imported (warm_up did, or the notebook)
-        MlflowClient, Param = mlflow.MlflowClient, entities.Param
+        Param = entities.Param
 
         divert_info(*STORE_LOGGERS)  # a new store's "Creating initial MLflow database tables" is not for the cell
         uri = kernel_tracking_uri(mlflow)
-        client = MlflowClient(uri)
+        client = open_client(mlflow, uri)
         parent = self._parent.identity() if self._parent is not None else self._parent_run
         experiment_id, name = self._experiment(client, uri, parent)
         notebook = notebook_path()

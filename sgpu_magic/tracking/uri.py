@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+STORE_LOCK_TIMEOUT_S = 120.0
+"""How long a process waits for another one that creates a fresh local store's tables (about 4 s on 2 cores)
+before it gives up (its job then runs with tracking off, saying why)."""
+
+_opened: set[str] = set()
+_opened_lock = threading.Lock()
 
 
 def absolute_tracking_uri(uri: str) -> str:
@@ -77,3 +87,28 @@ def http_base(uri: str) -> str | None:
     if parts.port:
         netloc += f":{parts.port}"
     return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+
+
+def open_client(mlflow: Any, uri: str) -> Any:
+    """``mlflow.MlflowClient(uri)``, its store opened. The first one of this process for a local sqlite store is made
+    under a file lock that every sgpu_magic process of this user shares (``<home>/locks``), so two of them (two
+    kernels, a kernel and the one it attached to) never create a fresh store's tables at once: MLflow's SQL store
+    checks for its tables, then creates them, and two processes doing that together both fail (``table ... already
+    exists``, or alembic's ``Online migration expected to match one row``), which turned a job's tracking off.
+
+    Raises:
+        filelock.Timeout: another process held the lock for :data:`STORE_LOCK_TIMEOUT_S`; what MLflow raises.
+    """
+    if sqlite_dir(uri) is None or uri in _opened:
+        return mlflow.MlflowClient(uri)
+    from filelock import FileLock
+
+    from sgpu_magic.rundir import default_root, make_private_dir
+
+    locks = default_root() / "locks"
+    make_private_dir(locks)
+    name = "mlflow-store-" + hashlib.sha256(uri.encode()).hexdigest()[:16] + ".lock"
+    with _opened_lock, FileLock(str(locks / name), timeout=STORE_LOCK_TIMEOUT_S):
+        client = mlflow.MlflowClient(uri)  # MLflow opens the store (and makes a fresh one's tables) here
+        _opened.add(uri)
+    return client

@@ -113,6 +113,40 @@ def test_the_warm_up_imports_the_sql_stores_module_for_a_database_uri_only(tmp_p
     assert not db.exists()
 
 
+OPEN_STORE = """
+import sys, mlflow
+from sgpu_magic.tracking.uri import open_client
+sys.stdin.readline()  # both processes have imported mlflow: they open the fresh store together
+open_client(mlflow, sys.argv[1]).search_experiments(max_results=1)
+print("opened")
+"""
+
+
+def test_two_processes_that_open_a_fresh_local_store_at_once_both_get_it(tmp_path):
+    """MLflow's SQL store checks for its tables, then makes them: two kernels (or a kernel and the one it attached
+    to) that first touch a fresh sqlite store together both failed (``table ... already exists``), and their jobs
+    ran with tracking off. sgpu_magic's processes make a fresh store one at a time."""
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path}/fresh.db"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPEN_STORE, uri],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    done = [proc.communicate(timeout=180) for proc in procs]
+    assert [out for out, _ in done] == ["opened\n", "opened\n"], [err[-2000:] for _, err in done]
+
+
 def test_run_link_points_at_an_http_server_without_credentials():
     assert (
         run_link("https://user:secret@mlflow.example.com:8443/base/", "3", "abc")
