@@ -32,11 +32,14 @@ import secrets
 import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sgpu_magic._util.fs import atomic_write
 from sgpu_magic.errors import RecordError
 from sgpu_magic.wire import LaunchRecord, RankError
+
+if TYPE_CHECKING:
+    from sgpu_magic.wire.session import SessionRecord
 
 
 def default_root() -> Path:
@@ -489,6 +492,22 @@ class RunDir:
             return RankError.decode(self.error_file(rank).read_bytes())
         except (OSError, RecordError):
             return None
+
+    def write_session(self, record: SessionRecord) -> None:
+        """Write ``session.json`` (atomically, 0600) from ``record``."""
+        atomic_write_bytes(self.session_file, record.encode())
+
+    def read_session(self) -> SessionRecord:
+        """``session.json`` as its typed record, read through the private-read check.
+
+        Raises:
+            FileNotFoundError: the run is not a detached session's (or its ranks were never ready).
+            PermissionError: it or its folder is not private to this user (:func:`read_private`).
+            RecordError: it is not a session record this version reads.
+        """
+        from sgpu_magic.wire.session import SessionRecord  # a job's rank never reads it: not loaded there
+
+        return SessionRecord.decode(read_private(self.session_file))
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"

@@ -172,7 +172,7 @@ def attach(job_id: str | None = None, *, widgets: bool | None = None, root: Path
     if is_session:
         from sgpu_magic.front.session import Session
 
-        return Session.attached(job, read_json(rd.session_file, private=True) or {})
+        return Session.attached(job, rd.read_session())
     return job
 
 

@@ -42,6 +42,7 @@ from sgpu_magic.job.handle import Job
 from sgpu_magic.session.core import SessionCore, SessionState
 from sgpu_magic.spec import LaunchSpec, check_profile_steps, check_timeout, shown
 from sgpu_magic.wire import StopReason
+from sgpu_magic.wire.session import Pull, Push, SessionRecord
 
 DETACHED_IDLE_TIMEOUT_S = 7200.0
 """A detached session's idle timeout unless one is given (2 h): its ranks end after this long without a cell, also
@@ -127,7 +128,7 @@ class Session:
         register(self)
 
     @classmethod
-    def attached(cls, job: Job, record: dict[str, Any]) -> Session:
+    def attached(cls, job: Job, record: SessionRecord) -> Session:
         """The Session of a detached session that another kernel started, taken over through its session job
         ``job`` (attached: :func:`sgpu_magic.attach`) and its session record (name, idle timeout).
 
@@ -138,11 +139,11 @@ class Session:
         cls._take_over(session, job, record)
         return session
 
-    def _take_over(self, job: Job, record: dict[str, Any]) -> None:
+    def _take_over(self, job: Job, record: SessionRecord) -> None:
         self._setup(
             replace(job.spec, name="session"),
-            self._unique_name(record["name"]),
-            record.get("idle_timeout_s"),
+            self._unique_name(record.name),
+            record.idle_timeout_s,
             FromConfig("mlflow_per_cell", False),
             FromConfig("session_auto_recover", True),
         )
@@ -442,9 +443,7 @@ class Session:
                     f"{self.name} ({type(exc).__name__}: {exc}); create it in the ranks instead, in a "
                     f"%%distributed --session cell. Nothing was sent."
                 ) from None
-        self._core.request(
-            {"op": "push", "values": data}, self._core.check_ranks(None), f"the push of {', '.join(values)}"
-        )
+        self._core.request(Push(data), self._core.check_ranks(None), f"the push of {', '.join(values)}")
 
     def pull(self, name: str, rank: int | None = None) -> Any:
         """A value from the ranks' namespaces: rank ``rank``'s (tensors on the CPU), or a list, one per rank.
@@ -456,14 +455,13 @@ class Session:
             KeyboardInterrupt: as for :meth:`push` (the pull completes first).
         """
         ranks = self._core.check_ranks(None if rank is None else [rank], example="--rank 0")
-        request = self._core.request({"op": "pull", "name": name}, ranks, f"the pull of {name}")
+        request = self._core.request(Pull(name), ranks, f"the pull of {name}")
         for r in ranks:
             reply = request.replies[r]
-            if not reply.get("ok"):
-                names = f"; names it has: {', '.join(sorted(reply.get('names', []))) or 'none'}"
+            if not reply.ok:
+                names = f"; names it has: {', '.join(sorted(reply.names)) or 'none'}"
                 raise SessionError(
-                    f"{reply.get('error', 'the pull failed')} in session {self.name}"
-                    + (names if reply.get("missing") else "")
+                    f"{reply.error or 'the pull failed'} in session {self.name}" + (names if reply.missing else "")
                 )
         values = [self._unpickle(name, r, request.values[r]) for r in ranks]
         return values[0] if rank is not None else values

@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from sgpu_magic.errors import SgpuError
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private
 from sgpu_magic.status import HostStatus
+from sgpu_magic.wire.host import StacksReply
 
 DUMP_TIMEOUT_S = 5.0
 """Seconds one rank's ``py-spy dump`` may take (all ranks are dumped at once) before it is killed."""
@@ -338,13 +339,13 @@ def answer(rd: RunDir, token: str, pids: dict[int, int] | None, native: bool) ->
 def reply_stacks(rd: RunDir, token: str, take: Callable[[], dict[int, RankStack]] | None) -> None:
     """Write the answer to a stacks request into the reply file ``token`` names: what ``take()`` gives (``None``:
     the job's ranks are gone), or the error it raised."""
-    reply: dict[str, Any] = {"ended": True}
+    reply = StacksReply(ended=True)
     try:
         if take is not None:
-            reply = {"stacks": {str(rank): stack.text for rank, stack in take().items()}}
+            reply = StacksReply({rank: stack.text for rank, stack in take().items()})
     except Exception as exc:  # noqa: BLE001 - said to the kernel, which raises it
-        reply = {"error": f"{type(exc).__name__}: {exc}"}
-    atomic_write_json(rd.stacks_reply_file(token), reply)
+        reply = StacksReply(error=f"{type(exc).__name__}: {exc}")
+    atomic_write_bytes(rd.stacks_reply_file(token), reply.encode())
 
 
 def _asked(rd: RunDir, ask: Callable[[str], None], wait_s: float) -> dict[int, str] | None:
@@ -354,16 +355,24 @@ def _asked(rd: RunDir, ask: Callable[[str], None], wait_s: float) -> dict[int, s
     path = rd.stacks_reply_file(token)
     ask(token)
     deadline = time.monotonic() + wait_s
-    while (reply := read_json(path)) is None:
+    while (reply := _read_reply(path)) is None:
         if time.monotonic() > deadline:
             raise SgpuError(f"the launch host did not send the stacks of job {rd.job_id} within {wait_s:g} s")
         time.sleep(0.01)
     path.unlink(missing_ok=True)
-    if reply.get("error"):
-        raise SgpuError(f"the launch host could not take the stacks of job {rd.job_id}: {reply['error']}")
-    if reply.get("ended"):
+    if reply.error:
+        raise SgpuError(f"the launch host could not take the stacks of job {rd.job_id}: {reply.error}")
+    if reply.ended:
         return None
-    return {int(rank): text for rank, text in reply["stacks"].items()}
+    return dict(reply.stacks)
+
+
+def _read_reply(path: Path) -> StacksReply | None:
+    """The host's answer in ``path``, or ``None`` while it is not there (written atomically: whole or absent)."""
+    try:
+        return StacksReply.decode(read_private(path))
+    except FileNotFoundError:
+        return None
 
 
 def live_stacks(

@@ -13,13 +13,14 @@ import contextlib
 import io
 import os
 import pdb
-import pickle
 import reprlib
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from sgpu_magic._util.frames import read_frame, write_frame
+from sgpu_magic.errors import RecordError
+from sgpu_magic.wire.session import DebugFrame, DebugKind, DebugLine, Reply, decode_command
 
 MAX_LOCALS = 50
 """How many locals a failure keeps (the first ones, in the frame's order)."""
@@ -62,30 +63,38 @@ def failure_locals(exc: BaseException) -> dict[str, str]:
 
 
 class _ChannelIO(io.TextIOBase):
-    """pdb's stdin and stdout: writes go to the kernel as frames; a line read is asked of the kernel."""
+    """pdb's stdin and stdout over a session rank's FIFOs (``replies``, ``commands``): writes go to the kernel as
+    :class:`~sgpu_magic.wire.session.DebugFrame` s of the command ``head`` answers; a line read is asked of the
+    kernel, which sends a :class:`~sgpu_magic.wire.session.DebugLine`."""
 
-    def __init__(self, send: Callable[[dict], None], commands: int) -> None:
-        self._send, self._commands = send, commands
+    def __init__(self, replies: int, commands: int, head: Reply) -> None:
+        self._replies, self._commands, self._head = replies, commands, head
+
+    def _send(self, kind: DebugKind, text: str = "") -> None:
+        write_frame(self._replies, DebugFrame(self._head.seq, self._head.rank, kind, text).encode())
 
     def write(self, text: str) -> int:
         if text:
-            self._send({"stream": "debug_out", "text": text})
+            self._send("debug_out", text)
         return len(text)
 
     def readline(self, size: int | None = -1) -> str:  # type: ignore[override] # a text stream reads str
-        self._send({"stream": "debug_input"})
+        self._send("debug_input")
         frame = read_frame(self._commands)
-        if frame is None:  # the kernel is gone: leave the debugger
+        try:
+            cmd = None if frame is None else decode_command(frame)[1]
+        except RecordError:
+            cmd = None
+        if not isinstance(cmd, DebugLine):  # the kernel is gone, or it sent no line: leave the debugger
             return "q\n"
-        msg = pickle.loads(frame)
-        return str(msg.get("line", "q")).rstrip("\n") + "\n"
+        return cmd.line.rstrip("\n") + "\n"
 
     def flush(self) -> None:
         pass
 
     def end(self) -> None:
         """Tell the kernel that this pdb session stopped prompting (the rank runs on)."""
-        self._send({"stream": "debug_end"})
+        self._send("debug_end")
 
 
 class _Detaching(pdb.Pdb):
@@ -111,15 +120,15 @@ class _Detaching(pdb.Pdb):
             end()
 
 
-_CELL: dict | None = None
-"""While a session cell runs: its channel (``replies``, ``commands``) and ``head`` (``seq``, ``rank``)."""
+_CELL: tuple[int, int, Reply] | None = None
+"""While a session cell runs: its channel (the reply and command FIFOs) and the reply its frames go before."""
 
 
 @contextlib.contextmanager
-def cell_channel(replies: int, commands: int, head: dict) -> Iterator[None]:
-    """Let :func:`breakpoint_here` reach the kernel while the session cell ``head["seq"]`` runs."""
+def cell_channel(replies: int, commands: int, head: Reply) -> Iterator[None]:
+    """Let :func:`breakpoint_here` reach the kernel while the session cell whose reply will be ``head`` runs."""
     global _CELL
-    _CELL = {"replies": replies, "commands": commands, "head": head}
+    _CELL = (replies, commands, head)
     try:
         yield
     finally:
@@ -142,27 +151,17 @@ def breakpoint_here(frame: types.FrameType) -> None:
         return
     # nosigint: pdb's `c` would leave its own SIGINT handler, and the next interrupt of a cell would stop the rank
     # in pdb instead of raising KeyboardInterrupt (the session's interrupt then breaks the session)
-    debugger = _Detaching(stdin=_channel(cell), stdout=_channel(cell), nosigint=True)  # type: ignore[arg-type]
+    channel = _ChannelIO(*cell)
+    debugger = _Detaching(stdin=channel, stdout=channel, nosigint=True)  # type: ignore[arg-type]
     debugger.use_rawinput = False
     debugger.set_trace(frame)
 
 
-def _channel(cell: dict) -> _ChannelIO:
-    def send(body: dict) -> None:
-        frame = {**cell["head"], **body, "has_value": False}
-        write_frame(cell["replies"], pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL))
-
-    return _ChannelIO(send, cell["commands"])
-
-
-def post_mortem(exc: BaseException, replies: int, commands: int, head: dict) -> None:
+def post_mortem(exc: BaseException, replies: int, commands: int, head: Reply) -> None:
     """Run pdb at the innermost user frame of ``exc``'s traceback, its I/O over the channel (``replies`` and
-    ``commands`` are the rank's FIFO descriptors; ``head``: ``seq`` and ``rank`` each frame carries)."""
-
-    def send(body: dict) -> None:
-        write_frame(replies, pickle.dumps({**head, **body, "has_value": False}, protocol=pickle.HIGHEST_PROTOCOL))
-
-    channel = _ChannelIO(send, commands)
+    ``commands`` are the rank's FIFO descriptors; ``head``: the reply of the debug command, whose ``seq`` and
+    ``rank`` each frame carries)."""
+    channel = _ChannelIO(replies, commands, head)
     debugger = pdb.Pdb(stdin=channel, stdout=channel, nosigint=True)  # type: ignore[arg-type] # a text stream
     debugger.use_rawinput = False
     tb = exc.__traceback__

@@ -21,15 +21,15 @@ checked before use), read by a daemon thread; what it carries is JSON, never a p
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 import threading
 from datetime import timedelta
-from typing import Any
 
 from sgpu_magic._compat import torch as torch_compat
+from sgpu_magic.errors import RecordError
+from sgpu_magic.wire.session import ReleasePeers
 
 RECOVER_STORE_PREFIX = "sgpu_magic/recover"
 """The rendezvous store's key prefix of a process group made again by :func:`regroup` (then ``/<generation>/``)."""
@@ -40,7 +40,7 @@ REGROUP_TIMEOUT_S = 60.0
 
 def start_control_thread(fd: int) -> threading.Thread:
     """Serve the kernel's control commands on the FIFO ``fd`` (opened for reading) in a daemon thread: one JSON
-    object per line, ``{"op": "release", "peers": [pid, ...]}``. Ends at end of file (the kernel is gone)."""
+    line per command (:class:`~sgpu_magic.wire.session.ReleasePeers`). Ends at end of file (the kernel is gone)."""
     thread = threading.Thread(target=_serve_control, args=(fd,), name="sgpu_magic session control", daemon=True)
     thread.start()
     return thread
@@ -59,17 +59,17 @@ def _serve_control(fd: int) -> None:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             try:
-                command = json.loads(line)
-            except ValueError:
+                command = ReleasePeers.decode(line)
+            except RecordError as exc:  # a newer kernel's line: said in the rank's log
+                print(f"sgpu_magic: {exc}", file=sys.stderr, flush=True)
                 continue
-            if command.get("op") == "release":
-                _release(command)
+            _release(command)
 
 
-def _release(command: dict[str, Any]) -> None:
+def _release(command: ReleasePeers) -> None:
     try:
         abort_nccl()
-        count = release_peer_connections([int(pid) for pid in command.get("peers", [])])
+        count = release_peer_connections(list(command.peers))
         print(f"sgpu_magic: recover: closed {count} connection(s) to the other ranks", file=sys.stderr, flush=True)
     except Exception as exc:  # noqa: BLE001 - said in the rank's log; the kernel sees the rank not return
         print(f"sgpu_magic: recover: could not release ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)

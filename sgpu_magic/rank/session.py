@@ -28,19 +28,32 @@ dropped (the cell's outcome is in its run directory). It ends after ``idle_timeo
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import select
 import signal
 import sys
 import time
-from typing import Any, NoReturn
+from dataclasses import replace
+from typing import NoReturn
 
 from sgpu_magic._util.frames import read_frame, write_frame
 from sgpu_magic._util.metrics import WRITER as METRICS
+from sgpu_magic.errors import RecordError
 from sgpu_magic.rank.payload import dump_result, load_globals, redirect_output, run_payload, write_error
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, open_private_fifo, read_private
+from sgpu_magic.wire.session import (
+    Debug,
+    Pull,
+    Push,
+    Regroup,
+    Reply,
+    RunCell,
+    SessionCommand,
+    Stop,
+    Ungroup,
+    decode_command,
+)
 
 
 class _Running:
@@ -62,16 +75,17 @@ def _names(ns: dict) -> list[str]:
     return [name for name in ns if not name.startswith("__")]
 
 
-def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int, int]) -> dict[str, Any]:
+def _run_cell(cmd: RunCell, base: Reply, ns: dict, running: _Running, fds: tuple[int, int]) -> Reply:
     """Run one cell (or function) of the session; write its value or error into its run directory. ``fds``: the
     rank's reply and command FIFOs, for a ``runtime.breakpoint()`` in the cell."""
     from sgpu_magic.rank.debug import cell_channel
 
-    rd = RunDir(msg["run_dir"])
+    rank = base.rank
+    rd = RunDir(cmd.run_dir)
     _flush()
     METRICS.use(rd.metrics_file(rank))
     redirect_output(rd.log_file(rank))
-    reply: dict[str, Any] = {"ok": True, "interrupted": False}
+    reply = base
     payload: dict = {}
     running.failure = None
     grad_mode = _grad_mode()
@@ -81,7 +95,7 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
         held: list = []
         running.cell = True
         try:
-            with cell_channel(fds[0], fds[1], {"seq": msg["seq"], "rank": rank}):
+            with cell_channel(fds[0], fds[1], base):
                 value = run_payload(payload, ns, held, rd)
         finally:
             running.cell = False
@@ -89,8 +103,8 @@ def _run_cell(msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int,
         atomic_write_bytes(rd.result_file(rank), dump_result(value, rank))
     except BaseException as exc:  # noqa: BLE001 - a cell's error fails the cell, never the session
         running.cell = False
-        reply = {"ok": False, "interrupted": isinstance(exc, KeyboardInterrupt)}
-        if reply["interrupted"]:
+        reply = replace(base, ok=False, interrupted=isinstance(exc, KeyboardInterrupt))
+        if reply.interrupted:
             _restore_grad_mode(grad_mode)
         running.failure = exc
         try:
@@ -120,22 +134,21 @@ def _restore_grad_mode(enabled: bool | None) -> None:
         torch.set_grad_enabled(enabled)
 
 
-def _push(msg: dict, ns: dict) -> dict[str, Any]:
+def _push(cmd: Push, base: Reply, ns: dict) -> Reply:
     import cloudpickle
 
-    for name, data in msg["values"].items():
+    for name, data in cmd.values.items():
         ns[name] = cloudpickle.loads(data)
-    return {"ok": True}
+    return base
 
 
-def _pull(msg: dict, ns: dict, rank: int) -> tuple[dict[str, Any], bytes | None]:
-    name = msg["name"]
-    if name not in ns:
-        return {"ok": False, "error": f"rank {rank} has no name {name!r}", "missing": True}, None
+def _pull(cmd: Pull, base: Reply, ns: dict) -> tuple[Reply, bytes | None]:
+    if cmd.name not in ns:
+        return replace(base, ok=False, error=f"rank {base.rank} has no name {cmd.name!r}", missing=True), None
     try:
-        return {"ok": True}, dump_result(ns[name], rank, name)
+        return base, dump_result(ns[cmd.name], base.rank, cmd.name)
     except TypeError as exc:
-        return {"ok": False, "error": str(exc)}, None
+        return replace(base, ok=False, error=str(exc)), None
 
 
 def _flush() -> None:
@@ -146,55 +159,54 @@ def _flush() -> None:
             pass
 
 
-def _debug(msg: dict, rank: int, running: _Running, replies: int, commands: int) -> dict[str, Any]:
+def _debug(base: Reply, running: _Running, replies: int, commands: int) -> Reply:
     """pdb at the frame where this rank's last cell failed, its I/O over the channel (:mod:`sgpu_magic.rank.debug`)."""
     from sgpu_magic.rank.debug import post_mortem
 
     if running.failure is None:
-        return {"ok": False, "error": f"rank {rank}'s last cell did not fail: there is nothing to debug"}
+        return replace(base, ok=False, error=f"rank {base.rank}'s last cell did not fail: there is nothing to debug")
     _flush()
-    post_mortem(running.failure, replies, commands, {"seq": msg["seq"], "rank": rank})
-    return {"ok": True}
+    post_mortem(running.failure, replies, commands, base)
+    return base
 
 
-def _ungroup() -> dict[str, Any]:
+def _ungroup(base: Reply) -> Reply:
     from sgpu_magic.rank.recover import ungroup
 
-    return {"ok": True, "backend": ungroup()}
+    return replace(base, backend=ungroup())
 
 
-def _regroup(msg: dict) -> dict[str, Any]:
+def _regroup(cmd: Regroup, base: Reply) -> Reply:
     from sgpu_magic.rank.recover import regroup
 
     try:
-        regroup(msg["backend"], msg["generation"])
+        regroup(cmd.backend, cmd.generation)
     except Exception as exc:  # noqa: BLE001 - said to the kernel, which says the session needs a restart
-        return {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    return {"ok": True}
+        return replace(base, ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return base
 
 
 def _serve_one(
-    msg: dict, ns: dict, rank: int, running: _Running, fds: tuple[int, int]
-) -> tuple[dict[str, Any], bytes | None]:
-    op = msg["op"]
-    if op == "cell":
-        return _run_cell(msg, ns, rank, running, fds), None
-    if op == "push":
-        return _push(msg, ns), None
-    if op == "pull":
-        return _pull(msg, ns, rank)
-    if op == "ungroup":
-        return _ungroup(), None
-    if op == "regroup":
-        return _regroup(msg), None
-    return {"ok": False, "error": f"unknown session command {op!r}"}, None
+    cmd: SessionCommand, base: Reply, ns: dict, running: _Running, fds: tuple[int, int]
+) -> tuple[Reply, bytes | None]:
+    if isinstance(cmd, RunCell):
+        return _run_cell(cmd, base, ns, running, fds), None
+    if isinstance(cmd, Push):
+        return _push(cmd, base, ns), None
+    if isinstance(cmd, Pull):
+        return _pull(cmd, base, ns)
+    if isinstance(cmd, Debug):
+        return _debug(base, running, *fds), None
+    if isinstance(cmd, Ungroup):
+        return _ungroup(base), None
+    if isinstance(cmd, Regroup):
+        return _regroup(cmd, base), None
+    return replace(base, ok=False, error=f"a {type(cmd).__name__} command is not one a session rank serves now"), None
 
 
-def _reply(fd: int, seq: int, rank: int, reply: dict[str, Any], value: bytes | None, ns: dict) -> None:
-    reply.update(seq=seq, rank=rank, names=_names(ns), has_value=value is not None, time_s=time.time())
-    buf = io.BytesIO()
-    pickle.dump(reply, buf, protocol=pickle.HIGHEST_PROTOCOL)
-    write_frame(fd, buf.getvalue())
+def _reply(fd: int, reply: Reply, value: bytes | None, ns: dict) -> None:
+    reply = replace(reply, names=tuple(_names(ns)), has_value=value is not None, time_s=time.time())
+    write_frame(fd, reply.encode())
     if value is not None:
         write_frame(fd, value)
 
@@ -223,7 +235,7 @@ def serve(run_dir: RunDir, ns: dict, detached: bool = False, idle_timeout_s: flo
     signal.signal(signal.SIGINT, running.on_sigint)
     # a rank started by a Ray actor's thread inherits that thread's blocked SIGINT: the interrupt would never land
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    _reply(replies, 0, rank, {"ok": True, "op": "ready", "pid": os.getpid()}, None, ns)
+    _reply(replies, Reply(0, rank, pid=os.getpid()), None, ns)
     while True:
         if detached and not _command_within(commands, idle_timeout_s):
             print(
@@ -238,15 +250,17 @@ def serve(run_dir: RunDir, ns: dict, detached: bool = False, idle_timeout_s: flo
             continue
         if frame is None:  # the kernel's end closed: it is gone, and the launch host stops this rank (KILLED)
             _wait_to_be_stopped()
-        msg = pickle.loads(frame)
-        if msg["op"] == "stop":
-            _answer(detached, replies, msg["seq"], rank, {"ok": True}, None, ns)
+        try:
+            seq, cmd = decode_command(frame)
+        except RecordError as exc:  # a newer kernel's command: said in the rank's log, the rank serves the next
+            print(f"sgpu_magic: {exc}", file=sys.stderr, flush=True)
+            continue
+        base = Reply(seq, rank)
+        if isinstance(cmd, Stop):
+            _answer(detached, replies, base, None, ns)
             return
-        if msg["op"] == "debug":
-            reply, value = _debug(msg, rank, running, replies, commands), None
-        else:
-            reply, value = _serve_one(msg, ns, rank, running, (replies, commands))
-        _answer(detached, replies, msg["seq"], rank, reply, value, ns)
+        reply, value = _serve_one(cmd, base, ns, running, (replies, commands))
+        _answer(detached, replies, reply, value, ns)
 
 
 def _command_within(fd: int, timeout_s: float | None) -> bool:
@@ -255,11 +269,11 @@ def _command_within(fd: int, timeout_s: float | None) -> bool:
     return bool(ready)
 
 
-def _answer(detached: bool, fd: int, seq: int, rank: int, reply: dict[str, Any], value: bytes | None, ns: dict) -> None:
+def _answer(detached: bool, fd: int, reply: Reply, value: bytes | None, ns: dict) -> None:
     """:func:`_reply`; a detached rank whose kernel has gone drops it (no reader: ``BrokenPipeError``), and waits for
     the next kernel."""
     try:
-        _reply(fd, seq, rank, reply, value, ns)
+        _reply(fd, reply, value, ns)
     except BrokenPipeError:
         if not detached:
             raise

@@ -12,21 +12,20 @@ session's reader thread (:meth:`SessionChannel.read_ready`).
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 import queue
 import select
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sgpu_magic._util.frames import read_frame, write_frame
 from sgpu_magic.rundir import RunDir, make_private_dir, make_private_fifo, open_private_fifo
 from sgpu_magic.status import StatusWriter
 from sgpu_magic.wire import StopReason
+from sgpu_magic.wire.session import DebugFrame, Frame, ReleasePeers, Reply, SessionCommand, decode_frame, encode_command
 
 if TYPE_CHECKING:
     from sgpu_magic.job.handle import Job
@@ -39,7 +38,7 @@ class Request:
     Attributes:
         seq: its number (replies carry it; a late reply to an earlier request is dropped).
         ranks: the ranks it was sent to.
-        replies: ``{rank: reply}`` as they arrive (``ok``, ``interrupted``, ``error``, ``names``, ``time_s``).
+        replies: ``{rank: reply}`` as they arrive.
         values: ``{rank: pickled value}`` of a pull.
         run_dir: the cell's run directory (``None`` for push, pull, stop).
         deadline: monotonic time after which a cell is interrupted as timed out (``None``: no timeout).
@@ -49,7 +48,7 @@ class Request:
 
     seq: int
     ranks: tuple[int, ...]
-    replies: dict[int, dict[str, Any]] = field(default_factory=dict)
+    replies: dict[int, Reply] = field(default_factory=dict)
     values: dict[int, bytes] = field(default_factory=dict)
     run_dir: RunDir | None = None
     writer: StatusWriter | None = None
@@ -62,7 +61,7 @@ class Request:
     """Monotonic time the first rank raised in the cell: the others are interrupted ``FAILURE_GRACE_S`` later."""
     started_s: float = field(default_factory=time.time)
     done: threading.Event = field(default_factory=threading.Event)
-    stream: queue.Queue = field(default_factory=queue.Queue)
+    stream: queue.Queue[DebugFrame] = field(default_factory=queue.Queue)
     """Frames a rank sends before its reply (a debugger's output and its requests for a line)."""
 
     @property
@@ -78,8 +77,8 @@ class Channel(Protocol):
     def make(self) -> None: ...
     def reopen(self) -> None: ...
     def attach(self, job: Job) -> None: ...
-    def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None: ...
-    def read_ready(self, timeout_s: float) -> list[tuple[int, dict[str, Any], bytes | None]]: ...
+    def send(self, ranks: tuple[int, ...], cmd: SessionCommand, seq: int = 0) -> None: ...
+    def read_ready(self, timeout_s: float) -> list[tuple[int, Frame, bytes | None]]: ...
     def interrupt(self, rank: int, pid: int) -> None: ...
 
     releases: bool
@@ -160,22 +159,26 @@ class SessionChannel:
         """
         with self._send_lock:
             for rank, fd in self._controls.items():
-                others = [pid for r, pid in sorted(peers.items()) if r != rank]
-                os.write(fd, json.dumps({"op": "release", "peers": others}).encode() + b"\n")
+                others = tuple(pid for r, pid in sorted(peers.items()) if r != rank)
+                os.write(fd, ReleasePeers(others).encode())
 
-    def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None:
-        """Send ``message`` to each of ``ranks`` (a pickle, one frame each).
+    def send(self, ranks: tuple[int, ...], cmd: SessionCommand, seq: int = 0) -> None:
+        """Send ``cmd`` (of request ``seq``) to each of ``ranks`` (one frame each).
 
         Raises:
             OSError: the channel is closed.
         """
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode_command(cmd, seq)
         with self._send_lock:
             for rank in ranks:
                 write_frame(self._commands[rank], data)
 
-    def read_ready(self, timeout_s: float) -> list[tuple[int, dict[str, Any], bytes | None]]:
-        """Wait up to ``timeout_s`` for replies; each waiting one as ``(rank, reply, pickled value or None)``."""
+    def read_ready(self, timeout_s: float) -> list[tuple[int, Frame, bytes | None]]:
+        """Wait up to ``timeout_s`` for replies; each waiting one as ``(rank, frame, pickled value or None)``.
+
+        Raises:
+            RecordError: a rank sent a frame this version does not read (the session breaks, saying it).
+        """
         by_fd = {fd: rank for rank, fd in self._replies.items()}
         if not by_fd:
             return []
@@ -188,8 +191,8 @@ class SessionChannel:
             frame = read_frame(fd)
             if frame is None:
                 continue
-            reply = pickle.loads(frame)
-            value = bytes(read_frame(fd) or b"") if reply.get("has_value") else None
+            reply = decode_frame(frame)
+            value = bytes(read_frame(fd) or b"") if reply.has_value else None
             out.append((by_fd[fd], reply, value))
         return out
 

@@ -26,7 +26,7 @@ from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
 from sgpu_magic.launch.stacks import CodeMap, RankStack, take_stacks
-from sgpu_magic.rundir import RunDir, atomic_write_json, signal_status
+from sgpu_magic.rundir import RunDir, signal_status
 from sgpu_magic.session.channel import Channel, Request, new_channel
 from sgpu_magic.session.launcher import CellLauncher
 from sgpu_magic.session.outcome import (
@@ -40,6 +40,20 @@ from sgpu_magic.session.relay import DebugRelay, ReadLine, Write, read_line, wri
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import StatusWriter
 from sgpu_magic.wire import RunState, StopReason
+from sgpu_magic.wire.session import (
+    Debug,
+    DebugFrame,
+    Frame,
+    Pull,
+    Push,
+    Regroup,
+    Reply,
+    RunCell,
+    SessionCommand,
+    SessionRecord,
+    Stop,
+    Ungroup,
+)
 
 INTERRUPT_GRACE_S = 5.0
 """How long ranks interrupted in a cell may take to return before the session is declared broken."""
@@ -192,13 +206,12 @@ class SessionCore:
         except BaseException:
             self._end_job()
             raise
-        self.pids = {r: int(reply["pid"]) for r, reply in request.replies.items()}
+        self.pids = {r: reply.pid for r, reply in request.replies.items() if reply.pid is not None}
         self._parent_run = mlflow_run(sinks)  # made by the session job's launch, which has happened now
         self.state = SessionState.IDLE
         self._last_active = time.monotonic()
         if self.spec.detach:  # what a kernel attaching to it needs beside the job's attach record
-            record = {"name": self.name, "idle_timeout_s": self.idle_timeout_s}
-            atomic_write_json(RunDir(self.job.run_dir).session_file, record)
+            RunDir(self.job.run_dir).write_session(SessionRecord(self.name, self.idle_timeout_s))
 
     def adopt(self, job: Job) -> None:
         """Take over a detached session that another kernel started (:func:`sgpu_magic.attach`): ``job`` is its
@@ -233,7 +246,7 @@ class SessionCore:
         self.state = SessionState.STOPPED  # the reader thread ends
         if graceful and self._channel is not None:
             try:
-                self._channel.send(tuple(range(self.world_size)), {"op": "stop", "seq": 0})
+                self._channel.send(tuple(range(self.world_size)), Stop())
             except OSError:
                 graceful = False
         self._end_job(grace_s if graceful else 0.0)
@@ -308,7 +321,7 @@ class SessionCore:
         sets = [self._names.get(r, set()) for r in ranks]
         return set.intersection(*sets) if sets else set()
 
-    def request(self, message: dict[str, Any], ranks: tuple[int, ...], what: str) -> Request:
+    def request(self, cmd: Push | Pull, ranks: tuple[int, ...], what: str) -> Request:
         """Send a push or pull (``what``: ``the push of big``, for messages) to ``ranks`` and wait for every reply.
 
         An interrupt meanwhile is held until the ranks have replied (a rank does not stop in the middle of a
@@ -324,7 +337,7 @@ class SessionCore:
         request = self._new_request(ranks)
         self.state = SessionState.BUSY
         with held_interrupt() as interrupted:
-            self._send(request, message, what)
+            self._send(request, cmd, what)
             try:
                 self._wait(request)
             except KeyboardInterrupt:
@@ -347,12 +360,12 @@ class SessionCore:
         request = self._new_request(ranks)
         self.state = SessionState.BUSY
         assert self._channel is not None  # usable: started
-        self._channel.send(ranks, {"op": "debug", "seq": request.seq})
+        self._channel.send(ranks, Debug(), request.seq)
         DebugRelay(self._channel, write, read_line).serve(request, block=True)
-        reply = request.replies.get(rank, {})
-        if not reply.get("ok"):
+        reply = request.replies.get(rank)
+        if reply is None or not reply.ok:
             raise SessionError(
-                f"{reply.get('error', 'the debugger did not start')} (session {self.name}); "
+                f"{(reply and reply.error) or 'the debugger did not start'} (session {self.name}); "
                 f"%distributed_debug opens the debugger after a cell failed"
             )
 
@@ -419,18 +432,18 @@ class SessionCore:
             state=RunState.RUNNING, started_s=request.started_s, pids={str(r): self.pids[r] for r in ranks}
         )
         with held_interrupt() as interrupted:
-            self._send(request, {"op": "cell", "run_dir": str(run_dir.path)}, "the cell")
+            self._send(request, RunCell(str(run_dir.path)), "the cell")
         if interrupted():  # the notebook's Interrupt came while the cell was being sent: it interrupts the cell
             self.interrupt(StopReason.INTERRUPTED)
         return request
 
-    def _send(self, request: Request, message: dict[str, Any], what: str) -> None:
-        """Send ``message`` (with ``request``'s seq) to its ranks, inside :func:`held_interrupt` (a frame cut in two
+    def _send(self, request: Request, cmd: SessionCommand, what: str) -> None:
+        """Send ``cmd`` (with ``request``'s seq) to its ranks, inside :func:`held_interrupt` (a frame cut in two
         would leave the channel out of step). A second interrupt cuts it anyway: the session is then broken and the
         ``KeyboardInterrupt`` goes on."""
         assert self._channel is not None  # usable: started
         try:
-            self._channel.send(request.ranks, {**message, "seq": request.seq})
+            self._channel.send(request.ranks, cmd, request.seq)
         except KeyboardInterrupt:
             self.broken = (
                 f"session {self.name} is broken: a second interrupt cut {what} in the middle of sending it to "
@@ -489,7 +502,7 @@ class SessionCore:
         with self._lock:
             self._request = request = Request(stuck.seq, waiting)
         for rank in stuck.returned:
-            request.replies[rank] = {"ok": False}
+            request.replies[rank] = Reply(stuck.seq, rank, ok=False)
         if not self._channel.releases:
             self._abandon(request)
             raise SessionError(
@@ -503,15 +516,13 @@ class SessionCore:
             self._abandon(request)
             raise SessionError(self._not_recovered(stuck, request.missing, timeout_s))
         everyone = tuple(range(self.world_size))
-        replies = self._ask({"op": "ungroup"}, everyone, timeout_s, stuck)
-        backends = sorted({str(reply["backend"]) for reply in replies if reply.get("backend")})
+        replies = self._ask(Ungroup(), everyone, timeout_s, stuck)
+        backends = sorted({reply.backend for reply in replies if reply.backend})
         backend = backends[0] if backends else None
         if backend is not None:
             self._generation += 1
-            replies = self._ask(
-                {"op": "regroup", "backend": backend, "generation": self._generation}, everyone, timeout_s, stuck
-            )
-            errors = sorted((r.get("rank", -1), r.get("error")) for r in replies if not r.get("ok"))
+            replies = self._ask(Regroup(backend, self._generation), everyone, timeout_s, stuck)
+            errors = sorted((r.rank, r.error or "") for r in replies if not r.ok)
             if errors:
                 self.broken = (
                     f"session {self.name} needs a restart: its process group could not be made again after "
@@ -539,18 +550,18 @@ class SessionCore:
             if self._request is request:
                 self._request = None
 
-    def _ask(self, message: dict[str, Any], ranks: tuple[int, ...], timeout_s: float, stuck: Stuck) -> list[dict]:
-        """One step of :meth:`recover`: ``message`` to ``ranks``, every reply within ``timeout_s`` (else
+    def _ask(self, cmd: Ungroup | Regroup, ranks: tuple[int, ...], timeout_s: float, stuck: Stuck) -> list[Reply]:
+        """One step of :meth:`recover`: ``cmd`` to ``ranks``, every reply within ``timeout_s`` (else
         :class:`SessionError`, the session still broken)."""
         with self._lock:
             self._seq += 1
             self._request = request = Request(self._seq, ranks)
         assert self._channel is not None
-        self._channel.send(ranks, {**message, "seq": request.seq})
+        self._channel.send(ranks, cmd, request.seq)
         if not self._wait_for(request, timeout_s):
             self._abandon(request)
-            raise SessionError(self._not_recovered(stuck, request.missing, timeout_s, message["op"]))
-        return [{**reply, "rank": r} for r, reply in sorted(request.replies.items())]
+            raise SessionError(self._not_recovered(stuck, request.missing, timeout_s, type(cmd).__name__.lower()))
+        return [reply for _, reply in sorted(request.replies.items())]
 
     def _not_recovered(self, stuck: Stuck, missing: list[int], timeout_s: float, step: str = "") -> str:
         if self.job is not None and self.job.done():
@@ -594,26 +605,27 @@ class SessionCore:
             if request is not None:
                 self._complete(request, self.broken)
 
-    def _on_reply(self, rank: int, reply: dict[str, Any], value: bytes | None) -> None:
-        self._names[rank] = set(reply.get("names", ()))
-        stuck = self.stuck
-        if stuck is not None and reply.get("seq") == stuck.seq and rank in stuck.ranks and "stream" not in reply:
-            stuck.returned.add(rank)  # a rank blocked past the interrupt's grace has come back to its loop
+    def _on_reply(self, rank: int, reply: Frame, value: bytes | None) -> None:
         with self._lock:
             request = self._request
-        if reply.get("op") == "ready" and request is not None and self.state is SessionState.STARTING:
-            reply["seq"] = request.seq  # a rank's first word answers the start
-        if request is None or reply.get("seq") != request.seq:
-            return  # a late reply to a request that was given up
-        if "stream" in reply:  # a debugger's output or its request for a line: the reply comes later
-            request.stream.put(reply)
-            if request.run_dir is not None:
-                signal_status(request.run_dir)  # the cell's follower serves it (DebugRelay.tick) at once
+        if isinstance(reply, DebugFrame):  # a debugger's output or its request for a line: the reply comes later
+            if request is not None and reply.seq == request.seq:
+                request.stream.put(reply)
+                if request.run_dir is not None:
+                    signal_status(request.run_dir)  # the cell's follower serves it (DebugRelay.tick) at once
             return
+        self._names[rank] = set(reply.names)
+        stuck = self.stuck
+        if stuck is not None and reply.seq == stuck.seq and rank in stuck.ranks:
+            stuck.returned.add(rank)  # a rank blocked past the interrupt's grace has come back to its loop
+        if reply.pid is not None and request is not None and self.state is SessionState.STARTING:
+            reply = replace(reply, seq=request.seq)  # a rank's first word answers the start
+        if request is None or reply.seq != request.seq:
+            return  # a late reply to a request that was given up
         request.replies[rank] = reply
         if value is not None:
             request.values[rank] = value
-        if request.run_dir is not None and not reply.get("ok") and not reply.get("interrupted"):
+        if request.run_dir is not None and reply.raised:
             request.failed_at = request.failed_at or time.monotonic()  # the others get FAILURE_GRACE_S
         if not request.missing:
             self._complete(request)

@@ -13,6 +13,7 @@ from sgpu_magic.job.handle import Job
 from sgpu_magic.rundir import RunDir
 from sgpu_magic.session.channel import Request
 from sgpu_magic.wire import RunState, StopReason
+from sgpu_magic.wire.session import Reply
 
 if TYPE_CHECKING:
     from sgpu_magic.session.core import Stuck
@@ -27,15 +28,9 @@ def cell_status(request: Request, broken: str | None) -> tuple[RunState | StopRe
     """A cell's end (its final state, or the reason it was stopped for) and the rest of its final ``status.json``,
     from its ranks' replies (or the reason the session broke)."""
     replies = request.replies
-    failures = sorted(
-        (
-            {"rank": r, "exitcode": None, "time_s": reply.get("time_s", time.time())}  # the rank lives on
-            for r, reply in replies.items()
-            if not reply.get("ok") and not reply.get("interrupted")
-        ),
-        key=lambda f: f["time_s"],
-    )
-    interrupted = any(reply.get("interrupted") for reply in replies.values()) or bool(request.missing)
+    raised = sorted((reply.time_s or time.time(), r) for r, reply in replies.items() if reply.raised)
+    failures = [{"rank": r, "exitcode": None, "time_s": t} for t, r in raised]  # the rank lives on
+    interrupted = any(reply.interrupted for reply in replies.values()) or bool(request.missing)
     end: RunState | StopReason
     if broken is not None and request.reason is None:
         end = RunState.FAILED
@@ -54,13 +49,13 @@ def cell_status(request: Request, broken: str | None) -> tuple[RunState | StopRe
     return end, status
 
 
-def outcome(reply: dict[str, Any] | None) -> str:
+def outcome(reply: Reply | None) -> str:
     """How one rank ended a cell, as the panel's rank tab says it."""
     if reply is None:
         return "did not return"
-    if reply.get("ok"):
+    if reply.ok:
         return "returned"
-    return "interrupted" if reply.get("interrupted") else "raised"
+    return "interrupted" if reply.interrupted else "raised"
 
 
 def death_message(name: str, job: Job) -> str:
@@ -93,7 +88,7 @@ def stuck_message(
     ``failed``), which ones and their error; the way on: ``recover`` where the session's channel can (``recoverable``),
     else a restart."""
     ranks = ", ".join(str(r) for r in request.missing)
-    failed = sorted(r for r, reply in request.replies.items() if not reply.get("ok") and not reply.get("interrupted"))
+    failed = sorted(r for r, reply in request.replies.items() if reply.raised)
     why = "of the interrupt"
     if request.reason is StopReason.FAILED and failed and request.run_dir is not None:
         why = (

@@ -13,9 +13,10 @@ from __future__ import annotations
 import collections
 import queue
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sgpu_magic.job.follow import JobSink
+from sgpu_magic.wire.session import DebugFrame, DebugLine
 
 if TYPE_CHECKING:
     from sgpu_magic.job.handle import Job
@@ -41,7 +42,7 @@ class DebugRelay(JobSink):
         self.request: Request | None = None
         self.active: int | None = None
         self._prompts: dict[int, str] = {}
-        self._stash: collections.deque[dict[str, Any]] = collections.deque()
+        self._stash: collections.deque[DebugFrame] = collections.deque()
         self._job: Job | None = None
 
     def finished(self, job: Job) -> None:
@@ -71,14 +72,14 @@ class DebugRelay(JobSink):
             item = self._next(request, block)
             if item is None:
                 return
-            rank = item["rank"]
+            rank = item.rank
             if self.active is not None and rank != self.active:
                 self._stash.append(item)  # another rank's breakpoint waits for this one's pdb
                 continue
             self._handle(rank, item)
 
-    def _handle(self, rank: int, item: dict[str, Any]) -> None:
-        kind = item["stream"]
+    def _handle(self, rank: int, item: DebugFrame) -> None:
+        kind = item.kind
         if self.active is None and kind != "debug_end" and self.request is not None:
             self._activity(f"rank {rank} in debugger")
             self.write(
@@ -88,20 +89,20 @@ class DebugRelay(JobSink):
         if kind != "debug_end":
             self.active = rank
         if kind == "debug_out":
-            shown, _, self._prompts[rank] = (self._prompts.get(rank, "") + item["text"]).rpartition("\n")
+            shown, _, self._prompts[rank] = (self._prompts.get(rank, "") + item.text).rpartition("\n")
             if shown:
                 self.write(shown + "\n")
         elif kind == "debug_input":
             prompt = self._prompts.pop(rank, "")
             line = _ask(self.read_line, f"[rank {rank}] {prompt}" if self.request is not None else prompt)
-            self.channel.send((rank,), {"op": "debug_line", "line": line})
+            self.channel.send((rank,), DebugLine(line))
         elif kind == "debug_end":
             self.active = None
             self._activity("")
 
-    def _next(self, request: Request, block: bool) -> dict[str, Any] | None:
+    def _next(self, request: Request, block: bool) -> DebugFrame | None:
         for item in list(self._stash):
-            if self.active is None or item["rank"] == self.active:
+            if self.active is None or item.rank == self.active:
                 self._stash.remove(item)
                 return item
         while True:

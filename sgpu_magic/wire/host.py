@@ -137,3 +137,37 @@ class KeeperGreeting:
             return cls(int(data["pid"]), str(data["log"]), data.get("warm"))
         except (ValueError, KeyError, TypeError) as exc:
             raise RecordError(f"not a run keeper's greeting ({exc!r}): {line[:200]!r}") from None
+
+
+@dataclass(frozen=True)
+class StacksReply:
+    """The launch host's (or the run keeper's) answer to :class:`Stacks`, in the reply file its token names: each
+    running rank's stack text (``{rank: text}``), or ``ended`` (the job's ranks are gone), or the ``error`` taking
+    them raised."""
+
+    stacks: Mapping[int, str] = field(default_factory=dict)
+    ended: bool = False
+    error: str | None = None
+
+    def encode(self) -> bytes:
+        if self.error is not None:
+            data: dict[str, Any] = {"error": self.error}
+        elif self.ended:
+            data = {"ended": True}
+        else:
+            data = {"stacks": {str(rank): text for rank, text in self.stacks.items()}}
+        return json.dumps(data).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> StacksReply:
+        """Raises:
+        RecordError: not a stacks answer."""
+        try:
+            raw = json.loads(data)
+            if raw.get("error"):
+                return cls(error=str(raw["error"]))
+            if raw.get("ended"):
+                return cls(ended=True)
+            return cls({int(rank): str(text) for rank, text in raw["stacks"].items()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise RecordError(f"not a stacks answer this sgpu_magic reads ({exc!r}): {data[:200]!r}") from None

@@ -299,6 +299,7 @@ def test_the_record_table_names_every_wire_record_and_only_what_exists():
 
     import sgpu_magic.wire
     import sgpu_magic.wire.host
+    import sgpu_magic.wire.session
 
     named = set()
     for row in _record_rows():
@@ -310,4 +311,12 @@ def test_the_record_table_names_every_wire_record_and_only_what_exists():
             assert (PACKAGE / f"{path}.py").exists() or (PACKAGE / path).is_dir(), f"record table: no {path}"
     records = {f"wire.{name}" for name in sgpu_magic.wire.__all__ if name[0].isupper() and not name.isupper()}
     commands = {f"wire.host.{cls.__name__}" for cls in sgpu_magic.wire.host.HostCommand.__args__}
-    assert records | commands | {"wire.host.KeeperGreeting"} <= named
+    session = sgpu_magic.wire.session
+    frames = {f"wire.session.{cls.__name__}" for cls in (*session.SessionCommand.__args__, *session.Frame.__args__)}
+    others = {
+        "wire.host.KeeperGreeting",
+        "wire.host.StacksReply",
+        "wire.session.ReleasePeers",
+        "wire.session.SessionRecord",
+    }
+    assert records | commands | frames | others <= named, sorted(records | commands | frames | others - named)

@@ -122,11 +122,12 @@ def test_a_rank_agents_copy_has_no_env_nor_lease():
 
 # -- only wire/ spells a record's keys
 
-RECORD_NAMES = {"launch"}
+RECORD_NAMES = {"launch", "reply", "msg", "message", "command", "cmd", "item"}
 
 
 def _keyed_reads(path: Path, rel: str) -> list[str]:
-    """``launch["k"]`` / ``launch.get("k")`` / ``x.launch["k"]``, and ``launch.json`` or a rank's error file read or
+    """``launch["k"]`` / ``launch.get("k")`` / ``x.launch["k"]`` (and the same of a session's frames: ``reply``,
+    ``msg``, ``message``, ``command``, ``cmd``, ``item``), and ``launch.json`` or a rank's error file read or
     written by hand (``read_json(rd.launch_file)``, ``read_json(rd.error_file(r))``) in one module."""
     found = []
 
@@ -136,7 +137,12 @@ def _keyed_reads(path: Path, rel: str) -> list[str]:
         )
 
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Subscript) and recordlike(node.value) and isinstance(node.slice, ast.Constant):
+        if (
+            isinstance(node, ast.Subscript)
+            and recordlike(node.value)
+            and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, str)
+        ):
             found.append(f"{rel}:{node.lineno}: [{node.slice.value!r}]")
         elif (
             isinstance(node, ast.Call)
@@ -172,6 +178,7 @@ def test_the_keyed_read_check_finds_each_kind(tmp_path):
         "    c = read_json(rd.launch_file, private=True)\n"
         "    ok = launch.world_size, other['world_size'], rd.launch_file.stat(), rd.error_file(0).exists()\n"
         "    e = json.loads(rd.error_file(1).read_bytes()), read_json(rd.error_file(2))\n"
+        "    f = reply['ok'], msg.get('op'), item[0]\n"
     )
     assert _keyed_reads(module, "m.py") == [
         "m.py:2: ['world_size']",
@@ -179,6 +186,8 @@ def test_the_keyed_read_check_finds_each_kind(tmp_path):
         "m.py:4: .update(...)",
         "m.py:5: launch_file (read it with RunDir.read_launch)",
         "m.py:7: error_file (read it with RunDir.read_error)",
+        "m.py:8: ['ok']",
+        "m.py:8: .get(...)",
     ]
 
 
@@ -269,3 +278,131 @@ def test_the_one_state_vocabulary_is_the_public_job_state_and_prints_as_it():
 
     assert sgpu_magic.JobState is RunState and str(RunState.SUCCEEDED) == "JobState.SUCCEEDED"
     assert repr(RunState.CANCELLED) == "<JobState.CANCELLED: 'cancelled'>"
+
+
+# -- a session's frames
+
+
+def test_every_session_command_and_frame_reads_back_as_sent():
+    from sgpu_magic.wire.session import (
+        Debug,
+        DebugFrame,
+        DebugLine,
+        Pull,
+        Push,
+        Regroup,
+        ReleasePeers,
+        Reply,
+        RunCell,
+        SessionRecord,
+        Stop,
+        Ungroup,
+        decode_command,
+        decode_frame,
+        encode_command,
+    )
+
+    commands = [
+        RunCell("/runs/c1"),
+        Push({"x": b"\x80\x05K\x03."}),
+        Pull("model"),
+        Debug(),
+        DebugLine("p x"),
+        Stop(),
+        Ungroup(),
+        Regroup("gloo", 2),
+    ]
+    for seq, cmd in enumerate(commands, 1):
+        assert decode_command(encode_command(cmd, seq)) == (seq, cmd)
+    frames = [
+        Reply(3, 1, names=("x", "model"), has_value=True, time_s=12.5),
+        Reply(4, 0, ok=False, error="rank 0 has no name 'y'", missing=True),
+        Reply(5, 1, ok=False, interrupted=True),
+        Reply(6, 0, backend="gloo"),
+        Reply(0, 1, pid=4242, names=()),
+        DebugFrame(7, 1, "debug_out", "> cell.py(3)\n(Pdb) "),
+        DebugFrame(7, 1, "debug_input"),
+    ]
+    for frame in frames:
+        assert decode_frame(frame.encode()) == frame
+    assert ReleasePeers.decode(ReleasePeers((11, 12)).encode()) == ReleasePeers((11, 12))
+    assert SessionRecord.decode(SessionRecord("train", 600.0).encode()) == SessionRecord("train", 600.0)
+
+
+def test_a_session_frame_of_the_previous_version_still_reads():
+    """A detached session's ranks outlive the kernel that started them: the next kernel may be of a newer version,
+    so the frames keep the previous version's keys (as its ranks wrote them, by hand)."""
+    import pickle
+
+    from sgpu_magic.wire.session import DebugFrame, Reply, RunCell, decode_command, decode_frame
+
+    ready = {
+        "ok": True,
+        "op": "ready",
+        "pid": 77,
+        "seq": 0,
+        "rank": 1,
+        "names": ["a"],
+        "has_value": False,
+        "time_s": 1.0,
+    }
+    assert decode_frame(pickle.dumps(ready)) == Reply(0, 1, pid=77, names=("a",), time_s=1.0)
+    out = {"seq": 4, "rank": 0, "stream": "debug_end", "has_value": False}
+    assert decode_frame(pickle.dumps(out)) == DebugFrame(4, 0, "debug_end")
+    assert decode_command(pickle.dumps({"op": "cell", "run_dir": "/r", "seq": 9})) == (9, RunCell("/r"))
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        ({"op": "pause", "seq": 1}, "a session command has the op 'pause', which this sgpu_magic does not know"),
+        ({"op": "pull", "seq": 1}, "a session command lacks 'name'"),
+        (["cell"], "a session command is not a frame this sgpu_magic reads (a list)"),
+    ],
+)
+def test_a_session_command_this_version_does_not_know_is_refused_naming_it(frame, message):
+    import pickle
+
+    from sgpu_magic.wire.session import decode_command
+
+    with pytest.raises(RecordError) as err:
+        decode_command(pickle.dumps(frame))
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        ({"seq": 1, "rank": 0, "stream": "debug_pause"}, "a session rank's frame has the stream 'debug_pause'"),
+        ({"seq": 1, "ok": True}, "a session rank's frame lacks 'rank'"),
+        (b"\x80\x05K", "a session rank's frame is not a frame this sgpu_magic reads (UnpicklingError"),
+    ],
+)
+def test_a_rank_frame_this_version_does_not_know_is_refused_naming_it(frame, message):
+    import pickle
+
+    from sgpu_magic.wire.session import decode_frame
+
+    with pytest.raises(RecordError) as err:
+        decode_frame(frame if isinstance(frame, bytes) else pickle.dumps(frame))
+    assert str(err.value).startswith(message)
+
+
+def test_a_control_line_and_a_session_record_this_version_does_not_know_are_refused(tmp_path):
+    from sgpu_magic.wire.session import ReleasePeers
+
+    with pytest.raises(RecordError, match="a control line has the op 'pause', which this sgpu_magic does not know"):
+        ReleasePeers.decode(b'{"op": "pause"}')
+    rd = RunDir.create(tmp_path)
+    atomic_write_bytes(rd.session_file, b'{"idle_timeout_s": 5}')
+    with pytest.raises(RecordError, match="not a session record this sgpu_magic reads"):
+        rd.read_session()
+
+
+def test_a_stacks_answer_reads_back_as_written_in_each_of_its_three_forms():
+    from sgpu_magic.wire.host import StacksReply
+
+    for reply in (StacksReply({0: "File a.py", 1: "File b.py"}), StacksReply(ended=True), StacksReply(error="E: x")):
+        assert StacksReply.decode(reply.encode()) == reply
+    with pytest.raises(RecordError, match="not a stacks answer this sgpu_magic reads"):
+        StacksReply.decode(b'{"stacks": 3}')

@@ -28,6 +28,7 @@ from sgpu_magic.rundir import (
     open_private_fifo,
 )
 from sgpu_magic.wire import LaunchRecord
+from sgpu_magic.wire.session import Frame, Reply, RunCell, SessionCommand, decode_frame, encode_command, with_run_dir
 
 if TYPE_CHECKING:
     import subprocess
@@ -72,22 +73,23 @@ class SessionPipe:
     def cell_dir(self, cell_id: str) -> RunDir:
         return RunDir(self.cells / "runs" / cell_id)
 
-    def send(self, message: dict[str, Any], payload: bytes | None) -> None:
-        """Write ``message`` to the rank; a cell's ``payload`` first goes into a fresh node-side run directory."""
-        if payload is not None:
+    def send(self, cmd: SessionCommand, seq: int, payload: bytes | None) -> None:
+        """Write ``cmd`` (of request ``seq``) to the rank; a cell's ``payload`` first goes into a fresh node-side run
+        directory (the kernel's :class:`~sgpu_magic.wire.session.RunCell` names the cell's id)."""
+        if isinstance(cmd, RunCell) and payload is not None:
             import shutil
 
             if self.cell is not None:
                 shutil.rmtree(self.cell.path, ignore_errors=True)  # the previous cell's files went to the kernel
-            self.cell = RunDir.create(self.cells, job_id=message["run_dir"], lean=True)
+            self.cell = RunDir.create(self.cells, job_id=cmd.run_dir, lean=True)
             atomic_write_bytes(self.cell.payload_file, payload)
             self.cell.log_file(self.rank).touch(mode=0o600)
-            message = {**message, "run_dir": str(self.cell.path)}
-        write_frame(self.commands, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            cmd = with_run_dir(cmd, str(self.cell.path))
+        write_frame(self.commands, encode_command(cmd, seq))
 
     def recv(
         self, timeout_s: float, token: str | None = None
-    ) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]] | str | None:
+    ) -> tuple[Frame, bytes | None, dict[str, bytes]] | str | None:
         """The rank's next frame (a reply, or a debugger's frame) as ``(reply, value, files)``, or ``None`` after
         ``timeout_s``. ``files``: the cell's result, error and metrics files (paths relative to its run
         directory) with the reply that ends a cell. ``token``: the asking channel's; ``"stale"`` when another
@@ -101,14 +103,14 @@ class SessionPipe:
                 return "stale"
             return self._read()
 
-    def _read(self) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]] | None:
+    def _read(self) -> tuple[Frame, bytes | None, dict[str, bytes]] | None:
         frame = read_frame(self.replies)
         if frame is None:
             return None
-        reply = pickle.loads(frame)
-        value = bytes(read_frame(self.replies) or b"") if reply.get("has_value") else None
+        reply = decode_frame(frame)
+        value = bytes(read_frame(self.replies) or b"") if reply.has_value else None
         files: dict[str, bytes] = {}
-        if self.cell is not None and "stream" not in reply and reply.get("op") != "ready":
+        if self.cell is not None and isinstance(reply, Reply) and reply.pid is None:
             files = _cell_files(self.cell)
         return reply, value, files
 
@@ -334,16 +336,18 @@ class RankAgent:
         records = read_new(path, offset)
         return records, read_new(names_file(path), names_offset)
 
-    def session_send(self, message: dict[str, Any], payload: bytes | None = None, token: str | None = None) -> None:
+    def session_send(
+        self, cmd: SessionCommand, seq: int, payload: bytes | None = None, token: str | None = None
+    ) -> None:
         """Relay a session command to the rank (see :meth:`SessionPipe.send`); the channel ``token`` reads the replies
         from now on (:meth:`SessionPipe.take`)."""
         pipe = self._pipe()
         pipe.take(token)
-        pipe.send(message, payload)
+        pipe.send(cmd, seq, payload)
 
     def session_recv(
         self, timeout_s: float, token: str | None = None
-    ) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]] | str | None:
+    ) -> tuple[Frame, bytes | None, dict[str, bytes]] | str | None:
         """The rank's next frame (see :meth:`SessionPipe.recv`); ``"gone"`` once the rank has exited, ``"stale"`` once
         another channel than ``token``'s reads the replies (the last one that sent or asked does)."""
         if self.proc is not None and self.proc.poll() is not None:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from sgpu_magic.launch.ray.cluster import ray_module
 from sgpu_magic.launch.ray.launcher import LOG_PULL_S
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, make_private_dir, read_private
+from sgpu_magic.wire.session import Frame, RunCell, SessionCommand, with_run_dir
 
 
 class _SessionJob(Protocol):
@@ -115,8 +116,9 @@ class RaySessionChannel:
         assert self._agents is not None
         self._recv[self._agents[rank].session_recv.remote(RECV_WAIT_S, self._token)] = rank
 
-    def send(self, ranks: tuple[int, ...], message: dict[str, Any]) -> None:
-        """Send ``message`` to each of ``ranks`` (a cell's payload with it) and wait until each actor has it.
+    def send(self, ranks: tuple[int, ...], cmd: SessionCommand, seq: int = 0) -> None:
+        """Send ``cmd`` (of request ``seq``) to each of ``ranks`` (a cell's payload with it) and wait until each actor
+        has it.
 
         Raises:
             OSError: the ranks are not running (yet, or any more), or an actor failed.
@@ -125,16 +127,16 @@ class RaySessionChannel:
         if agents is None:
             raise OSError(f"the session's ranks on the Ray cluster are not running ({self.run_dir})")
         payload = None
-        if message["op"] == "cell":
-            cell = RunDir(message["run_dir"])
+        if isinstance(cmd, RunCell):
+            cell = RunDir(cmd.run_dir)
             payload = read_private(cell.payload_file, cell.path)
-            message = {**message, "run_dir": cell.job_id}
+            cmd = with_run_dir(cmd, cell.job_id)  # the actor makes the cell's folder on its node
             with self._lock:
                 self._cells.update({r: [cell, 0] for r in ranks})
         ray = ray_module()
         try:
             ray.get(
-                [agents[r].session_send.remote(message, payload, self._token) for r in ranks], timeout=CALL_TIMEOUT_S
+                [agents[r].session_send.remote(cmd, seq, payload, self._token) for r in ranks], timeout=CALL_TIMEOUT_S
             )
         except Exception as exc:  # noqa: BLE001 - Ray's errors: an actor died, a timeout
             raise OSError(f"sending to the session's ranks failed ({type(exc).__name__}: {exc})") from None
@@ -150,7 +152,7 @@ class RaySessionChannel:
     def release(self, peers: dict[int, int]) -> None:
         """Nothing on a Ray cluster (see :attr:`releases`)."""
 
-    def read_ready(self, timeout_s: float) -> list[tuple[int, dict[str, Any], bytes | None]]:
+    def read_ready(self, timeout_s: float) -> list[tuple[int, Frame, bytes | None]]:
         """Wait up to ``timeout_s`` for frames from the ranks; each as ``(rank, reply, pickled value or None)``."""
         if self._actors() is None or not self._recv:
             time.sleep(timeout_s)
