@@ -41,7 +41,7 @@ for _ in range(__REPS__):
     _res["warnings"] = _c.warnings
     del _c
     _t0 = time.perf_counter(); _p = _capture.capture_cell(_cell, _ns); _res["cell_s"].append(time.perf_counter() - _t0)
-    _res["payload_bytes"] = sum(len(e[1]) for e in _p["globals"].values() if e[0] == "value")
+    _res["payload_bytes"] = sum(len(e[1]) for e in _p.globals.values() if e[0] == "value")
     del _p
 _emit(**_res)
 """

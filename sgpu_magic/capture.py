@@ -31,6 +31,7 @@ import cloudpickle
 
 from sgpu_magic._util.reads import cell_reads, code_names
 from sgpu_magic.errors import CaptureError, Unpicklable, unpicklable_message  # noqa: F401 - Unpicklable: capture.Unpicklable
+from sgpu_magic.wire.payload import Cell, FunctionCode, FunctionRef, Payload
 
 DEFAULT_MAX_BYTES = 100 * 2**20
 _MAX_LINECACHE_CHARS = 2_000_000
@@ -277,16 +278,16 @@ def capture_function(
     warn: Callable[[str], None] | None = None,
     skip: Collection[str] = (),
     ranks: int | None = None,
-) -> dict:
-    """Payload part for a function: a reference, or its code plus captured globals (except ``skip``); ``ranks``:
-    how many ranks get a copy (said in the large-global warning).
+) -> Payload:
+    """The payload of a function (its arguments still to set): a reference, or its code plus captured globals
+    (except ``skip``); ``ranks``: how many ranks get a copy (said in the large-global warning).
 
     Raises:
         CaptureError: when the function's defaults or closure cannot be pickled.
     """
     ref = _importable_reference(fn)
     if ref is not None:
-        return {"kind": "ref", "module": ref[0], "qualname": ref[1], "globals": {}, "warnings": [], "sources": {}}
+        return Payload(FunctionRef(ref[0], ref[1]))
     code = fn.__code__
     captured = capture_names(code_global_names(code), fn.__globals__, max_bytes, warn, skip, ranks)
     closure = [c.cell_contents for c in (fn.__closure__ or ())]
@@ -306,13 +307,7 @@ def capture_function(
             f"({type(exc).__name__}: {exc}); pass such values as arguments or create them inside the function"
         ) from exc
     filenames = _code_filenames(code) | _notebook_filenames(fn.__globals__, captured)
-    return {
-        "kind": "code",
-        "shell": shell_bytes,
-        "globals": captured.entries,
-        "warnings": captured.warnings,
-        "sources": source_cache(filenames),
-    }
+    return Payload(FunctionCode(shell_bytes), captured.entries, source_cache(filenames), captured.warnings)
 
 
 def _notebook_filenames(namespace: dict, captured: Captured) -> set[str]:
@@ -333,21 +328,24 @@ def capture_cell(
     warn: Callable[[str], None] | None = None,
     skip: Collection[str] = (),
     ranks: int | None = None,
-) -> dict:
-    """Payload part for a cell: its source plus the globals it reads from ``namespace`` (except ``skip``); ``ranks``:
-    how many ranks get a copy (said in the large-global warning).
+    filename: str = "<cell>",
+    quiet: bool = False,
+    cell_label: str | None = None,
+) -> Payload:
+    """The payload of a cell: its source (compiled as ``filename``; ``quiet``: no value; ``cell_label``: as IPython
+    names it) plus the globals it reads from ``namespace`` (except ``skip``); ``ranks``: how many ranks get a copy
+    (said in the large-global warning).
 
     Raises:
         SyntaxError: when the cell is not valid Python.
     """
     captured = capture_names(cell_global_names(source), namespace, max_bytes, warn, skip, ranks)
-    return {
-        "kind": "cell",
-        "source": source,
-        "globals": captured.entries,
-        "warnings": captured.warnings,
-        "sources": source_cache(_notebook_filenames(namespace, captured)),
-    }
+    return Payload(
+        Cell(source, filename, quiet, cell_label),
+        captured.entries,
+        source_cache(_notebook_filenames(namespace, captured)),
+        captured.warnings,
+    )
 
 
 def _argument_error(label: str, call: str, value: object, exc: Exception) -> CaptureError:

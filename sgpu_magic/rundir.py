@@ -39,6 +39,7 @@ from sgpu_magic.errors import RecordError
 from sgpu_magic.wire import LaunchRecord, RankError
 
 if TYPE_CHECKING:
+    from sgpu_magic.wire.payload import Payload
     from sgpu_magic.wire.session import SessionRecord
 
 
@@ -492,6 +493,33 @@ class RunDir:
             return RankError.decode(self.error_file(rank).read_bytes())
         except (OSError, RecordError):
             return None
+
+    def write_payload(self, payload: Payload) -> None:
+        """Write ``payload.pkl`` (atomically, 0600): what the ranks run."""
+        import pickle
+
+        atomic_write_bytes(self.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def read_payload(self) -> Payload:
+        """``payload.pkl``, read through the private-read check (a pickle is code: only from a private run
+        directory).
+
+        Raises:
+            FileNotFoundError: there is none (the job has ended: its payload is deleted then).
+            PermissionError: it or its folder is not private to this user (:func:`read_private`).
+            RecordError: it is not a payload of this version.
+        """
+        import pickle
+
+        from sgpu_magic.wire.payload import Payload
+
+        payload = pickle.loads(read_private(self.payload_file, self.path))
+        if not isinstance(payload, Payload):
+            raise RecordError(
+                f"{self.payload_file} is not a payload of this sgpu_magic (a {type(payload).__name__}); was it "
+                f"written by another version? Run the job again from this kernel"
+            )
+        return payload
 
     def write_session(self, record: SessionRecord) -> None:
         """Write ``session.json`` (atomically, 0600) from ``record``."""

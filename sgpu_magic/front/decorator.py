@@ -43,6 +43,7 @@ from sgpu_magic.spec import (
 from sgpu_magic.ui.panel import make_view
 from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES
 from sgpu_magic.ui.text import TextView
+from sgpu_magic.wire.payload import Cell, Payload
 
 
 def make_sinks(spec: LaunchSpec, view: JobSink | None, parent_run: JobSink | None = None) -> list[JobSink]:
@@ -65,7 +66,7 @@ def make_sinks(spec: LaunchSpec, view: JobSink | None, parent_run: JobSink | Non
 
 def start(
     spec: LaunchSpec,
-    build_payload: Callable[[Callable[[str], None]], dict[str, Any]],
+    build_payload: Callable[[Callable[[str], None]], Payload],
     view: TextView | None = None,
     background: bool = False,
 ) -> Job:
@@ -75,11 +76,12 @@ def start(
     A background job is followed by its own thread; for a blocking one the caller runs ``job.follow()``.
     """
 
-    def build(warn: Callable[[str], None]) -> dict[str, Any]:
+    def build(warn: Callable[[str], None]) -> Payload:
         payload = build_payload(warn)
-        payload["display_names"] = _cell_labels(payload.get("sources", {}))
-        if payload.get("cell_label"):  # a %%distributed cell's own frames, as IPython names the cell
-            payload["display_names"][payload["filename"]] = payload["cell_label"]
+        payload.display_names = _cell_labels(payload.sources)
+        body = payload.body
+        if isinstance(body, Cell) and body.cell_label:  # a %%distributed cell's own frames, as IPython names it
+            payload.display_names[body.filename] = body.cell_label
         return payload
 
     return start_job(
@@ -111,7 +113,7 @@ def _cell_labels(filenames: Iterable[str]) -> dict[str, str]:
 
 def function_payload(
     fn: DistributedFunction, args: tuple[Any, ...], kwargs: dict[str, Any], warn: Callable[[str], None] | None = None
-) -> dict[str, Any]:
+) -> Payload:
     """The payload of ``fn(*args, **kwargs)`` for its ranks: the function and the notebook values it reads
     (:func:`sgpu_magic.capture.capture_function`), and the pickled arguments; ``warn`` shows capture warnings.
 
@@ -121,7 +123,7 @@ def function_payload(
     call = f"{fn.__sgpu_function__.__name__}.distributed"
     args_bytes, kwargs_bytes = capture.capture_arguments(call, args, kwargs)
     payload = capture.capture_function(fn.__sgpu_function__, fn.max_capture_bytes, warn, ranks=fn.spec.gpus)
-    payload.update(args=args_bytes, kwargs=kwargs_bytes)
+    payload.args, payload.kwargs = args_bytes, kwargs_bytes
     return payload
 
 

@@ -36,6 +36,7 @@ from sgpu_magic.job.handle import jobs
 from sgpu_magic.launch import held_warm
 from sgpu_magic.launch.ray.warm import set_keep_warm_s
 from sgpu_magic.spec import DEFAULT_STUCK_AFTER_S, DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
+from sgpu_magic.wire.payload import Payload
 
 
 @magics_class
@@ -210,11 +211,17 @@ class DistributedMagics(Magics):
         label = cell_label(shell)
         source = checked_source(cell, shell.transform_cell(cell), label)  # stops bad cells before anything starts
 
-        def payload(warn) -> dict:
-            part = capture.capture_cell(source, shell.user_ns, self.max_capture_bytes, warn, ranks=spec.gpus)
-            part.update(filename=CELL_FILENAME, quiet=ends_quiet(source))
-            part.update(cell_label=label)  # as Out[N]: its frames in tracebacks and stacks
-            return part
+        def payload(warn) -> Payload:
+            return capture.capture_cell(
+                source,
+                shell.user_ns,
+                self.max_capture_bytes,
+                warn,
+                ranks=spec.gpus,
+                filename=CELL_FILENAME,
+                quiet=ends_quiet(source),
+                cell_label=label,  # as Out[N]: its frames in tracebacks and stacks
+            )
 
         job = start(spec, payload, background=args.background)
         if args.output:

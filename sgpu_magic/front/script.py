@@ -37,6 +37,7 @@ from sgpu_magic.front.decorator import start
 from sgpu_magic.front.spec_options import config_default, job_spec, resolve_config
 from sgpu_magic.job.handle import Job
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, check_switch, shown
+from sgpu_magic.wire.payload import Payload, Script
 
 __all__ = ["run_script", "resolve", "ScriptTarget"]
 
@@ -59,19 +60,11 @@ class ScriptTarget:
         """The job's name (MLflow run, panel): the script's file name, or ``-m module``."""
         return f"-m {self.module}" if self.module else os.path.basename(self.path or "script")
 
-    def payload(self, args: Sequence[str]) -> dict[str, Any]:
+    def payload(self, args: Sequence[str]) -> Payload:
         """The payload for the ranks: ``sys.argv`` is ``[script, *args]`` (for a module, its file, as
         ``python -m`` sets it)."""
         argv0 = self.path if self.path is not None else self.module
-        return {
-            "kind": "script",
-            "script": self.path,
-            "module": self.module,
-            "argv": [argv0, *args],
-            "globals": {},
-            "warnings": [],
-            "sources": {},
-        }
+        return Payload(Script(self.path, self.module), argv=[str(argv0), *args])
 
 
 def _check_args(args: object) -> list[str]:

@@ -42,6 +42,7 @@ from sgpu_magic.job.handle import Job
 from sgpu_magic.session.core import SessionCore, SessionState
 from sgpu_magic.spec import LaunchSpec, check_profile_steps, check_timeout, shown
 from sgpu_magic.wire import StopReason
+from sgpu_magic.wire.payload import Payload
 from sgpu_magic.wire.session import Pull, Push, SessionRecord
 
 DETACHED_IDLE_TIMEOUT_S = 7200.0
@@ -292,11 +293,18 @@ class Session:
         label = f"session {self.name} cell {self._core.cells_run + 1}"
         filename = filename or f"<{label}>"
 
-        def build(skip: set[str], warn: Callable[[str], None]) -> dict:
+        def build(skip: set[str], warn: Callable[[str], None]) -> Payload:
             payload = capture.capture_cell(
-                source, namespace, self._max_capture_bytes, warn, skip=skip, ranks=len(chosen)
+                source,
+                namespace,
+                self._max_capture_bytes,
+                warn,
+                skip=skip,
+                ranks=len(chosen),
+                filename=filename,
+                quiet=quiet,
             )
-            payload.update(filename=filename, quiet=quiet, display_names={filename: display_name or label})
+            payload.display_names = {filename: display_name or label}
             return payload
 
         return self._core.run_job(build, chosen, timeout_s, label, profile_steps)
@@ -357,9 +365,9 @@ class Session:
         label = f"session {self.name} cell {self._core.cells_run + 1} ({getattr(fn, '__qualname__', 'function')})"
         chosen = self._core.check_ranks(None)
 
-        def build(skip: set[str], warn: Callable[[str], None]) -> dict:
+        def build(skip: set[str], warn: Callable[[str], None]) -> Payload:
             payload = capture.capture_function(fn, self._max_capture_bytes, warn, skip=skip, ranks=len(chosen))
-            payload.update(args=args_bytes, kwargs=kwargs_bytes)
+            payload.args, payload.kwargs = args_bytes, kwargs_bytes
             return payload
 
         return self.follow(self._core.run_job(build, chosen, None, label))

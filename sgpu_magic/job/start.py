@@ -5,7 +5,6 @@ Everything that can be refused is refused before any process starts.
 
 from __future__ import annotations
 
-import pickle
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,8 +17,9 @@ from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import LeaseRegistry
 from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.launch.stacks import CodeMap
-from sgpu_magic.rundir import RunDir, atomic_write_bytes
+from sgpu_magic.rundir import RunDir
 from sgpu_magic.spec import LaunchSpec
+from sgpu_magic.wire.payload import Payload
 
 
 class _View(Protocol):
@@ -31,7 +31,7 @@ class _View(Protocol):
 
 def start(
     spec: LaunchSpec,
-    build_payload: Callable[[Callable[[str], None]], dict],
+    build_payload: Callable[[Callable[[str], None]], Payload],
     sinks: list[JobSink],
     background: bool = False,
     lease_dir: str | None = None,
@@ -49,9 +49,10 @@ def start(
     view = cast(_View, view_of(sinks))  # the panel or the text view (front.decorator._sinks)
     plan, host_factory = launcher_for(spec, view.note)
     payload = build_payload(view.warn)  # warnings are shown as capture finds them
-    payload.setdefault("argv", [spec.name])  # the ranks' sys.argv: a script run without arguments
+    if payload.argv is None:
+        payload.argv = [spec.name]  # the ranks' sys.argv: a cell or function, for its parse_args() defaults
     if spec.profile_steps is not None:
-        payload["profile_steps"] = spec.profile_steps  # each rank's torch.profiler (rank/profile.py)
+        payload.profile_steps = spec.profile_steps  # each rank's torch.profiler (rank/profile.py)
     _say_note(view, plan, spec)
     registry = LeaseRegistry(lease_dir) if plan.needs_lease else None
     return submit(
@@ -78,7 +79,7 @@ def _say_note(view: _View, plan: DevicePlan, spec: LaunchSpec) -> None:
 def submit(
     spec: LaunchSpec,
     plan: DevicePlan,
-    payload: dict,
+    payload: Payload,
     get_host: Callable[[], Launcher],
     sinks: Sequence[JobSink] = (),
     root: Path | None = None,
@@ -105,7 +106,7 @@ def submit(
     whether the job stays in the kernel's job list once it ended (see :data:`~sgpu_magic.job.registry.MAX_ENDED_JOBS`).
     """
     rd = RunDir.create(root, lean=lean, reserve_of=reserve_of)
-    atomic_write_bytes(rd.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    rd.write_payload(payload)
     CodeMap.from_payload(payload).write(rd.code_map_file)  # stacks read frames as the notebook names them
     if before_launch is not None:
         before_launch(rd)

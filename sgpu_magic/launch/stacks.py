@@ -30,12 +30,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sgpu_magic.errors import SgpuError
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json, read_private
 from sgpu_magic.status import HostStatus
 from sgpu_magic.wire.host import StacksReply
+
+if TYPE_CHECKING:
+    from sgpu_magic.wire.payload import Payload
 
 DUMP_TIMEOUT_S = 5.0
 """Seconds one rank's ``py-spy dump`` may take (all ranks are dumped at once) before it is killed."""
@@ -64,17 +67,9 @@ class CodeMap:
     sources: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> CodeMap:
-        """The map of a job's payload (its ``display_names``, ``sources``, and a cell's ``filename``, ``source`` and
-        ``cell_label``)."""
-        labels = dict(payload.get("display_names") or {})
-        sources = dict(payload.get("sources") or {})
-        filename = payload.get("filename")
-        if filename and isinstance(payload.get("source"), str):
-            sources[filename] = payload["source"]
-            if payload.get("cell_label"):
-                labels[filename] = payload["cell_label"]
-        return cls(labels, sources)
+    def from_payload(cls, payload: Payload) -> CodeMap:
+        """The map of a job's payload (its display names and sources, and a cell's own source and label)."""
+        return cls(*payload.code_labels())
 
     @classmethod
     def read(cls, path: Path) -> CodeMap:

@@ -32,6 +32,7 @@ from sgpu_magic.rank import steps
 from sgpu_magic.rank.mlflow_guard import flush_async_logging, settled_value
 from sgpu_magic.rundir import RunDir, traceback_marker
 from sgpu_magic.wire import RankError
+from sgpu_magic.wire.payload import Cell, FunctionCode, FunctionRef, Payload, Script, SessionRanks
 
 
 def redirect_output(log_file) -> None:
@@ -53,13 +54,13 @@ def _load_global(entry: tuple):
     return Unpicklable(*entry[1:])
 
 
-def load_globals(payload: dict, ns: dict, keep: bool = False) -> None:
+def load_globals(payload: Payload, ns: dict, keep: bool = False) -> None:
     """Put the payload's captured globals into ``ns`` (and its cell sources into linecache); ``keep``: leave the
     names ``ns`` already has (a live session's rank: its own names win). A global that cannot be loaded becomes an
     :class:`~sgpu_magic.errors.Unpicklable` that says why on first use."""
-    for filename, text in payload.get("sources", {}).items():
+    for filename, text in payload.sources.items():
         linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-    for name, entry in payload["globals"].items():
+    for name, entry in payload.globals.items():
         if keep and name in ns:
             continue
         try:
@@ -71,7 +72,7 @@ def load_globals(payload: dict, ns: dict, keep: bool = False) -> None:
             ns[name] = Unpicklable(name, str(entry[0]), reason, warned=False)
 
 
-def build_namespace(payload: dict) -> dict:
+def build_namespace(payload: Payload) -> dict:
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
     ns = main.__dict__
@@ -92,13 +93,13 @@ def _run_cell(source: str, filename: str, ns: dict, quiet: bool = False):
     return None if quiet else value
 
 
-def _resolve_function(payload: dict, ns: dict):
-    if payload["kind"] == "ref":
-        obj = importlib.import_module(payload["module"])
-        for part in payload["qualname"].split("."):
+def _resolve_function(body: FunctionRef | FunctionCode, ns: dict):
+    if isinstance(body, FunctionRef):
+        obj = importlib.import_module(body.module)
+        for part in body.qualname.split("."):
             obj = getattr(obj, part)
         return getattr(obj, "__sgpu_function__", obj)
-    shell = cloudpickle.loads(payload["shell"])
+    shell = cloudpickle.loads(body.shell)
     closure = tuple(types.CellType(v) for v in shell["closure"]) or None
     fn = types.FunctionType(shell["code"], ns, shell["name"], shell["defaults"], closure)
     fn.__kwdefaults__ = shell["kwdefaults"]
@@ -106,18 +107,18 @@ def _resolve_function(payload: dict, ns: dict):
     return fn
 
 
-def _run_script(payload: dict, ns: dict) -> int:
+def _run_script(body: Script, argv: list[str], ns: dict) -> int:
     """Run the payload's script file or module as torchrun would (``python [-m] target args...``) with runpy;
     return its exit status, 0 (``sys.exit(0)`` included); ``sys.exit(n != 0)`` propagates.
 
     What the script leaves (its globals, or the frames of a ``SystemExit``) is kept in ``ns`` until the
     result is written, so no destructor of the script's objects runs before the rank reports.
     """
-    sys.argv = list(payload["argv"])
-    target = payload["script"]
-    if payload["module"] is not None:
+    sys.argv = list(argv)
+    target = body.script or ""
+    if body.module is not None:
         sys.path.insert(0, os.getcwd())  # as python -m
-        run = functools.partial(runpy.run_module, payload["module"], run_name="__main__", alter_sys=True)
+        run = functools.partial(runpy.run_module, body.module, run_name="__main__", alter_sys=True)
     else:
         if not (os.path.isdir(target) or zipfile.is_zipfile(target)):  # runpy inserts a folder or zip itself
             sys.path.insert(0, os.path.dirname(target))  # as python script.py
@@ -131,28 +132,30 @@ def _run_script(payload: dict, ns: dict) -> int:
     return 0
 
 
-def run_payload(payload: dict, ns: dict, held: list | None = None, run_dir: RunDir | None = None):
+def run_payload(payload: Payload, ns: dict, held: list | None = None, run_dir: RunDir | None = None):
     """Run the captured cell, function or script in ``ns``; return its value (a script's: its exit status).
 
     ``held``: a list that keeps the function's frame, so its locals outlive its return until the
     caller clears the list (:func:`sgpu_magic.rank.exit.call_holding_frame`). ``run_dir``: the job's (or the
-    cell's) run directory, where a profiled payload (``payload["profile_steps"]``) writes its profile
+    cell's) run directory, where a profiled payload (``payload.profile_steps``) writes its profile
     (:mod:`sgpu_magic.rank.profile`).
 
     MLflow's async logging queue (on by default in tracked jobs) is flushed before this returns, so
     every point the user code logged is in the run before the rank reports; a value that is the future
     of an async ``mlflow.log_metric`` call (a cell ending with one) is ``None``, as with sync logging.
     """
-    profile = payload.get("profile_steps")
-    steps.begin(profile if run_dir is not None else None, run_dir)
+    steps.begin(payload.profile_steps if run_dir is not None else None, run_dir)
+    body = payload.body
     try:
-        if payload["kind"] == "script":
-            return _run_script(payload, ns)
-        if payload["kind"] == "cell":
-            return settled_value(_run_cell(payload["source"], payload["filename"], ns, bool(payload.get("quiet"))))
-        fn = _resolve_function(payload, ns)
-        args = [cloudpickle.loads(b) for b in payload["args"]]
-        kwargs = {k: cloudpickle.loads(b) for k, b in payload["kwargs"].items()}
+        if isinstance(body, Script):
+            return _run_script(body, payload.argv or [body.script or str(body.module)], ns)
+        if isinstance(body, Cell):
+            return settled_value(_run_cell(body.source, body.filename, ns, body.quiet))
+        if isinstance(body, SessionRanks):
+            raise TypeError("a session's payload serves cells (rank/session.py); it is not run as a job's")
+        fn = _resolve_function(body, ns)
+        args = [cloudpickle.loads(b) for b in payload.args]
+        kwargs = {k: cloudpickle.loads(b) for k, b in payload.kwargs.items()}
         return settled_value(rank_exit.call_holding_frame(fn, args, kwargs, [] if held is None else held))
     finally:
         steps.finish()

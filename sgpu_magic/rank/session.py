@@ -29,7 +29,6 @@ dropped (the cell's outcome is in its run directory). It ends after ``idle_timeo
 from __future__ import annotations
 
 import os
-import pickle
 import select
 import signal
 import sys
@@ -41,7 +40,8 @@ from sgpu_magic._util.frames import read_frame, write_frame
 from sgpu_magic._util.metrics import WRITER as METRICS
 from sgpu_magic.errors import RecordError
 from sgpu_magic.rank.payload import dump_result, load_globals, redirect_output, run_payload, write_error
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, open_private_fifo, read_private
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, open_private_fifo
+from sgpu_magic.wire.payload import Payload
 from sgpu_magic.wire.session import (
     Debug,
     Pull,
@@ -86,11 +86,11 @@ def _run_cell(cmd: RunCell, base: Reply, ns: dict, running: _Running, fds: tuple
     METRICS.use(rd.metrics_file(rank))
     redirect_output(rd.log_file(rank))
     reply = base
-    payload: dict = {}
+    payload: Payload | None = None
     running.failure = None
     grad_mode = _grad_mode()
     try:
-        payload = pickle.loads(read_private(rd.payload_file, rd.path))
+        payload = rd.read_payload()
         load_globals(payload, ns, keep=True)  # the rank's own names win
         held: list = []
         running.cell = True
@@ -108,7 +108,7 @@ def _run_cell(cmd: RunCell, base: Reply, ns: dict, running: _Running, fds: tuple
             _restore_grad_mode(grad_mode)
         running.failure = exc
         try:
-            write_error(rd, rank, exc, payload.get("display_names"))
+            write_error(rd, rank, exc, payload.display_names if payload is not None else None)
         except OSError:  # a disk full even past the session's reserve: the cell fails unexplained, the rank lives on
             pass
     _flush()

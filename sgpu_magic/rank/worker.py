@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -24,8 +23,9 @@ from sgpu_magic._util.proc import allow_tracing_by, die_with_parent
 from sgpu_magic.rank import exit as rank_exit
 from sgpu_magic.rank.mlflow_guard import guard_job_run
 from sgpu_magic.rank.payload import build_namespace, dump_result, redirect_output, run_payload, write_error
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_private
+from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json
 from sgpu_magic.wire import LaunchRecord, RankError
+from sgpu_magic.wire.payload import Payload, SessionRanks
 
 
 def _die_with_parent(expected_parent: int | None) -> None:
@@ -91,7 +91,7 @@ def teardown(ns: dict) -> None:
     threading.Thread(target=destroy, name="sgpu_magic teardown", daemon=True).start()
 
 
-def _system_exit(run_dir: RunDir, rank: int, exc: SystemExit, payload: dict) -> int:
+def _system_exit(run_dir: RunDir, rank: int, exc: SystemExit, payload: Payload) -> int:
     """A rank that raised ``SystemExit``: non-zero fails it, as under torchrun; zero returns nothing, noted where.
 
     As Python ends a program on ``SystemExit``, no traceback is printed or recorded (``sys.exit("message")`` prints
@@ -104,19 +104,20 @@ def _system_exit(run_dir: RunDir, rank: int, exc: SystemExit, payload: dict) -> 
         return code
     atomic_write_json(
         run_dir.exit_file(rank),
-        {"code": 0, "where": rank_exit.raise_site(exc, payload.get("display_names") or {}), "kind": payload["kind"]},
+        {"code": 0, "where": rank_exit.raise_site(exc, payload.display_names), "kind": payload.kind},
     )
     atomic_write_bytes(run_dir.result_file(rank), dump_result(None, rank))
     return 0
 
 
-def _run_and_record(run_dir: RunDir, rank: int, payload: dict, ns: dict, held: list) -> int:
+def _run_and_record(run_dir: RunDir, rank: int, payload: Payload, ns: dict, held: list) -> int:
     """Run the payload and write its outcome (value or error); the exit code. ``held`` keeps the function's frame."""
+    body = payload.body
     try:
-        if payload["kind"] == "session":  # a live session's rank: cells until the session stops
+        if isinstance(body, SessionRanks):  # a live session's rank: cells until the session stops
             from sgpu_magic.rank.session import serve
 
-            serve(RunDir(payload["run_dir"]), ns, bool(payload.get("detached")), payload.get("idle_timeout_s"))
+            serve(run_dir, ns, body.detached, body.idle_timeout_s)
             value = None
         else:
             value = run_payload(payload, ns, held, run_dir)
@@ -125,19 +126,17 @@ def _run_and_record(run_dir: RunDir, rank: int, payload: dict, ns: dict, held: l
     except SystemExit as exc:
         return _system_exit(run_dir, rank, exc, payload)
     except BaseException as exc:  # noqa: BLE001 - every rank failure is recorded
-        write_error(run_dir, rank, exc, payload.get("display_names"))
+        write_error(run_dir, rank, exc, payload.display_names)
         return 1
 
 
 def _execute(run_dir: RunDir, rank: int) -> int:
     """Load the payload, run it, write its outcome, then free what it made (the teardown the host bounds)."""
-    payload = pickle.loads(read_private(run_dir.payload_file))
-    if payload["kind"] == "session":
-        payload["run_dir"] = str(run_dir.path)
+    payload = run_dir.read_payload()
     METRICS.use(run_dir.metrics_file(rank))
     guard_job_run()  # before the payload's globals import mlflow: the kernel owns the run's status
     rank_exit.keep_process_groups()  # before they import torch.distributed (cold) or any group exists (warm)
-    sys.argv = list(payload.get("argv") or sys.argv[:1])  # [cell or function name]: parse_args() reads defaults
+    sys.argv = list(payload.argv or sys.argv[:1])  # [cell or function name]: parse_args() reads defaults
     ns = build_namespace(payload)
     held: list = []
     try:

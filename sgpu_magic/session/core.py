@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from sgpu_magic._util.interrupts import held_interrupt
 from sgpu_magic.errors import SessionError
@@ -40,6 +39,7 @@ from sgpu_magic.session.relay import DebugRelay, ReadLine, Write, read_line, wri
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import StatusWriter
 from sgpu_magic.wire import RunState, StopReason
+from sgpu_magic.wire.payload import Payload, SessionRanks
 from sgpu_magic.wire.session import (
     Debug,
     DebugFrame,
@@ -185,9 +185,9 @@ class SessionCore:
             self._channel.make()
 
         sinks = self.make_sinks(self.spec, None)
-        payload: dict[str, Any] = {"kind": "session", "globals": {}, "sources": {}}
-        if self.spec.detach:  # its ranks outlive the kernel, waiting for the next one at most idle_timeout_s
-            payload.update(detached=True, idle_timeout_s=self.idle_timeout_s)
+        # a detached session's ranks outlive the kernel, waiting for the next one at most idle_timeout_s
+        ranks = SessionRanks(detached=True, idle_timeout_s=self.idle_timeout_s) if self.spec.detach else SessionRanks()
+        payload = Payload(ranks)
         self.job = start_job(
             self.spec,
             lambda warn: payload,
@@ -373,7 +373,7 @@ class SessionCore:
 
     def run_job(
         self,
-        build_payload: Callable[[set[str], Callable[[str], None]], dict],
+        build_payload: Callable[[set[str], Callable[[str], None]], Payload],
         ranks: tuple[int, ...],
         timeout_s: float | None,
         label: str,
@@ -396,7 +396,7 @@ class SessionCore:
         sinks = self.make_sinks(spec, self._parent_run)
         payload = build_payload(self.names_everywhere(ranks), getattr(sinks[-1], "warn", _no_warning))
         if profile_steps is not None:
-            payload["profile_steps"] = profile_steps
+            payload.profile_steps = profile_steps
         assert self._channel is not None  # usable: started
         relay = DebugRelay(self._channel, *self.debug_io)  # serves runtime.breakpoint() while the cell runs
         launcher = CellLauncher(self, ranks, timeout_s, relay)

@@ -94,6 +94,7 @@ def test_a_rank_imports_no_front_door_nor_kernel_side_library():
         "sgpu_magic.wire",
         "sgpu_magic.wire.errors",
         "sgpu_magic.wire.launch",
+        "sgpu_magic.wire.payload",
         "sgpu_magic.wire.state",
     ]
 
@@ -299,6 +300,7 @@ def test_the_record_table_names_every_wire_record_and_only_what_exists():
 
     import sgpu_magic.wire
     import sgpu_magic.wire.host
+    import sgpu_magic.wire.payload
     import sgpu_magic.wire.session
 
     named = set()
@@ -318,5 +320,7 @@ def test_the_record_table_names_every_wire_record_and_only_what_exists():
         "wire.host.StacksReply",
         "wire.session.ReleasePeers",
         "wire.session.SessionRecord",
+        "wire.payload.Payload",
+        *(f"wire.payload.{cls.__name__}" for cls in sgpu_magic.wire.payload.Body.__args__),
     }
     assert records | commands | frames | others <= named, sorted(records | commands | frames | others - named)

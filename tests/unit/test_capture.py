@@ -93,7 +93,9 @@ def test_keyword_argument_named():
 
 def test_function_from_importable_module_goes_by_reference():
     part = capture.capture_function(capture.format_bytes)
-    assert part["kind"] == "ref" and part["module"] == "sgpu_magic.capture"
+    from sgpu_magic.wire.payload import FunctionRef
+
+    assert part.kind == "ref" and part.body == FunctionRef("sgpu_magic.capture", "format_bytes")
 
 
 def test_unpicklable_closure_refused():

@@ -221,4 +221,4 @@ def test_a_cell_capture_ships_no_notebook_value_the_cell_shadows():
     namespace = {"X": bytes(200 * 2**20), "_": (threading.Lock(),), "n": 3}
     source = "def h():\n    X = [1, 2, 3]\n    for _ in range(n):\n        pass\n    return X\nh()\n"
     payload = capture.capture_cell(source, namespace, warn=warnings.append)
-    assert set(payload["globals"]) == {"n"} and warnings == []
+    assert set(payload.globals) == {"n"} and warnings == []

@@ -69,14 +69,14 @@ def test_call_name_is_the_call_as_written(line, inner, expected):
 
 
 def test_a_cell_payload_maps_to_its_notebook_label():
+    from sgpu_magic.wire.payload import Cell, Payload
+
     code = CodeMap.from_payload(
-        {
-            "filename": "<%%distributed cell>",
-            "source": "\nimport time\ntime.sleep(1)\n",
-            "cell_label": "Cell In[4]",
-            "display_names": {"/tmp/ipykernel_1/2.py": "Cell In[2]"},
-            "sources": {"/tmp/ipykernel_1/2.py": "def f():\n    return g()\n"},
-        }
+        Payload(
+            Cell("\nimport time\ntime.sleep(1)\n", "<%%distributed cell>", cell_label="Cell In[4]"),
+            sources={"/tmp/ipykernel_1/2.py": "def f():\n    return g()\n"},
+            display_names={"/tmp/ipykernel_1/2.py": "Cell In[2]"},
+        )
     )
     assert code.place("<%%distributed cell>", 3) == "Cell In[4] line 3"
     assert code.line_text("<%%distributed cell>", 3) == "time.sleep(1)"

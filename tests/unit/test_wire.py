@@ -122,12 +122,12 @@ def test_a_rank_agents_copy_has_no_env_nor_lease():
 
 # -- only wire/ spells a record's keys
 
-RECORD_NAMES = {"launch", "reply", "msg", "message", "command", "cmd", "item"}
+RECORD_NAMES = {"launch", "reply", "msg", "message", "command", "cmd", "item", "payload", "part"}
 
 
 def _keyed_reads(path: Path, rel: str) -> list[str]:
     """``launch["k"]`` / ``launch.get("k")`` / ``x.launch["k"]`` (and the same of a session's frames: ``reply``,
-    ``msg``, ``message``, ``command``, ``cmd``, ``item``), and ``launch.json`` or a rank's error file read or
+    ``msg``, ``message``, ``command``, ``cmd``, ``item``; and of a payload: ``payload``, ``part``), and ``launch.json`` or a rank's error file read or
     written by hand (``read_json(rd.launch_file)``, ``read_json(rd.error_file(r))``) in one module."""
     found = []
 
@@ -406,3 +406,38 @@ def test_a_stacks_answer_reads_back_as_written_in_each_of_its_three_forms():
         assert StacksReply.decode(reply.encode()) == reply
     with pytest.raises(RecordError, match="not a stacks answer this sgpu_magic reads"):
         StacksReply.decode(b'{"stacks": 3}')
+
+
+# -- a rank's payload
+
+
+def test_a_payload_of_each_kind_reads_back_as_written(tmp_path):
+    from sgpu_magic.wire.payload import Cell, FunctionCode, FunctionRef, Payload, Script, SessionRanks
+
+    bodies = {
+        "ref": FunctionRef("train", "main"),
+        "code": FunctionCode(b"\x80\x05N."),
+        "cell": Cell("x = 1\nx", "<cell>", quiet=True, cell_label="Cell In[3]"),
+        "script": Script("/w/train.py"),
+        "session": SessionRanks(detached=True, idle_timeout_s=60.0),
+    }
+    for kind, body in bodies.items():
+        rd = RunDir.create(tmp_path)
+        payload = Payload(body, {"n": ("value", b"\x80\x05K\x03.")}, argv=["train.py", "--epochs", "1"])
+        rd.write_payload(payload)
+        assert rd.read_payload() == payload and payload.kind == kind
+    labels, sources = Payload(bodies["cell"], display_names={"/k/2.py": "Cell In[2]"}).code_labels()
+    assert labels == {"/k/2.py": "Cell In[2]", "<cell>": "Cell In[3]"} and sources == {"<cell>": "x = 1\nx"}
+
+
+def test_a_payload_file_that_is_not_a_payload_is_refused_naming_the_remedy(tmp_path):
+    import pickle
+
+    rd = RunDir.create(tmp_path)
+    atomic_write_bytes(rd.payload_file, pickle.dumps({"kind": "cell", "source": "1"}))  # as a version before wrote
+    with pytest.raises(RecordError) as err:
+        rd.read_payload()
+    assert str(err.value) == (
+        f"{rd.payload_file} is not a payload of this sgpu_magic (a dict); was it written by another version? "
+        "Run the job again from this kernel"
+    )
