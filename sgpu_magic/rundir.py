@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from sgpu_magic._util.fs import atomic_write
 from sgpu_magic.errors import RecordError
 from sgpu_magic.wire import LaunchRecord, RankError
+from sgpu_magic.wire.errors import RankExit
 
 if TYPE_CHECKING:
     from sgpu_magic.wire.payload import Payload
@@ -464,8 +465,20 @@ class RunDir:
         return self.errors_dir / f"rank_{rank}.json"
 
     def exit_file(self, rank: int) -> Path:
-        """Written by a rank that ended through ``SystemExit(0)``: ``{"code": 0, "where": "file:line", "kind"}``."""
+        """Written by a rank that ended through ``SystemExit(0)`` (:class:`~sgpu_magic.wire.errors.RankExit`)."""
         return self.results_dir / f"rank_{rank}.exit.json"
+
+    def write_exit(self, rank: int, record: RankExit) -> None:
+        """Write rank ``rank``'s exit record (atomically, 0600)."""
+        atomic_write_bytes(self.exit_file(rank), record.encode())
+
+    def read_exit(self, rank: int) -> RankExit | None:
+        """Rank ``rank``'s exit record, or ``None``: it wrote none (it did not end through ``sys.exit(0)``), or one
+        this version does not read."""
+        try:
+            return RankExit.decode(self.exit_file(rank).read_bytes())
+        except (OSError, RecordError):
+            return None
 
     def read_launch(self) -> LaunchRecord:
         """``launch.json`` as its typed record, read through the private-read check (it decides what runs).

@@ -11,14 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgpu_magic.rundir import RunDir, write_status
+from sgpu_magic.rundir import RunDir, read_json, write_status
 from sgpu_magic.wire import RunState, StopReason, read_state
 
 
 @dataclass(frozen=True)
 class RankUsage:
     """One rank's CPU, memory and GPU as the launch host last sampled them (about once a second; see
-    :mod:`sgpu_magic.launch.host.usage` and :mod:`sgpu_magic.launch.host.gpu`).
+    :mod:`sgpu_magic.launch.usage` and :mod:`sgpu_magic.launch.gpu`).
 
     Attributes:
         cpu_percent: CPU use since the previous sample, in percent of one core (200.0: two cores busy).
@@ -100,8 +100,8 @@ class HostStatus:
         rank_outcomes: a live session's cell: ``{rank: "returned" | "raised" | "interrupted" | "did not return"}``
             (its ranks do not exit, so ``exitcodes`` says nothing of them).
         usage: ``{rank: RankUsage}``: each rank's CPU %, RSS and peak RSS, sampled about once a second by the launch
-            host while the job runs (the last sample once it has ended); ``{}`` before the first sample, on Ray
-            and for a session's cell.
+            host while the job runs (on Ray: by each rank's agent on its node), the last sample once it has ended;
+            ``{}`` before the first sample and for a session's cell.
         stuck: the hang detector's report while the job is possibly stuck (:class:`StuckReport`), else ``None``.
     """
 
@@ -152,6 +152,15 @@ class HostStatus:
             usage={int(k): RankUsage.from_dict(v) for k, v in (status.get("usage") or {}).items()},
             stuck=StuckReport.from_dict(status.get("stuck")),
         )
+
+    @classmethod
+    def read(cls, run_dir: RunDir) -> HostStatus:
+        """``run_dir``'s ``status.json`` as last written (a file not written yet: a pending job's).
+
+        Raises:
+            RecordError: its state is not one this version knows.
+        """
+        return cls.from_dict(read_json(run_dir.status_file) or {})
 
     @property
     def final(self) -> bool:

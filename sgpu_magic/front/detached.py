@@ -20,10 +20,11 @@ from sgpu_magic.errors import RecordError, SgpuError
 from sgpu_magic.front.decorator import make_sinks
 from sgpu_magic.front.sessions import sessions
 from sgpu_magic.job.handle import CANCEL_WAIT_S, Job, jobs
-from sgpu_magic.job.state import JobState, state_from_status
+from sgpu_magic.job.state import JobState
 from sgpu_magic.launch.keeper import KeeperPaths, RunKeeper
 from sgpu_magic.rundir import RunDir, default_root, detached_index, read_json, read_private
 from sgpu_magic.session.core import SessionState
+from sgpu_magic.status import HostStatus
 from sgpu_magic.wire import GPUS_ENV, StopReason
 
 if TYPE_CHECKING:
@@ -62,22 +63,21 @@ class DetachedRun:
 def _read(rd: RunDir) -> DetachedRun | None:
     try:
         launch = rd.read_launch()
-        status = read_json(rd.status_file) or {}
-        state = state_from_status(status)
+        status = HostStatus.read(rd)
     except (OSError, RecordError):  # not written yet, not this user's, or not one this version reads
         return None
     if not launch.detached:
         return None
     mlflow = read_json(rd.mlflow_file) or {}
-    started_s = status.get("started_s") or rd.launch_file.stat().st_mtime
+    started_s = status.started_s or rd.launch_file.stat().st_mtime
     return DetachedRun(
         job_id=rd.job_id,
         run_dir=rd.path,
-        state=state,
+        state=status.state,
         world_size=launch.world_size,
         gpus=launch.env.get(GPUS_ENV) or "cpu",
         started_s=float(started_s),
-        ended_s=status.get("ended_s"),
+        ended_s=status.ended_s,
         mlflow_run_id=mlflow.get("run_id"),
     )
 
@@ -200,7 +200,7 @@ def stop_detached(job_id: str, root: Path | None = None, timeout_s: float = CANC
     keeper.cancel(rd, StopReason.CANCELLED)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        state = state_from_status(read_json(rd.status_file) or {})
+        state = HostStatus.read(rd).state
         if state.final:
             return f"job {run.job_id}: {state.label}"
         time.sleep(0.05)

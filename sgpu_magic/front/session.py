@@ -259,11 +259,11 @@ class Session:
         """A cell that failed on a rank while others waited for it, after those were released: the
         :class:`RankFailedError` naming the root cause, with what recover did as its hint."""
         from sgpu_magic.job.outcome import failure_from_status
-        from sgpu_magic.rundir import RunDir, read_json
+        from sgpu_magic.rundir import RunDir
+        from sgpu_magic.status import HostStatus
 
         rd = RunDir(job.run_dir)
-        status = read_json(rd.status_file) or {}
-        error = failure_from_status(rd, status, self.world_size)
+        error = failure_from_status(rd, HostStatus.read(rd), self.world_size)
         error.hint = recovered
         raise error from None
 

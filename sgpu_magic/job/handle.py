@@ -22,7 +22,7 @@ from sgpu_magic.job.lifecycle import CANCEL_WAIT_S, JobLifecycle
 from sgpu_magic.job.outcome import build_error, ending_notes, load_result, stopped_error
 from sgpu_magic.job.profile import merged_trace, summaries
 from sgpu_magic.job.registry import jobs, register
-from sgpu_magic.job.state import JobState, state_from_status
+from sgpu_magic.job.state import JobState
 from sgpu_magic.job.steps import Straggler, find_straggler
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import LeaseRegistry
@@ -163,16 +163,15 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
     @property
     def rank_exitcodes(self) -> dict[int, int | None]:
         """Exit code of each rank once the job ended (negative: killed by that signal); ``{}`` before."""
-        return {int(k): v for k, v in (self._status().get("exitcodes") or {}).items()}
+        return dict(self._status().exitcodes)
 
     @property
     def elapsed_s(self) -> float | None:
         """Seconds from the ranks' start to the job's end (or to now while it runs); ``None`` before start."""
         status = self._status()
-        if "started_s" not in status:
+        if status.started_s is None:
             return None
-        elapsed_s: float = status.get("ended_s", time.time()) - status["started_s"]
-        return elapsed_s
+        return (status.ended_s or time.time()) - status.started_s
 
     @property
     def wall_s(self) -> float | None:
@@ -180,10 +179,9 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         time it queued for its GPUs (:attr:`waited_s`); ``None`` before the ranks started. Beside
         :attr:`elapsed_s` it shows what a launch spent before its ranks ran (a first launch's launch host)."""
         status = self._status()
-        if "started_s" not in status:
+        if status.started_s is None:
             return None
-        wall_s: float = status.get("ended_s", time.time()) - self.submitted_s - self.waited_s
-        return wall_s
+        return (status.ended_s or time.time()) - self.submitted_s - self.waited_s
 
     @property
     def log_paths(self) -> list[Path]:
@@ -348,7 +346,7 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
     @property
     def attempt(self) -> int:
         """Which attempt runs (or ran last): 1, then 2 after the first restart (see ``max_restarts``)."""
-        return int(self._status().get("attempt", 1))
+        return self._status().attempt
 
     @property
     def attempts(self) -> list[dict[str, Any]]:
@@ -356,7 +354,7 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         "time_s"}], "ended_s", "exitcodes"}]``; their error files are in ``<run_dir>/errors/attempt_<k>/``."""
         return [
             {**a, "exitcodes": {int(r): code for r, code in a.get("exitcodes", {}).items()}}
-            for a in self._status().get("attempts", [])
+            for a in self._status().attempts
         ]
 
     @property
@@ -373,7 +371,7 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
     @property
     def status(self) -> HostStatus:
         """The job's status record as its launcher last wrote it (typed; see :class:`~sgpu_magic.status.HostStatus`)."""
-        return HostStatus.from_dict(self._status())
+        return self._status()
 
     @property
     def shown_state(self) -> JobState:
@@ -390,7 +388,7 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
     @property
     def state(self) -> JobState:
         """The current :class:`JobState`."""
-        return state_from_status(self._status())
+        return self._status().state
 
     def done(self) -> bool:
         """Whether the job has ended (succeeded, failed, cancelled or timed out)."""

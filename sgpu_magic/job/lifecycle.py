@@ -14,6 +14,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic._util.fs import touch_private
@@ -22,13 +23,13 @@ from sgpu_magic.job.follow import PUMP_INTERVAL_S, JobEvents, JobSink, LogPump, 
 from sgpu_magic.job.metrics import MetricsPump
 from sgpu_magic.job.outcome import stopped_error
 from sgpu_magic.job.registry import forget, register
-from sgpu_magic.job.state import JobState, state_from_status
+from sgpu_magic.job.state import JobState
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
 from sgpu_magic.rundir import RunDir, atomic_write_bytes, detached_index
 from sgpu_magic.spec import LaunchSpec
-from sgpu_magic.status import StatusWriter
+from sgpu_magic.status import HostStatus, StatusWriter, StuckReport
 from sgpu_magic.wire import GPUS_ENV, LaunchRecord, RunState, StopReason
 
 if TYPE_CHECKING:
@@ -68,10 +69,11 @@ class JobLifecycle:
         self._sinks = list(sinks)
         self.events = JobEvents(self._sinks)
         self._last_state: JobState | None = None
-        self._stuck: dict[str, Any] | None = None
+        self._stuck: StuckReport | None = None
         self._attempt = 1
         self._error: BaseException | None = None
-        self._final_status: dict[str, Any] | None = None
+        self._final_status: HostStatus | None = None
+        self._parsed: tuple[dict[str, Any] | None, HostStatus] = (None, HostStatus())
         self._cancel = threading.Event()
         self._cancel_reason = StopReason.CANCELLED
         self._done = threading.Event()
@@ -115,16 +117,23 @@ class JobLifecycle:
             except LauncherError:
                 pass
 
-    def _status(self, stamp: tuple[Any, ...] | None = None) -> dict[str, Any]:
+    def _status(self, stamp: tuple[Any, ...] | None = None) -> HostStatus:
         """The job's status as last written (the final one once the job has ended); ``stamp``: the status
-        file's :meth:`StatusFeed.stamp` if the caller has just taken it."""
+        file's :meth:`StatusFeed.stamp` if the caller has just taken it.
+
+        Raises:
+            RecordError: the file holds a state this version does not know (:meth:`HostStatus.from_dict`).
+        """
         if self._final_status is not None:
             return self._final_status
-        return self._feed.read(stamp)
+        raw = self._feed.read(stamp)
+        if raw is not self._parsed[0]:  # the feed hands the same object until the file changes
+            self._parsed = (raw, HostStatus.from_dict(raw))
+        return self._parsed[1]
 
     def _end_unstarted(self, reason: StopReason) -> None:
         """End the job for ``reason`` unless it has ended already (the launcher was never asked, or was too late)."""
-        if not state_from_status(self._status()).final:
+        if not self._status().final:
             self._write_final(reason)
 
     def _try_lease(self) -> bool:
@@ -281,15 +290,15 @@ class JobLifecycle:
         self._release()
         writer = StatusWriter(self._rd)
         writer.finish(end, **extra)
-        status = writer.status
-        self._end(status, finished=state_from_status(status) is JobState.CANCELLED)
+        status = HostStatus.from_dict(writer.status)
+        self._end(status, finished=status.state is JobState.CANCELLED)
 
-    def _end(self, status: dict[str, Any], finished: bool = True) -> None:
+    def _end(self, status: HostStatus, finished: bool = True) -> None:
         """The one finalize sequence: keep the final status, release the lease and the status FIFO, tell the
         sinks (``state_changed``, then ``finished`` unless the job never started), wake whoever waits (and the
         Future's waiters and done callbacks)."""
         self._final_status = status
-        state = state_from_status(status)
+        state = status.state
         self._release()
         if state is not self._last_state:
             self._last_state = state
@@ -318,14 +327,14 @@ class JobLifecycle:
         self._stamp, self._last_pump = stamp, now
         self._pump()
         status = self._status(stamp)
-        state = state_from_status(status)
-        if not self._said_preparing and "started_s" not in status:
+        state = status.state
+        if not self._said_preparing and status.started_s is None:
             self._say_preparing(now)
-        waiting = status.get("waiting")  # a Ray job waiting for the cluster's resources (sgpu_magic.launch.ray.cluster)
+        waiting = status.waiting  # a Ray job waiting for the cluster's resources (sgpu_magic.launch.ray.cluster)
         if waiting and waiting != self.pending_reason and not state.final:
             self._set_pending(waiting)
-        if status.get("attempt", 1) != self._attempt:
-            self._attempt = status["attempt"]
+        if status.attempt != self._attempt:
+            self._attempt = status.attempt
             self.events.restarted(self._handle, self._attempt)
         if state.final:
             self._pump(final=True)
@@ -334,8 +343,8 @@ class JobLifecycle:
         if state is not self._last_state:
             self._last_state = state
             self.events.state_changed(self._handle, state)
-        if status.get("stuck") != self._stuck:
-            self._stuck = status.get("stuck")
+        if status.stuck != self._stuck:
+            self._stuck = status.stuck
             self.events.stuck_changed(self._handle)
         self.events.tick(self._handle)
         if now - self._host_checked >= HOST_CHECK_S and not self._host_alive(now):
@@ -346,7 +355,8 @@ class JobLifecycle:
                 f"and the rank logs in {self._rd.logs_dir}"
             )
             self._pump(final=True)
-            self._end({**status, "state": RunState.FAILED.value, "host_lost": message, "ended_s": time.time()})
+            lost = replace(status, state=RunState.FAILED, stop_reason=None, host_lost=message, ended_s=time.time())
+            self._end(lost)
             raise LauncherError(message)
         return False
 

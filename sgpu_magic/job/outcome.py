@@ -21,16 +21,16 @@ from sgpu_magic.job.state import JobState
 from sgpu_magic.launch.flight_recorder import flight_recorder_note
 from sgpu_magic.launch.resources import DevicePlan
 from sgpu_magic.launch.stacks import summary
-from sgpu_magic.rundir import RunDir, read_json, read_private
+from sgpu_magic.rundir import RunDir, read_private
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import HostStatus
-from sgpu_magic.wire import StopReason, read_state
+from sgpu_magic.wire import StopReason
 
 
-def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:
+def ending_notes(rd: RunDir, status: HostStatus, world_size: int) -> list[str]:
     """:attr:`Job.notes` from the host's status (``teardown_ended``) and the ranks' exit files."""
     notes = []
-    for entry in status.get("teardown_ended", []):
+    for entry in status.teardown_ended:
         what = "returned its value" if entry.get("outcome") == "value" else "raised"
         kept = "; its value is kept" if entry.get("outcome") == "value" else ""
         notes.append(
@@ -39,22 +39,22 @@ def ending_notes(rd: RunDir, status: dict, world_size: int) -> list[str]:
             f"({entry.get('signal', 'SIGTERM')}){kept}"
         )
     for rank in range(world_size):
-        ended = read_json(rd.exit_file(rank))
-        if ended and ended.get("kind") != "script":  # a script's sys.exit(0) is its normal end
-            notes.append(f"rank {rank} called sys.exit(0) at {ended.get('where', '?')}; it returned nothing")
+        ended = rd.read_exit(rank)
+        if ended is not None and ended.kind != "script":  # a script's sys.exit(0) is its normal end
+            notes.append(f"rank {rank} called sys.exit(0) at {ended.where}; it returned nothing")
     return notes
 
 
-def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailedError:
+def failure_from_status(rd: RunDir, status: HostStatus, world_size: int) -> RankFailedError:
     """Build the :class:`RankFailedError` for a failed job: the earliest failure is the root cause.
 
     Ranks the host saw exit with an error before it stopped the rest come first: a rank killed outright
     (SIGKILL, SIGSEGV) leaves no error file, and the exceptions it then causes in the other ranks
     (connection reset) carry earlier timestamps than the host's observation of its death.
     """
-    exitcodes = {int(k): v for k, v in (status.get("exitcodes") or {}).items()}
-    observed = {f["rank"]: f for f in status.get("failures", [])}
-    usage = HostStatus.from_dict(status).usage
+    exitcodes = status.exitcodes
+    observed = {f["rank"]: f for f in status.failures}
+    usage = status.usage
     failures = []
     for rank in range(world_size):
         err = rd.read_error(rank)
@@ -81,7 +81,7 @@ def failure_from_status(rd: RunDir, status: dict, world_size: int) -> RankFailed
         failures.append(RankFailure(rank=0, exitcode=exitcodes.get(0), log_path=str(rd.log_file(0))))
     failures.sort(key=lambda f: (f.rank not in observed, f.time_s, f.rank))
     failed = {f.rank for f in failures}
-    ran = [int(r) for r in status.get("rank_outcomes") or {}] or range(world_size)  # a session cell: its ranks
+    ran = list(status.rank_outcomes) or range(world_size)  # a session cell: its ranks
     stopped = [r for r in ran if r not in failed and not rd.result_file(r).exists()]
     return RankFailedError(failures[0], failures[1:], stopped, str(rd.path))
 
@@ -109,22 +109,22 @@ FATAL = "Fatal Python error: "
 _RANK_ENTRY = "/sgpu_magic/rank/"
 
 
-def stopped_error(rd: RunDir, how: str, status: dict | None = None) -> JobCancelledError:
+def stopped_error(rd: RunDir, how: str, status: HostStatus | None = None) -> JobCancelledError:
     """``job <id> was interrupted; every rank was stopped. Logs: <dir>`` (``how``: ``interrupted`` or
     ``cancelled``), the error of a job stopped once its ranks ran; with its final ``status``, also where the ranks
     still running then were (``Where the ranks still running were: rank 0: ...``)."""
-    if status is not None and "rank_outcomes" in status:  # a live session's cell: its ranks live on
+    if status is not None and status.rank_outcomes:  # a live session's cell: its ranks live on
         return CellInterruptedError(cell_stopped_message(rd, f"was {how}", status))
     where = _still_running(rd, status) if status is not None else ""
     return JobCancelledError(f"job {rd.job_id} was {how}; every rank was stopped. Logs: {rd.logs_dir}.{where}")
 
 
-def cell_stopped_message(rd: RunDir, what: str, status: dict) -> str:
+def cell_stopped_message(rd: RunDir, what: str, status: HostStatus) -> str:
     """A live session's cell that was stopped (``what``: ``was interrupted``, ``ran longer than its timeout of
     60 s``): the session's ranks live on with their state, unless the session broke on the way (a rank that did not
-    return from the interrupt: ``status["host_lost"]`` says so)."""
-    if status.get("host_lost"):
-        return f"the cell {what}, but {status['host_lost']}"
+    return from the interrupt: ``status.host_lost`` says so)."""
+    if status.host_lost:
+        return f"the cell {what}, but {status.host_lost}"
     return f"the cell {what}; the session's ranks stopped running it and keep their state. Logs: {rd.logs_dir}."
 
 
@@ -148,21 +148,21 @@ def load_result(rd: RunDir, rank: int) -> Any:
         ) from exc
 
 
-def _still_running(rd: RunDir, status: dict) -> str:
+def _still_running(rd: RunDir, status: HostStatus) -> str:
     """`` Where the ranks still running were: rank 0: dist.broadcast at Cell In[4] line 7; ... (their stacks:
     <dir>).`` from the summary the launch host took before it stopped them
     (:func:`sgpu_magic.launch.stacks.save_stacks`), else ``""``."""
-    where = HostStatus.from_dict(status).stacks
+    where = status.stacks
     if not where:
         return ""
     return f" Where the ranks still running were: {summary(where)} (their stacks: {rd.stacks_dir})."
 
 
-def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) -> BaseException:
+def build_error(rd: RunDir, status: HostStatus, spec: LaunchSpec, plan: DevicePlan) -> BaseException:
     """The error of a job that ended without succeeding, from its final ``status``: a timeout, a cancel (or
     interrupt), a lost launcher, a launch that failed, or the :class:`RankFailedError` naming the root cause."""
-    (state, reason), job_id = read_state(status), rd.job_id
-    if state is JobState.TIMED_OUT and "rank_outcomes" in status:
+    state, reason, job_id = status.state, status.stop_reason, rd.job_id
+    if state is JobState.TIMED_OUT and status.rank_outcomes:
         return JobTimeoutError(cell_stopped_message(rd, f"ran longer than its timeout of {spec.timeout_s:g} s", status))
     if state is JobState.TIMED_OUT:
         return JobTimeoutError(
@@ -171,28 +171,28 @@ def build_error(rd: RunDir, status: dict, spec: LaunchSpec, plan: DevicePlan) ->
         )
     if state is JobState.CANCELLED:
         how = "interrupted" if reason is StopReason.INTERRUPTED else "cancelled"
-        if "started_s" not in status:
+        if status.started_s is None:
             return JobCancelledError(f"job {job_id} was {how} before it started (no rank ran)")
         return stopped_error(rd, how, status)
-    if status.get("host_lost"):
-        return LauncherError(status["host_lost"])
-    if status.get("launch_error"):
-        return LauncherError(f"job {job_id} could not start: {status['launch_error']}")
+    if status.host_lost:
+        return LauncherError(status.host_lost)
+    if status.launch_error:
+        return LauncherError(f"job {job_id} could not start: {status.launch_error}")
     error = failure_from_status(rd, status, plan.world_size)
     if error.root_cause.cuda and plan.backend == "gloo" and plan.cluster is None:
         error.hint = NO_GPU_HINT
     elif plan.backend == "nccl":
         error.hint = flight_recorder_note(rd).strip()
-    left = sorted(int(r) for r, code in (status.get("exitcodes") or {}).items() if code == 0)
+    left = sorted(r for r, code in status.exitcodes.items() if code == 0)
     if left and not error.hint and "by peer" in error.root_cause.message:  # gloo's words for a peer that left
         error.hint = (
             f"{'ranks' if len(left) > 1 else 'rank'} {rank_ranges(left)} returned while the others still ran: a rank that leaves before the collectives its "
             f"peers still call (a barrier, an all-reduce) makes them fail like this; check that every rank runs the "
             f"same collectives"
         )
-    if status.get("attempts"):
+    if status.attempts:
         error.attempt_note = (
-            f"attempt {status.get('attempt', 1)} of {spec.max_restarts + 1} failed, after "
-            f"{len(status['attempts'])} restart(s); job.attempts lists the earlier failures"
+            f"attempt {status.attempt} of {spec.max_restarts + 1} failed, after "
+            f"{len(status.attempts)} restart(s); job.attempts lists the earlier failures"
         )
     return error

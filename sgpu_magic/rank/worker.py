@@ -23,8 +23,9 @@ from sgpu_magic._util.proc import allow_tracing_by, die_with_parent
 from sgpu_magic.rank import exit as rank_exit
 from sgpu_magic.rank.mlflow_guard import guard_job_run
 from sgpu_magic.rank.payload import build_namespace, dump_result, redirect_output, run_payload, write_error
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.wire import LaunchRecord, RankError
+from sgpu_magic.wire.errors import RankExit
 from sgpu_magic.wire.payload import Payload, SessionRanks
 
 
@@ -102,10 +103,7 @@ def _system_exit(run_dir: RunDir, rank: int, exc: SystemExit, payload: Payload) 
             print(exc.code, file=sys.stderr, flush=True)
         run_dir.write_error(RankError(rank=rank, exc_type="SystemExit", message=str(code), time_s=time.time()))
         return code
-    atomic_write_json(
-        run_dir.exit_file(rank),
-        {"code": 0, "where": rank_exit.raise_site(exc, payload.display_names), "kind": payload.kind},
-    )
+    run_dir.write_exit(rank, RankExit(rank_exit.raise_site(exc, payload.display_names), payload.kind))
     atomic_write_bytes(run_dir.result_file(rank), dump_result(None, rank))
     return 0
 

@@ -512,7 +512,7 @@ class MlflowTracking(JobSink):
             _warn(f"could not set MLflow run {self.run_id} to {status}: {type(exc).__name__}: {exc}")
 
     def _log_peaks(self, job: Job) -> None:
-        """Each rank's peak RSS as sampled by the launch host: ``system/rank_<r>_peak_rss_megabytes``, and its peak GPU
+        """Each rank's peak RSS as sampled by the launch host (on Ray, by its agent): ``system/rank_<r>_peak_rss_megabytes``, and its peak GPU
         memory where NVML sampled it: ``system/rank_<r>_peak_gpu_memory_megabytes``."""
         from mlflow.entities import Metric
 

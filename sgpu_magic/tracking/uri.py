@@ -108,7 +108,7 @@ def open_client(mlflow: Any, uri: str) -> Any:
     locks = default_root() / "locks"
     make_private_dir(locks)
     name = "mlflow-store-" + hashlib.sha256(uri.encode()).hexdigest()[:16] + ".lock"
-    with _opened_lock, FileLock(str(locks / name), timeout=STORE_LOCK_TIMEOUT_S):
+    with _opened_lock, FileLock(str(locks / name), timeout=STORE_LOCK_TIMEOUT_S, mode=0o600):
         client = mlflow.MlflowClient(uri)  # MLflow opens the store (and makes a fresh one's tables) here
         _opened.add(uri)
     return client

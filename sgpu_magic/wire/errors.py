@@ -80,3 +80,56 @@ class RankError:
         except ValueError as exc:
             raise RecordError(f"a rank's error record is not JSON: {exc}") from None
         return cls.from_json(data)
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How a rank on a Ray node ended, as its agent hands it back to the Ray supervisor (a Ray call's value, pickled
+    by Ray between one installation's agent and supervisor).
+
+    Attributes:
+        exitcode: the rank's exit status (negative: killed by that signal; ``-9`` when its agent died).
+        result: its pickled value (``results/rank_<r>.pkl``), ``None`` when it left none.
+        error: the exception it saved (``errors/rank_<r>.json``), ``None`` when it saved none.
+        teardown: the teardown grace's entry when its agent ended it (``{"rank", "outcome", "grace_s", "signal"}``:
+            it had not exited ``teardown_grace_s`` after its value or error), else ``None``.
+        profile: a profiled rank's files, ``{name: bytes}``.
+        warm: it was forked from its agent's zygote (torch preloaded).
+    """
+
+    exitcode: int | None
+    result: bytes | None = None
+    error: RankError | None = None
+    teardown: Mapping[str, Any] | None = None
+    profile: Mapping[str, bytes] = field(default_factory=dict)
+    warm: bool = False
+
+    @property
+    def succeeded(self) -> bool:
+        """It exited 0, or its agent ended it at the teardown grace after it had written its value."""
+        ended_after_value = self.teardown is not None and self.teardown.get("outcome") == "value"
+        return self.exitcode == 0 or ended_after_value
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """``results/rank_<r>.exit.json``: a rank that ended through ``sys.exit(0)`` (it returned nothing): where it
+    called it (``file:line``, as the notebook names its cells) and the payload's kind (a script's ``sys.exit(0)`` is
+    its normal end, not a note)."""
+
+    where: str = "?"
+    kind: str = ""
+    code: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps({"code": self.code, "where": self.where, "kind": self.kind}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> RankExit:
+        """Raises:
+        RecordError: not a rank's exit record."""
+        try:
+            data = json.loads(raw)
+            return cls(str(data.get("where") or "?"), str(data.get("kind") or ""), int(data.get("code") or 0))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise RecordError(f"a rank's exit record is not one this sgpu_magic reads: {exc}") from None

@@ -256,6 +256,37 @@ def test_stacks_of_ray_ranks_are_taken_on_their_nodes_live_and_when_the_job_time
         job.stacks()
 
 
+def test_ray_ranks_usage_is_sampled_on_their_nodes_as_the_launch_host_samples_its_own(cluster, tmp_path):
+    """Parity with a job on this machine (test_panel's usage tests): each rank's CPU %, RSS and peak RSS, sampled
+    by its agent on its node about once a second, are in job.status.usage while the job runs and after it ends."""
+    gate = tmp_path / "go"
+
+    @distributed(gpus=2, cluster=cluster.address, timeout=120, mlflow=False, widgets=False)
+    def busy(gate: str, nbytes: int):
+        import os
+
+        held = bytearray(nbytes)  # resident: every page written
+        held[::4096] = b"x" * len(held[::4096])
+        while not os.path.exists(gate):
+            sum(range(10_000))  # busy: a CPU % above 0
+        return len(held)
+
+    nbytes = 64 * 2**20
+    job = busy.submit(str(gate), nbytes)
+
+    def sampled():
+        usage = job.status.usage
+        if set(usage) != {0, 1} or any(u.rss_bytes < nbytes or u.cpu_percent <= 0 for u in usage.values()):
+            return None
+        return usage
+
+    usage = wait_for(sampled, 90, "both ranks' usage with their 64 MiB resident and a busy CPU")
+    assert all(u.peak_rss_bytes >= u.rss_bytes and u.time_s > 0 for u in usage.values())
+    gate.touch()
+    assert job.result(timeout_s=60) == [nbytes, nbytes]
+    assert set(job.status.usage) == {0, 1}  # the last figures stay once the job has ended
+
+
 def _flaky_on(cluster):
     return distributed(gpus=2, cluster=cluster.address, max_restarts=2, mlflow=False, widgets=False, timeout=300)(
         flaky_rank

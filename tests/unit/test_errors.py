@@ -72,6 +72,7 @@ def test_a_rank_killed_outright_is_the_root_cause_not_the_reset_it_caused(tmp_pa
     wrote its error file before the host noticed rank 0's death, so rank 1 looked earlier."""
     from sgpu_magic.job.outcome import failure_from_status
     from sgpu_magic.rundir import RunDir, atomic_write_json
+    from sgpu_magic.status import HostStatus
 
     rd = RunDir.create(tmp_path, job_id="j")
     rd.error_file(1).parent.mkdir(parents=True, exist_ok=True)
@@ -86,14 +87,16 @@ def test_a_rank_killed_outright_is_the_root_cause_not_the_reset_it_caused(tmp_pa
         },
     )
     status = {"failures": [{"rank": 0, "exitcode": -9, "time_s": 100.5}], "exitcodes": {"0": -9, "1": -15}}
-    error = failure_from_status(rd, status, 2)
+    error = failure_from_status(rd, HostStatus.from_dict(status), 2)
     assert str(error).splitlines()[:2] == [
         "rank 0 failed (root cause): exited without a Python exception (killed by signal SIGKILL (9))",
         "  rank 1 stopped by sgpu_magic because rank 0 failed (after raising RuntimeError: Connection reset by peer)",
     ]
     # a rank whose own exception made it exit, seen by the host, stays the root cause over later observations
     status["failures"].append({"rank": 1, "exitcode": 1, "time_s": 100.5})
-    assert str(failure_from_status(rd, status, 2)).startswith("rank 1 failed (root cause): RuntimeError")
+    assert str(failure_from_status(rd, HostStatus.from_dict(status), 2)).startswith(
+        "rank 1 failed (root cause): RuntimeError"
+    )
 
 
 def test_a_data_loader_workers_error_shows_the_workers_own_message():

@@ -116,7 +116,7 @@ def test_a_quiet_job_is_reported_stuck_until_a_file_grows(tmp_path):
 def test_gpu_figures_are_a_no_op_without_nvml_and_round_trip_through_the_status():
     import os
 
-    from sgpu_magic.launch.host.gpu import GpuSampler
+    from sgpu_magic.launch.gpu import GpuSampler
     from sgpu_magic.status import RankUsage
 
     try:

@@ -123,23 +123,30 @@ def test_a_rank_agents_copy_has_no_env_nor_lease():
 # -- only wire/ spells a record's keys
 
 RECORD_NAMES = {"launch", "reply", "msg", "message", "command", "cmd", "item", "payload", "part"}
+READ_NAMES = {"status", "final"}
+"""A status dict is still changed by key where its launcher writes it (``self.status["usage"] = ...``, the launch
+host's and the Ray supervisor's); what reads it takes the typed :class:`~sgpu_magic.status.HostStatus`."""
 
 
 def _keyed_reads(path: Path, rel: str) -> list[str]:
     """``launch["k"]`` / ``launch.get("k")`` / ``x.launch["k"]`` (and the same of a session's frames: ``reply``,
-    ``msg``, ``message``, ``command``, ``cmd``, ``item``; and of a payload: ``payload``, ``part``), and ``launch.json`` or a rank's error file read or
-    written by hand (``read_json(rd.launch_file)``, ``read_json(rd.error_file(r))``) in one module."""
+    ``msg``, ``message``, ``command``, ``cmd``, ``item``; and of a payload: ``payload``, ``part``), a status read
+    by key (``status["k"]`` read, ``status.get("k")``; ``final`` too), and ``launch.json`` or a rank's error file
+    read or written by hand (``read_json(rd.launch_file)``, ``read_json(rd.error_file(r))``) in one module."""
     found = []
 
-    def recordlike(node: ast.AST) -> bool:
-        return (isinstance(node, ast.Name) and node.id in RECORD_NAMES) or (
-            isinstance(node, ast.Attribute) and node.attr in RECORD_NAMES
+    def named(node: ast.AST, names: set[str]) -> bool:
+        return (isinstance(node, ast.Name) and node.id in names) or (
+            isinstance(node, ast.Attribute) and node.attr in names
         )
+
+    def recordlike(node: ast.AST) -> bool:
+        return named(node, RECORD_NAMES)
 
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if (
             isinstance(node, ast.Subscript)
-            and recordlike(node.value)
+            and (recordlike(node.value) or (named(node.value, READ_NAMES) and isinstance(node.ctx, ast.Load)))
             and isinstance(node.slice, ast.Constant)
             and isinstance(node.slice.value, str)
         ):
@@ -147,8 +154,10 @@ def _keyed_reads(path: Path, rel: str) -> list[str]:
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
-            and node.func.attr in ("get", "setdefault", "pop", "update")
-            and recordlike(node.func.value)
+            and (
+                (node.func.attr in ("get", "setdefault", "pop", "update") and recordlike(node.func.value))
+                or (node.func.attr == "get" and named(node.func.value, READ_NAMES))
+            )
         ):
             found.append(f"{rel}:{node.lineno}: .{node.func.attr}(...)")
         elif isinstance(node, ast.Call) and rel != "rundir.py":  # a record's file read or written by hand
@@ -156,13 +165,15 @@ def _keyed_reads(path: Path, rel: str) -> list[str]:
                 if isinstance(arg, ast.Attribute) and arg.attr == "launch_file":
                     found.append(f"{rel}:{node.lineno}: launch_file (read it with RunDir.read_launch)")
                 called = arg.func if isinstance(arg, ast.Call) else None
-                if isinstance(called, ast.Attribute) and called.attr == "error_file":
-                    found.append(f"{rel}:{node.lineno}: error_file (read it with RunDir.read_error)")
+                if isinstance(called, ast.Attribute) and called.attr in ("error_file", "exit_file"):
+                    what = called.attr.split("_")[0]
+                    found.append(f"{rel}:{node.lineno}: {called.attr} (read it with RunDir.read_{what})")
     return found
 
 
 def test_no_module_outside_wire_reads_a_record_by_key_or_by_hand():
-    found = package_findings(_keyed_reads, skip=lambda rel: rel.startswith("wire/"))
+    # status.py holds status.json's codec (HostStatus.from_dict, StatusWriter), as wire/ holds the other records'
+    found = package_findings(_keyed_reads, skip=lambda rel: rel.startswith("wire/") or rel == "status.py")
     assert found == [], "a record read by key or by hand outside sgpu_magic/wire (use its typed record):\n" + "\n".join(
         found
     )
@@ -178,7 +189,8 @@ def test_the_keyed_read_check_finds_each_kind(tmp_path):
         "    c = read_json(rd.launch_file, private=True)\n"
         "    ok = launch.world_size, other['world_size'], rd.launch_file.stat(), rd.error_file(0).exists()\n"
         "    e = json.loads(rd.error_file(1).read_bytes()), read_json(rd.error_file(2))\n"
-        "    f = reply['ok'], msg.get('op'), item[0]\n"
+        "    f = reply['ok'], msg.get('op'), item[0], read_json(rd.exit_file(0))\n"
+        "    status['usage'] = {}; g = status['usage'], self.status.get('stuck'), status.pop('waiting', None)\n"
     )
     assert _keyed_reads(module, "m.py") == [
         "m.py:2: ['world_size']",
@@ -188,6 +200,9 @@ def test_the_keyed_read_check_finds_each_kind(tmp_path):
         "m.py:7: error_file (read it with RunDir.read_error)",
         "m.py:8: ['ok']",
         "m.py:8: .get(...)",
+        "m.py:8: exit_file (read it with RunDir.read_exit)",
+        "m.py:9: ['usage']",
+        "m.py:9: .get(...)",
     ]
 
 
@@ -441,3 +456,18 @@ def test_a_payload_file_that_is_not_a_payload_is_refused_naming_the_remedy(tmp_p
         f"{rd.payload_file} is not a payload of this sgpu_magic (a dict); was it written by another version? "
         "Run the job again from this kernel"
     )
+
+
+def test_a_rank_exit_reads_back_and_a_ray_ranks_outcome_says_whether_it_succeeded(tmp_path):
+    from sgpu_magic.wire.errors import RankExit, RankOutcome
+
+    rd = RunDir.create(tmp_path)
+    rd.results_dir.mkdir(mode=0o700, exist_ok=True)
+    rd.write_exit(1, RankExit("Cell In[3] line 4", "cell"))
+    assert rd.read_exit(1) == RankExit("Cell In[3] line 4", "cell") and rd.read_exit(0) is None
+    atomic_write_bytes(rd.exit_file(0), b"[1, 2]")  # not an exit record
+    assert rd.read_exit(0) is None
+    assert RankOutcome(0).succeeded and not RankOutcome(1).succeeded and not RankOutcome(-9).succeeded
+    # ended by its agent at the teardown grace: with its value written it succeeded, with its error it did not
+    assert RankOutcome(-15, teardown={"rank": 0, "outcome": "value"}).succeeded
+    assert not RankOutcome(-15, teardown={"rank": 0, "outcome": "error"}).succeeded

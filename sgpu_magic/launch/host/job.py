@@ -18,10 +18,10 @@ from sgpu_magic.launch.flight_recorder import flight_recorder_env
 from sgpu_magic.launch.host.cleanup import kill_leftovers, release_lease
 from sgpu_magic.launch.host.forensics import OomWatch
 from sgpu_magic.launch.host.progress import ProgressWatch
-from sgpu_magic.launch.host.usage import UsageSampler
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import save_stacks
 from sgpu_magic.launch.teardown import TeardownGuard
+from sgpu_magic.launch.usage import UsageSampler
 from sgpu_magic.rundir import RunDir
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
 from sgpu_magic.status import StatusWriter

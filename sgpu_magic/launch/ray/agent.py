@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 from sgpu_magic._util.frames import read_frame, write_frame
 from sgpu_magic._util.fs import site_packages_fingerprint
 from sgpu_magic.launch.ray.cluster import ray_module
+from sgpu_magic.launch.usage import UsageSampler
 from sgpu_magic.rundir import (
     RunDir,
     atomic_write_bytes,
@@ -28,6 +29,7 @@ from sgpu_magic.rundir import (
     open_private_fifo,
 )
 from sgpu_magic.wire import LaunchRecord
+from sgpu_magic.wire.errors import RankOutcome
 from sgpu_magic.wire.session import Frame, Reply, RunCell, SessionCommand, decode_frame, encode_command, with_run_dir
 
 if TYPE_CHECKING:
@@ -153,6 +155,8 @@ class RankAgent:
         import threading
 
         self._started = threading.Event()  # set once run() has started its rank (pid() waits for it)
+        self._usage: tuple[int, UsageSampler] | None = None  # (the rank it samples, its sampler)
+        self._rank = 0  # the rank run() runs (or ran last)
 
     def node(self) -> tuple[str, str, list[str]]:
         """(node id, node IP, the GPU ids Ray gave this actor)."""
@@ -169,9 +173,9 @@ class RankAgent:
         """Whether this agent's zygote has preloaded torch (the next rank is forked from it)."""
         return self.zygote is not None and self.zygote.ready.is_set() and self.zygote.alive()
 
-    def run(self, rank: int, payload: bytes, launch: dict, env: dict) -> dict:
-        """Run the rank to its end: ``{"exitcode", "result", "error", "teardown", "profile", "warm"}`` (``profile``: a
-        profiled job's files of this rank, ``{name: bytes}``; ``warm``: it was forked by the agent's zygote).
+    def run(self, rank: int, payload: bytes, launch: dict, env: dict) -> RankOutcome:
+        """Run the rank to its end: how it ended (:class:`~sgpu_magic.wire.errors.RankOutcome`: its exit code, value,
+        error, teardown entry, a profiled job's files, whether the agent's zygote forked it).
         ``launch``: the job's :class:`~sgpu_magic.wire.LaunchRecord` as JSON (its ``session``: a live session's
         rank, whose FIFOs are made here first)."""
         import subprocess
@@ -214,7 +218,7 @@ class RankAgent:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        self.proc = proc
+        self.proc, self._rank = proc, rank
         self._started.set()
         grace_s = record.teardown_grace_s
         code, ended = wait_with_grace(
@@ -228,14 +232,7 @@ class RankAgent:
         profile = (
             {p.name: p.read_bytes() for p in sorted(rd.profile_dir.glob("rank_*"))} if rd.profile_dir.is_dir() else {}
         )
-        return {
-            "exitcode": code,
-            "result": result,
-            "error": None if (error := rd.read_error(rank)) is None else error.to_json(),
-            "teardown": ended,
-            "profile": profile,
-            "warm": warm,
-        }
+        return RankOutcome(code, result, rd.read_error(rank), ended, profile, warm)
 
     def stop_rank(self) -> None:
         """Stop the rank (its whole session, SIGKILL) if it still runs and wait for it; its files stay (a job that
@@ -315,6 +312,24 @@ class RankAgent:
         (calls to a threaded actor may run out of order); ``None`` when none has."""
         self._started.wait(wait_s)
         return None if self.proc is None or not self._started.is_set() else self.proc.pid
+
+    def usage(self) -> dict | None:
+        """The CPU, memory and (with NVML) GPU figures of the rank this agent runs, sampled now over the time since
+        the last call, as ``status.json``'s ``usage`` holds a rank's (:mod:`sgpu_magic.launch.usage`); a restarted
+        rank's peaks include the attempts before. ``None`` before its rank runs, or once it has ended."""
+        proc = self.proc
+        if proc is None or not self._started.is_set() or proc.poll() is not None:
+            return None
+        rank = self._rank
+        if self._usage is None or self._usage[0] != rank:
+            gpus = [int(g) for g in ray_module().get_gpu_ids()]
+            self._usage = (rank, UsageSampler(gpus))
+        sampler = self._usage[1]
+        if sampler.watched.get(rank) != proc.pid:  # its first sample, or a restarted attempt's rank
+            sampler.watch({rank: proc.pid})
+        sampler.sample(force=True)
+        figures = sampler.usage.get(rank)
+        return None if figures is None else figures.as_dict()
 
     def read_log(self, rank: int, offset: int, cell: str = "") -> bytes:
         """Up to 8 MiB of rank ``rank``'s log from byte ``offset``: the job's, or the session cell ``cell``'s."""

@@ -17,15 +17,21 @@ from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import NAMESPACE, PENDING_NOTE_S, ray_module
 from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
 from sgpu_magic.launch.stacks import REPLY_WAIT_S, CodeMap, RankStack, no_stack, write_stacks
+from sgpu_magic.launch.usage import SAMPLE_INTERVAL_S
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
 from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.status import HostStatus, StatusWriter
 from sgpu_magic.wire import RankError, RunState, StopReason
+from sgpu_magic.wire.errors import RankOutcome
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
 log = logging.getLogger(__name__)
+
+USAGE_ASK_GIVE_UP_S = 5.0
+"""Seconds the Ray supervisor waits for an agent's usage figures before it asks every agent again (a busy or lost
+node's agent; its rank's last figures stay)."""
 
 LOG_PULL_S = 0.2
 """How often the supervisor copies new log bytes from the ranks' nodes."""
@@ -174,6 +180,11 @@ class _Supervisor(threading.Thread):
         self.bundle = _bundle(self.launch.backend, gpu_type)
         self.nodes: list[tuple[str, str, list[str]]] = []
         self.attempt, self.max_restarts = 1, self.launch.max_restarts
+        self.warm_agents = False  # it took the kernel's warm placement group and agents
+        self.forked_ranks = 0  # ranks forked from their warm agent's zygote
+        self._usage_asked: dict[Any, int] = {}  # {usage call: rank} asked of the agents and not answered yet
+        self._usage_asked_at = 0.0
+        self._usage: dict[str, dict] = {}  # each rank's last figures, as status.json holds them
         timeout_s = self.launch.timeout_s
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         """When the job times out (``time.monotonic()``), as the launch host's: from when its launcher took it (a
@@ -263,6 +274,7 @@ class _Supervisor(threading.Thread):
             give_back(warm)
             return False
         self.pg, self.actors, self.pg_name = warm.pg, warm.actors, warm.name
+        self.warm_agents = True
         self.status["warm_agents"] = True
         return True
 
@@ -291,7 +303,7 @@ class _Supervisor(threading.Thread):
         ray = ray_module()
         nodes = self.nodes
         port = None
-        if self.status.get("warm_agents") and not self.launch.port:
+        if self.warm_agents and not self.launch.port:
             port = ray.get(self.actors[0].open_store.remote(nodes[0][1]))  # rank 0's agent serves the store
         agent_store = port is not None
         port = port or self.launch.port or ray.get(self.actors[0].free_port.remote())
@@ -324,6 +336,7 @@ class _Supervisor(threading.Thread):
             if time.monotonic() - last_pull > LOG_PULL_S:
                 last_pull = time.monotonic()
                 self._pull_logs()
+            self._sample_usage()
             failed = False
             for ref in done:
                 rank = pending.pop(ref)
@@ -342,6 +355,29 @@ class _Supervisor(threading.Thread):
                 return self._finish(reason, exitcodes=exitcodes)
         self._finish(RunState.SUCCEEDED, exitcodes=exitcodes)
 
+    def _sample_usage(self) -> None:
+        """About once a second, as the launch host samples its ranks: each rank's CPU, memory and GPU figures, taken
+        by its agent on its node, into the status (``usage``). The asks do not block the loop: what has come is
+        taken on its next turn; an agent that has not answered within ``USAGE_ASK_GIVE_UP_S`` is asked again."""
+        ray, now = ray_module(), time.monotonic()
+        if self._usage_asked:
+            ready, _ = ray.wait(list(self._usage_asked), num_returns=len(self._usage_asked), timeout=0)
+            for ref in ready:
+                rank = self._usage_asked.pop(ref)
+                try:
+                    figures = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead agent: its rank's end says why; its last figures stay
+                    figures = None
+                if figures:
+                    self._usage[str(rank)] = figures
+            if ready and not self._usage_asked:
+                self._write(usage=dict(sorted(self._usage.items(), key=lambda item: int(item[0]))))
+            if self._usage_asked and now - self._usage_asked_at < USAGE_ASK_GIVE_UP_S:
+                return
+        if now - self._usage_asked_at >= SAMPLE_INTERVAL_S:
+            self._usage_asked_at = now
+            self._usage_asked = {agent.usage.remote(): rank for rank, agent in enumerate(self.actors)}
+
     def _restart(self, pending: dict[Any, int], exitcodes: dict[str, int | None]) -> dict[Any, int]:
         """torchrun's restart policy, as the launch host's (:meth:`sgpu_magic.launch.host.job.HostJob._restart`):
         stop every rank still running, keep the failed attempt's record (``attempts`` in the status, its error files
@@ -354,13 +390,13 @@ class _Supervisor(threading.Thread):
             pass
         for ref, rank in pending.items():  # stopped: their errors (a peer's broken connection) are the attempt's
             try:
-                out = ray.get(ref, timeout=STOP_WAIT_S)
+                out: RankOutcome = ray.get(ref, timeout=STOP_WAIT_S)
             except Exception:  # noqa: BLE001 - its actor died
                 exitcodes[str(rank)] = -9
                 continue
-            exitcodes[str(rank)] = out["exitcode"]
-            if out["error"]:  # kept with the attempt's, by close_attempt
-                self.rd.write_error(RankError.from_json(out["error"]))
+            exitcodes[str(rank)] = out.exitcode
+            if out.error is not None:  # kept with the attempt's, by close_attempt
+                self.rd.write_error(out.error)
         self._pull_logs()  # the attempt's last lines, before the marker
         failed = root_cause_first(self.rd, self.world, self.status.pop("failures"), exitcodes)
         self.status.setdefault("attempts", []).append(
@@ -401,35 +437,26 @@ class _Supervisor(threading.Thread):
         """Write rank ``rank``'s result or error into the run dir; whether it succeeded (an agent that ended a rank
         after its value, at the teardown grace, counts as success)."""
         try:
-            out = ray_module().get(ref)
+            out: RankOutcome = ray_module().get(ref)
         except Exception as exc:  # noqa: BLE001 - the actor died (node lost, killed)
-            out = {
-                "exitcode": -9,
-                "result": None,
-                "error": {
-                    "rank": rank,
-                    "exc_type": type(exc).__name__,
-                    "time_s": time.time(),
-                    "message": f"the rank's Ray actor died: {exc}",
-                    "traceback": "",
-                },
-            }
-        exitcodes[str(rank)] = out["exitcode"]
-        if out.get("warm"):  # forked from its warm agent's zygote
-            self.status["forked_ranks"] = self.status.get("forked_ranks", 0) + 1
-        if out["result"] is not None:
-            atomic_write_bytes(self.rd.result_file(rank), out["result"])
-        if out["error"]:
-            self.rd.write_error(RankError.from_json(out["error"]))
-        if out.get("profile"):  # a profiled rank's trace and figures, from its node
+            died = RankError(rank, type(exc).__name__, f"the rank's Ray actor died: {exc}", time_s=time.time())
+            out = RankOutcome(-9, error=died)
+        exitcodes[str(rank)] = out.exitcode
+        if out.warm:  # forked from its warm agent's zygote
+            self.forked_ranks += 1
+            self.status["forked_ranks"] = self.forked_ranks
+        if out.result is not None:
+            atomic_write_bytes(self.rd.result_file(rank), out.result)
+        if out.error is not None:
+            self.rd.write_error(out.error)
+        if out.profile:  # a profiled rank's trace and figures, from its node
             self.rd.profile_dir.mkdir(mode=0o700, exist_ok=True)
-            for name, data in out["profile"].items():
+            for name, data in out.profile.items():
                 atomic_write_bytes(self.rd.profile_dir / Path(name).name, data)
-        ended = out.get("teardown")
-        if ended:  # it had not exited teardown_grace_s after its outcome: its agent ended it
-            self.status.setdefault("teardown_ended", []).append(ended)
-        if out["exitcode"] != 0 and not (ended and ended["outcome"] == "value"):
-            self.status["failures"] = [{"rank": rank, "exitcode": out["exitcode"], "time_s": time.time()}]
+        if out.teardown:  # it had not exited teardown_grace_s after its outcome: its agent ended it
+            self.status.setdefault("teardown_ended", []).append(dict(out.teardown))
+        if not out.succeeded:
+            self.status["failures"] = [{"rank": rank, "exitcode": out.exitcode, "time_s": time.time()}]
             return False
         return True
 

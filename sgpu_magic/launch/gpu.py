@@ -1,5 +1,5 @@
 """Each rank's GPU, sampled through NVML (``pynvml``, from nvidia-ml-py) by the launch host with the CPU figures
-(:mod:`sgpu_magic.launch.host.usage`): utilisation %, memory used and total, power. NVML reads the driver's
+(:mod:`sgpu_magic.launch.usage`): utilisation %, memory used and total, power. NVML reads the driver's
 counters and makes no CUDA context. Without NVML (no driver, no GPU, a CPU job) :class:`GpuSampler` does nothing.
 
 Rank ``r`` uses the job's ``r``-th GPU (``LOCAL_RANK`` on one node: :func:`sgpu_magic.runtime.device`), so its

@@ -1,11 +1,13 @@
-"""Each rank's CPU and memory, sampled by the launch host about once a second into the job's status
-(:class:`~sgpu_magic.status.RankUsage`, ``status.json``'s ``usage``).
+"""Each rank's CPU and memory, sampled about once a second into the job's status
+(:class:`~sgpu_magic.status.RankUsage`, ``status.json``'s ``usage``): by the launch host for the ranks it starts,
+and on a Ray cluster by each rank's agent on the rank's node (:meth:`~sgpu_magic.launch.ray.agent.RankAgent.usage`),
+which the Ray supervisor asks as often.
 
 CPU % is ``psutil.Process.cpu_percent`` over the time since the last sample (100 = one core busy); RSS is the
 rank process's resident set; the peak is the kernel's high-water mark of it (``VmHWM`` in ``/proc/<pid>/status``,
 so a peak between two samples counts too), else the largest RSS sampled. The rank process only: processes it
 started (DataLoader workers) are not added. A rank that has ended keeps its last figures. With NVML, each rank's
-GPU figures come with them (:class:`~sgpu_magic.launch.host.gpu.GpuSampler`).
+GPU figures come with them (:class:`~sgpu_magic.launch.gpu.GpuSampler`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 
 import psutil
 
-from sgpu_magic.launch.host.gpu import GpuSampler
+from sgpu_magic.launch.gpu import GpuSampler
 from sgpu_magic.status import RankUsage
 
 SAMPLE_INTERVAL_S = 1.0
@@ -41,6 +43,11 @@ class UsageSampler:
         self._procs: dict[int, psutil.Process] = {}
         self.usage: dict[int, RankUsage] = {}
         self._next_s = 0.0
+
+    @property
+    def watched(self) -> dict[int, int]:
+        """``{rank: pid}`` of the ranks it samples now."""
+        return {rank: process.pid for rank, process in self._procs.items()}
 
     def watch(self, pids: dict[int, int]) -> None:
         """Sample these ranks from now on (a new attempt's); the figures of the last attempt's peaks stay."""
