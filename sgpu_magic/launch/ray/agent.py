@@ -155,7 +155,7 @@ class RankAgent:
         import threading
 
         self._started = threading.Event()  # set once run() has started its rank (pid() waits for it)
-        self._usage: tuple[int, UsageSampler] | None = None  # (the rank it samples, its sampler)
+        self._usage: tuple[str, UsageSampler] | None = None  # (the job whose rank it samples, its sampler)
         self._rank = 0  # the rank run() runs (or ran last)
 
     def node(self) -> tuple[str, str, list[str]]:
@@ -320,10 +320,10 @@ class RankAgent:
         proc = self.proc
         if proc is None or not self._started.is_set() or proc.poll() is not None:
             return None
-        rank = self._rank
-        if self._usage is None or self._usage[0] != rank:
+        rank, job = self._rank, self.dir.name
+        if self._usage is None or self._usage[0] != job:  # a warm agent's next job: its peaks start afresh
             gpus = [int(g) for g in ray_module().get_gpu_ids()]
-            self._usage = (rank, UsageSampler(gpus))
+            self._usage = (job, UsageSampler(gpus))
         sampler = self._usage[1]
         if sampler.watched.get(rank) != proc.pid:  # its first sample, or a restarted attempt's rank
             sampler.watch({rank: proc.pid})
