@@ -114,7 +114,7 @@ class RankFailure:
         last_lines: a rank that left no Python exception (killed by a signal, or ``os._exit``): the last lines of
             its log (at most :data:`LAST_LINES`), else ``()``.
         oom: a rank killed by SIGKILL: whether the kernel's OOM killer ended it and what shows it, or how to check
-            (see :mod:`sgpu_magic.launch.host.forensics`); ``""`` otherwise.
+            (see :mod:`sgpu_magic.launch.forensics`); ``""`` otherwise.
         oom_killed: ``True`` when the OOM killer is known to have ended it, ``None`` when unknown.
         peak_rss_bytes: its peak resident memory as the launch host sampled it, in bytes; ``None`` when not sampled.
     """

@@ -40,6 +40,7 @@ from sgpu_magic.wire import LaunchRecord, RankError
 from sgpu_magic.wire.errors import RankExit
 
 if TYPE_CHECKING:
+    from sgpu_magic.wire.attach import AttachRecord
     from sgpu_magic.wire.payload import Payload
     from sgpu_magic.wire.session import SessionRecord
 
@@ -512,6 +513,22 @@ class RunDir:
         import pickle
 
         atomic_write_bytes(self.payload_file, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def write_attach(self, record: AttachRecord) -> None:
+        """Write ``attach.pkl`` (atomically, 0600): how another kernel attaches to this detached job."""
+        atomic_write_bytes(self.attach_file, record.encode())
+
+    def read_attach(self) -> AttachRecord:
+        """``attach.pkl`` as its typed record, read through the private-read check (a pickle is code).
+
+        Raises:
+            FileNotFoundError: the run is not a detached job's.
+            PermissionError: it or its folder is not private to this user (:func:`read_private`).
+            RecordError: it is not an attach record this version reads.
+        """
+        from sgpu_magic.wire.attach import AttachRecord  # a rank never reads it: not loaded there
+
+        return AttachRecord.decode(read_private(self.attach_file, self.path))
 
     def read_payload(self) -> Payload:
         """``payload.pkl``, read through the private-read check (a pickle is code: only from a private run

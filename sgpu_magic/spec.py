@@ -55,7 +55,7 @@ class LaunchSpec:
             or error is written; a rank still running then is ended (SIGTERM, then SIGKILL) and the job keeps
             its outcome (see :mod:`sgpu_magic.launch.teardown`). Default 10.
         stuck_after_s: seconds without a log byte or metric point from any rank, while all run, after which the job
-            is reported possibly stuck, with each rank's stack (:mod:`sgpu_magic.launch.host.progress`); ``None``:
+            is reported possibly stuck, with each rank's stack (:mod:`sgpu_magic.launch.progress`); ``None``:
             never. Default 300.
         profile_steps: profile this many steps on every rank with ``torch.profiler`` (after one step of wait and one
             of warm-up: :mod:`sgpu_magic.rank.profile`); ``None``: no profiling. Default ``None``.

@@ -13,6 +13,7 @@ from typing import Any
 
 from sgpu_magic.rundir import RunDir, read_json, write_status
 from sgpu_magic.wire import RunState, StopReason, read_state
+from sgpu_magic.wire.errors import FailedAttempt, ObservedFailure, TeardownEnd
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ _GPU_KEYS = ("gpu_percent", "gpu_memory_bytes", "gpu_memory_total_bytes", "gpu_p
 
 @dataclass(frozen=True)
 class StuckReport:
-    """The launch host's hang detector found no progress (:mod:`sgpu_magic.launch.host.progress`): no rank has written
+    """The launch host's hang detector found no progress (:mod:`sgpu_magic.launch.progress`): no rank has written
     a log byte or a metric point since ``quiet_since_s`` (epoch seconds), for at least ``stuck_after_s`` seconds,
     while every rank still runs. ``stacks``: ``{rank: where}`` as for a timeout (``{}`` until py-spy has answered)."""
 
@@ -77,6 +78,13 @@ class StuckReport:
         stacks = {int(k): str(v) for k, v in (d.get("stacks") or {}).items()}
         return cls(float(d["quiet_since_s"]), float(d["stuck_after_s"]), stacks)
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "quiet_since_s": self.quiet_since_s,
+            "stuck_after_s": self.stuck_after_s,
+            "stacks": {str(r): where for r, where in self.stacks.items()},
+        }
+
 
 @dataclass(frozen=True)
 class HostStatus:
@@ -87,11 +95,12 @@ class HostStatus:
         state: the run's :class:`~sgpu_magic.wire.RunState`; ``stop_reason``: why its launcher stopped it
             (:class:`~sgpu_magic.wire.StopReason`), ``None`` when it was not stopped.
         started_s, ended_s: epoch seconds when the ranks started and the job ended (``None`` before).
-        attempt: the attempt that runs (or ran last), from 1; ``attempts``: the failed ones before it.
+        attempt: the attempt that runs (or ran last), from 1; ``attempts``: the failed ones before it
+            (:class:`~sgpu_magic.wire.errors.FailedAttempt`).
         exitcodes: ``{rank: exit code}`` once the ranks ended (negative: killed by that signal).
-        failures: the failures the launcher observed (``{"rank", "exitcode", "time_s"}``), root cause first.
+        failures: the failures the launcher observed (:class:`~sgpu_magic.wire.errors.ObservedFailure`).
         log_lines: ``{rank: lines}`` in each log once the job ended (a view that skipped shows the count).
-        teardown_ended: ranks the teardown grace ended (``{"rank", "outcome", "grace_s", "signal"}``).
+        teardown_ended: ranks the teardown grace ended (:class:`~sgpu_magic.wire.errors.TeardownEnd`).
         waiting: why a Ray job waits for the cluster's resources; ``host_lost``, ``launch_error``: why it failed.
         pids: ``{rank: process id}`` of the current attempt's ranks on the launch host's machine (``{}`` on Ray).
         stacks: ``{rank: where}`` for the ranks still running when the job timed out or was cancelled, taken just
@@ -110,11 +119,11 @@ class HostStatus:
     started_s: float | None = None
     ended_s: float | None = None
     attempt: int = 1
-    attempts: tuple = ()
+    attempts: tuple[FailedAttempt, ...] = ()
     exitcodes: dict = field(default_factory=dict)
-    failures: tuple = ()
+    failures: tuple[ObservedFailure, ...] = ()
     log_lines: dict = field(default_factory=dict)
-    teardown_ended: tuple = ()
+    teardown_ended: tuple[TeardownEnd, ...] = ()
     waiting: str | None = None
     host_lost: str | None = None
     launch_error: str | None = None
@@ -138,11 +147,11 @@ class HostStatus:
             started_s=status.get("started_s"),
             ended_s=status.get("ended_s"),
             attempt=int(status.get("attempt", 1)),
-            attempts=tuple(status.get("attempts", ())),
+            attempts=tuple(FailedAttempt.from_json(a) for a in status.get("attempts") or ()),
             exitcodes={int(k): v for k, v in (status.get("exitcodes") or {}).items()},
-            failures=tuple(status.get("failures", ())),
+            failures=tuple(ObservedFailure.from_json(f) for f in status.get("failures") or ()),
             log_lines=dict(status.get("log_lines") or {}),
-            teardown_ended=tuple(status.get("teardown_ended", ())),
+            teardown_ended=tuple(TeardownEnd.from_json(e) for e in status.get("teardown_ended") or ()),
             waiting=status.get("waiting"),
             host_lost=status.get("host_lost"),
             launch_error=status.get("launch_error"),

@@ -34,6 +34,7 @@ from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.spec import (
+    DEFAULT_STUCK_AFTER_S,
     DEFAULT_TEARDOWN_GRACE_S,
     DEFAULT_TIMEOUT_S,
     LaunchSpec,
@@ -199,6 +200,7 @@ def distributed(
     max_restarts: int = 0,
     cluster: str | None = None,
     teardown_grace_s: float = config_default("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
+    stuck_after_s: float | None = config_default("stuck_after_s", DEFAULT_STUCK_AFTER_S),
     remote: bool = False,
     num_accelerators: int | None = None,
     accelerator_type: str | None = None,
@@ -245,11 +247,14 @@ def distributed(
             already initialised Ray), ``"ray://host:10001"`` (Ray client) or ``"host:6379"``; default ``None``.
             The job reserves one placement group of ``gpus`` GPU bundles (CPU bundles when the cluster
             has no GPU) and runs one actor per rank (see :mod:`sgpu_magic.launch.ray.cluster`); needs
-            ``pip install "sgpu_magic[ray]"``. Not with ``gpu_ids`` or ``max_restarts``.
+            ``pip install "sgpu_magic[ray]"``. Not with ``gpu_ids``.
         teardown_grace_s: seconds a rank may take to exit after it has returned (or raised): destructors of the
             function's locals, ``atexit`` handlers, stream flushes. A rank still running then is ended (SIGTERM,
             then SIGKILL) and the call still returns the values, with a note naming the rank. Default 10, or
             ``%config DistributedMagics.teardown_grace_s``; >= 0.
+        stuck_after_s: seconds without a log line or a metric point from any rank, while every rank runs, after
+            which the job is reported possibly stuck, with each rank's stack (``job.status.stuck``, a line and the
+            panel); it goes on running. Default 300, or ``%config DistributedMagics.stuck_after_s``; ``None``: never.
         remote: the serverless GPU API's switch. ``False`` (default): this machine. ``True``: the kernel's
             remote cluster, ``%config DistributedMagics.remote_cluster = "ray://head:10001"`` (else
             ``$SGPU_MAGIC_REMOTE_CLUSTER``), through the same Ray path as ``cluster=``.
@@ -270,7 +275,7 @@ def distributed(
 
     Raises (at decoration time, before anything starts):
         SpecError: invalid ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``max_capture_bytes``,
-            ``mlflow``, ``gpu_ids``, ``wait``, ``max_restarts``, ``teardown_grace_s``, ``remote``,
+            ``mlflow``, ``gpu_ids``, ``wait``, ``max_restarts``, ``teardown_grace_s``, ``stuck_after_s``, ``remote``,
             ``num_accelerators``, ``accelerator_type``, ``profile`` or ``detach`` (``widgets``, ``mlflow``, ``wait``,
             ``remote`` and ``detach`` take ``True`` / ``False``, not strings); an old and
             a new name that disagree (``gpus=4, num_accelerators=8``); ``remote=True`` with no remote cluster
@@ -301,6 +306,7 @@ def distributed(
         max_restarts=max_restarts,
         cluster=cluster,
         teardown_grace_s=resolve_config(teardown_grace_s),
+        stuck_after_s=resolve_config(stuck_after_s),
         remote=remote,
         num_accelerators=num_accelerators,
         accelerator_type=accelerator_type,

@@ -10,7 +10,6 @@ the keeper folder are 0700, the keeper's socket 0600, and the attach record is r
 from __future__ import annotations
 
 import html
-import pickle
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,10 +21,11 @@ from sgpu_magic.front.sessions import sessions
 from sgpu_magic.job.handle import CANCEL_WAIT_S, Job, jobs
 from sgpu_magic.job.state import JobState
 from sgpu_magic.launch.keeper import KeeperPaths, RunKeeper
-from sgpu_magic.rundir import RunDir, default_root, detached_index, read_json, read_private
+from sgpu_magic.rundir import RunDir, default_root, detached_index, read_json
 from sgpu_magic.session.core import SessionState
 from sgpu_magic.status import HostStatus
 from sgpu_magic.wire import GPUS_ENV, StopReason
+from sgpu_magic.wire.attach import AttachRecord
 
 if TYPE_CHECKING:
     from sgpu_magic.front.session import Session
@@ -127,8 +127,8 @@ def find_detached(part: str | None, root: Path | None = None) -> DetachedRun:
     return chosen[0]
 
 
-def _keeper_of(run: DetachedRun, record: dict) -> RunKeeper:
-    return RunKeeper(record["launcher_pid"], record["launcher_log"], KeeperPaths(run.run_dir.parent.parent))
+def _keeper_of(run: DetachedRun, record: AttachRecord) -> RunKeeper:
+    return RunKeeper(record.launcher_pid, record.launcher_log, KeeperPaths(run.run_dir.parent.parent))
 
 
 def attach(job_id: str | None = None, *, widgets: bool | None = None, root: Path | None = None) -> Job | Session:
@@ -163,22 +163,17 @@ def attach(job_id: str | None = None, *, widgets: bool | None = None, root: Path
         followed = next((job for job in jobs() if job.job_id == run.job_id and not job.ended), None)
         if followed is not None:
             return followed
-    record = _attach_record(rd)
-    spec = record["spec"] if widgets is None else replace(record["spec"], widgets=widgets)
+    record = rd.read_attach()
+    spec = record.spec if widgets is None else replace(record.spec, widgets=widgets)
     keeper = _keeper_of(run, record)
-    job = Job(rd, spec, record["plan"], lambda: keeper, make_sinks(spec, None))
+    job = Job(rd, spec, record.plan, lambda: keeper, make_sinks(spec, None))
     job.title = spec.name if is_session else f"job {rd.job_id} (attached)"  # a session's: "session train"
-    job.attach(keeper, record["submitted_s"])
+    job.attach(keeper, record.submitted_s)
     if is_session:
         from sgpu_magic.front.session import Session
 
         return Session.attached(job, rd.read_session())
     return job
-
-
-def _attach_record(rd: RunDir) -> dict:
-    """A detached run's attach record (:attr:`RunDir.attach_file`), read through the private-read check."""
-    return pickle.loads(read_private(rd.attach_file, rd.path))
 
 
 def stop_detached(job_id: str, root: Path | None = None, timeout_s: float = CANCEL_WAIT_S) -> str:
@@ -192,7 +187,7 @@ def stop_detached(job_id: str, root: Path | None = None, timeout_s: float = CANC
     if run.state.final:
         return f"job {run.job_id} already ended: {run.state.label}"
     rd = RunDir(run.run_dir)
-    keeper = _keeper_of(run, _attach_record(rd))
+    keeper = _keeper_of(run, rd.read_attach())
     if not keeper.alive():
         return (
             f"job {run.job_id}: its run keeper (pid {keeper.pid}) is gone, and its ranks with it; see {keeper.where()}"

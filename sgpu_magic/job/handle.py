@@ -353,7 +353,7 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         """The failed attempts before the current one: ``[{"attempt": 1, "failures": [{"rank", "exitcode",
         "time_s"}], "ended_s", "exitcodes"}]``; their error files are in ``<run_dir>/errors/attempt_<k>/``."""
         return [
-            {**a, "exitcodes": {int(r): code for r, code in a.get("exitcodes", {}).items()}}
+            a.to_json() | {"exitcodes": dict(a.exitcodes)}  # ranks as ints, as rank_exitcodes gives them
             for a in self._status().attempts
         ]
 

@@ -10,7 +10,6 @@ metrics, results, wait, cancel); nothing outside ``sgpu_magic.job`` uses this cl
 from __future__ import annotations
 
 import contextvars
-import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,10 +26,11 @@ from sgpu_magic.job.state import JobState
 from sgpu_magic.launch.base import Launcher
 from sgpu_magic.launch.leases import Lease, LeaseRegistry, foreign_processes
 from sgpu_magic.launch.resources import DevicePlan, Gpu
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, detached_index
+from sgpu_magic.rundir import RunDir, detached_index
 from sgpu_magic.spec import LaunchSpec
 from sgpu_magic.status import HostStatus, StatusWriter, StuckReport
 from sgpu_magic.wire import GPUS_ENV, LaunchRecord, RunState, StopReason
+from sgpu_magic.wire.attach import AttachRecord
 
 if TYPE_CHECKING:
     from sgpu_magic.job.handle import Job
@@ -270,14 +270,7 @@ class JobLifecycle:
 
     def _write_attach_record(self, host: Launcher) -> None:
         """What another kernel needs to attach to this detached job (:attr:`RunDir.attach_file`)."""
-        record = {
-            "spec": self.spec,
-            "plan": self.plan,
-            "launcher_pid": host.pid,
-            "launcher_log": host.where(),
-            "submitted_s": self.submitted_s,
-        }
-        atomic_write_bytes(self._rd.attach_file, pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
+        self._rd.write_attach(AttachRecord(self.spec, self.plan, host.pid, host.where(), self.submitted_s))
         touch_private(detached_index(self._rd.path.parent.parent) / self.job_id)
 
     def _release(self) -> None:

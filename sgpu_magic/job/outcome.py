@@ -31,12 +31,11 @@ def ending_notes(rd: RunDir, status: HostStatus, world_size: int) -> list[str]:
     """:attr:`Job.notes` from the host's status (``teardown_ended``) and the ranks' exit files."""
     notes = []
     for entry in status.teardown_ended:
-        what = "returned its value" if entry.get("outcome") == "value" else "raised"
-        kept = "; its value is kept" if entry.get("outcome") == "value" else ""
+        what = "returned its value" if entry.outcome == "value" else "raised"
+        kept = "; its value is kept" if entry.outcome == "value" else ""
         notes.append(
-            f"rank {entry['rank']} needed the teardown grace: it {what} but had not exited "
-            f"{entry.get('grace_s', 0):g} s later (teardown_grace_s), so sgpu_magic ended it "
-            f"({entry.get('signal', 'SIGTERM')}){kept}"
+            f"rank {entry.rank} needed the teardown grace: it {what} but had not exited "
+            f"{entry.grace_s:g} s later (teardown_grace_s), so sgpu_magic ended it ({entry.signal}){kept}"
         )
     for rank in range(world_size):
         ended = rd.read_exit(rank)
@@ -53,27 +52,27 @@ def failure_from_status(rd: RunDir, status: HostStatus, world_size: int) -> Rank
     (connection reset) carry earlier timestamps than the host's observation of its death.
     """
     exitcodes = status.exitcodes
-    observed = {f["rank"]: f for f in status.failures}
+    observed = {f.rank: f for f in status.failures}
     usage = status.usage
     failures = []
     for rank in range(world_size):
         err = rd.read_error(rank)
         if rank not in observed and err is None:
             continue
-        seen = observed.get(rank, {})
+        seen = observed.get(rank)
         failures.append(
             RankFailure(
                 last_lines=log_tail(rd.log_file(rank)) if err is None or not err.traceback else (),
-                oom=seen.get("oom", ""),
-                oom_killed=seen.get("oom_killed"),
+                oom=seen.oom if seen else "",
+                oom_killed=seen.oom_killed if seen else None,
                 peak_rss_bytes=usage[rank].peak_rss_bytes if rank in usage else None,
                 rank=rank,
-                exitcode=seen.get("exitcode", exitcodes.get(rank)),
+                exitcode=seen.exitcode if seen else exitcodes.get(rank),
                 exc_type=err.exc_type if err else None,
                 message=err.message if err else "",
                 traceback=err.traceback if err else "",
                 log_path=str(rd.log_file(rank)),
-                time_s=err.time_s if err else seen.get("time_s", float("inf")),
+                time_s=err.time_s if err else seen.time_s if seen else float("inf"),
                 cuda=bool(err and err.cuda),
             )
         )

@@ -17,6 +17,7 @@ Ending is SIGTERM, then SIGKILL ``kill_after_s`` later, as every stop path does.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ import time
 import psutil
 
 from sgpu_magic.rundir import RunDir
+from sgpu_magic.wire.errors import TeardownEnd
 
 CHECK_S = 0.1
 """How often the host looks for written outcomes of ranks that still run."""
@@ -41,7 +43,7 @@ class TeardownGuard:
     """Ends the ranks of one job attempt that do not exit within ``grace_s`` after their outcome.
 
     Attributes:
-        ended: ``{rank: {"rank", "outcome": "value" | "error", "after_s", "signal"}}`` for each rank it ended.
+        ended: ``{rank: TeardownEnd}`` for each rank it ended.
     """
 
     def __init__(self, run_dir: RunDir, world_size: int, grace_s: float, kill_after_s: float) -> None:
@@ -52,7 +54,7 @@ class TeardownGuard:
     def reset(self) -> None:
         """A new attempt (``max_restarts``): nothing seen, nothing ended."""
         self.outcome_at: dict[int, tuple[float, str]] = {}  # rank -> (monotonic time first seen, kind)
-        self.ended: dict[int, dict] = {}
+        self.ended: dict[int, TeardownEnd] = {}
         self._terminated_at: dict[int, float] = {}
         self._checked = 0.0
 
@@ -75,12 +77,12 @@ class TeardownGuard:
             if since >= self.grace_s and (kind == "error" or every):
                 self._end(rank, pids[rank], kind, now - seen)
         for rank, at in self._terminated_at.items():
-            if rank in running and now - at >= self.kill_after_s and self.ended[rank]["signal"] == "SIGTERM":
+            if rank in running and now - at >= self.kill_after_s and self.ended[rank].signal == "SIGTERM":
                 self._signal(pids[rank], signal.SIGKILL)
-                self.ended[rank]["signal"] = "SIGKILL"
+                self.ended[rank] = dataclasses.replace(self.ended[rank], signal="SIGKILL")
 
     def _end(self, rank: int, pid: int, kind: str, after_s: float) -> None:
-        self.ended[rank] = {"rank": rank, "outcome": kind, "after_s": round(after_s, 1), "signal": "SIGTERM"}
+        self.ended[rank] = TeardownEnd(rank, kind, self.grace_s, round(after_s, 1))
         self._terminated_at[rank] = time.monotonic()
         self._signal(pid, signal.SIGTERM)
 
@@ -94,11 +96,13 @@ class TeardownGuard:
     def spare(self, failures: dict) -> dict:
         """``failures`` (rank -> elastic's failure) without the ranks this guard ended after their value was
         written: their exit is teardown, not a failure."""
-        return {rank: f for rank, f in failures.items() if self.ended.get(rank, {}).get("outcome") != "value"}
+        return {
+            rank: f for rank, f in failures.items() if rank not in self.ended or self.ended[rank].outcome != "value"
+        }
 
-    def report(self) -> list[dict]:
-        """What goes into ``status.json`` as ``teardown_ended``."""
-        return [{**entry, "grace_s": self.grace_s} for _, entry in sorted(self.ended.items())]
+    def report(self) -> list[TeardownEnd]:
+        """What goes into ``status.json`` as ``teardown_ended``, in rank order."""
+        return [entry for _, entry in sorted(self.ended.items())]
 
 
 def _outcome(run_dir: RunDir, rank: int) -> str | None:
@@ -109,14 +113,14 @@ def _outcome(run_dir: RunDir, rank: int) -> str | None:
 
 def wait_with_grace(
     proc: subprocess.Popen, run_dir: RunDir, rank: int, grace_s: float, kill_after_s: float
-) -> tuple[int, dict | None]:
+) -> tuple[int, TeardownEnd | None]:
     """Wait for one rank's process (the Ray agent's rank, a session leader) with the same grace, per rank:
     once its outcome is written it has ``grace_s`` to exit, then its session gets SIGTERM, SIGKILL
     ``kill_after_s`` later.
 
     Returns:
-        ``(exit code, None)``, or ``(exit code, {"rank", "outcome", "after_s", "signal", "grace_s"})`` when it
-        was ended (an ended rank whose outcome is a value has not failed).
+        ``(exit code, None)``, or ``(exit code, TeardownEnd)`` when it was ended (an ended rank whose outcome is a
+        value has not failed).
     """
     seen = None
     while True:
@@ -129,13 +133,7 @@ def wait_with_grace(
             seen = None if kind is None else time.monotonic()
         elif time.monotonic() - seen >= grace_s:
             break
-    ended = {
-        "rank": rank,
-        "outcome": kind,
-        "after_s": round(time.monotonic() - seen, 1),
-        "signal": "SIGTERM",
-        "grace_s": grace_s,
-    }
+    ended = TeardownEnd(rank, str(kind), grace_s, round(time.monotonic() - seen, 1))
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -144,5 +142,5 @@ def wait_with_grace(
         try:
             return proc.wait(timeout=kill_after_s), ended
         except subprocess.TimeoutExpired:
-            ended["signal"] = "SIGKILL"
+            ended = dataclasses.replace(ended, signal="SIGKILL")
     return proc.wait(), ended

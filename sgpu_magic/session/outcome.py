@@ -13,6 +13,7 @@ from sgpu_magic.job.handle import Job
 from sgpu_magic.rundir import RunDir
 from sgpu_magic.session.channel import Request
 from sgpu_magic.wire import RunState, StopReason
+from sgpu_magic.wire.errors import ObservedFailure
 from sgpu_magic.wire.session import Reply
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ def cell_status(request: Request, broken: str | None) -> tuple[RunState | StopRe
     from its ranks' replies (or the reason the session broke)."""
     replies = request.replies
     raised = sorted((reply.time_s or time.time(), r) for r, reply in replies.items() if reply.raised)
-    failures = [{"rank": r, "exitcode": None, "time_s": t} for t, r in raised]  # the rank lives on
+    failures = [ObservedFailure(r, None, t).to_json() for t, r in raised]  # the rank lives on
     interrupted = any(reply.interrupted for reply in replies.values()) or bool(request.missing)
     end: RunState | StopReason
     if broken is not None and request.reason is None:
@@ -38,15 +39,15 @@ def cell_status(request: Request, broken: str | None) -> tuple[RunState | StopRe
         end = request.reason
     else:
         end = RunState.FAILED if failures else RunState.SUCCEEDED
-    status: dict[str, Any] = {
+    rest: dict[str, Any] = {
         "started_s": request.started_s,
         "ended_s": time.time(),
         "failures": failures,
         "rank_outcomes": {str(r): outcome(replies.get(r)) for r in request.ranks},
     }
     if broken is not None:
-        status["host_lost"] = broken
-    return end, status
+        rest["host_lost"] = broken
+    return end, rest
 
 
 def outcome(reply: Reply | None) -> str:
@@ -62,11 +63,11 @@ def death_message(name: str, job: Job) -> str:
     """Why a session's job ended by itself: the rank that died first and how."""
     status = job.status
     failures = list(status.failures) or [
-        {"rank": r, "exitcode": code} for r, code in sorted(status.exitcodes.items()) if code
+        ObservedFailure(r, code) for r, code in sorted(status.exitcodes.items()) if code
     ]
     if failures:
         first = failures[0]
-        what = f"rank {first['rank']} died ({describe_exit(first.get('exitcode'))})"
+        what = f"rank {first.rank} died ({describe_exit(first.exitcode)})"
     else:
         what = f"its ranks ended ({status.state.value})"
     return (

@@ -29,6 +29,7 @@ from sgpu_magic.ui.header import header_html, metrics_html
 from sgpu_magic.ui.snapshot import SNAPSHOT_LINES, RankTail, close_tree, snapshot_bundle
 from sgpu_magic.ui.terminal import DEFAULT_MAX_LINES, TerminalBuffer
 from sgpu_magic.ui.text import TextView, summary_line, summary_lines, summary_said
+from sgpu_magic.wire.errors import TeardownEnd
 
 if TYPE_CHECKING:
     from sgpu_magic.ui.charts import MetricsChart
@@ -171,7 +172,7 @@ class Panel(TextView):
         self._exitcodes: dict[int, int | None] | None = None  # set once the job has ended
         self._outcomes: dict[int, str] = {}
         self._counted: dict[str, int] | None = None
-        self._grace_ended: dict[int, dict] = {}  # ranks the host ended after their teardown grace
+        self._grace_ended: dict[int, TeardownEnd] = {}  # ranks the host ended after their teardown grace
         log_layout = w.Layout(max_height="30em", overflow="auto")
         self.outputs = [
             w.Output(layout=log_layout, outputs=self._tab_outputs(rank, "")) for rank in range(job.world_size)
@@ -374,7 +375,7 @@ class Panel(TextView):
         self._exitcodes = job.rank_exitcodes
         status = job.status
         self._counted = status.log_lines
-        self._grace_ended = {e["rank"]: e for e in status.teardown_ended}
+        self._grace_ended = {e.rank: e for e in status.teardown_ended}
         self._outcomes = status.rank_outcomes  # a session cell's ranks: returned / raised / interrupted
 
     def _render_footer(self, rank: int, shown_lines: int) -> str:
@@ -392,7 +393,7 @@ class Panel(TextView):
         state = self._outcomes.get(rank) or rank_state((self._exitcodes or {}).get(rank), not final)
         ended = self._grace_ended.get(rank)
         if ended is not None:
-            state = f"{'returned' if ended.get('outcome') == 'value' else 'raised'}; ended after the teardown grace"
+            state = f"{'returned' if ended.outcome == 'value' else 'raised'}; ended after the teardown grace"
         value = f"<small><b>{state}</b> &middot; {hidden}log: <code>{self._log_names[rank]}</code></small>"
         self.footers[rank].value = value
         return value

@@ -159,9 +159,9 @@ def summary_said(job: Job) -> bool:
 
 def restart_reason(job: Job) -> str:
     """``rank 1 failed (exit code 1)`` for the attempt that ended last."""
-    attempts = job.attempts
-    failures = attempts[-1]["failures"] if attempts else []
-    return ", ".join(f"rank {f['rank']} failed ({describe_exit(f['exitcode'])})" for f in failures) or "a rank failed"
+    attempts = job.status.attempts
+    failures = attempts[-1].failures if attempts else ()
+    return ", ".join(f"rank {f.rank} failed ({describe_exit(f.exitcode)})" for f in failures) or "a rank failed"
 
 
 _TRACEBACK_SHOWN = {

@@ -74,7 +74,7 @@ BASE_CELL_LINES = [
 ]
 ACCEPTED = (
     "gpus, gpu_type, timeout, port, widgets, max_capture_bytes, mlflow, gpu_ids, wait, max_restarts, cluster, "
-    "teardown_grace_s, remote, num_accelerators, accelerator_type, profile, detach"
+    "teardown_grace_s, stuck_after_s, remote, num_accelerators, accelerator_type, profile, detach"
 )
 
 
@@ -848,6 +848,12 @@ class _NoTruth:
             r"^remote must be True or False \(run on the kernel's remote cluster, or "
             r"on this machine\); got 'yes'$",
         ),
+        # stuck_after_s was a %config trait only: the decorator now takes it and refuses a bad one as the trait
+        (
+            {"gpus": 1, "stuck_after_s": -1.0},
+            SpecError,
+            r"^stuck_after_s must be a number of seconds > 0, or None for no limit; got -1.0$",
+        ),
     ],
     ids=[
         "gpus-huge",
@@ -861,6 +867,7 @@ class _NoTruth:
         "max-capture-bytes-string",
         "near-miss",
         "remote-string",
+        "stuck-after-negative",
     ],
 )
 def test_decorator_regressions(settled, kwargs, error, message):

@@ -18,7 +18,7 @@ import pytest
 from sgpu_magic import distributed
 from sgpu_magic.errors import JobCancelledError, RankFailedError
 from sgpu_magic.front.decorator import function_payload, start
-from sgpu_magic.launch.host.forensics import memory_cgroup_file
+from sgpu_magic.launch.forensics import memory_cgroup_file
 from sgpu_magic.ui.panel import Panel
 
 from helpers import wait_for

@@ -287,6 +287,70 @@ def test_ray_ranks_usage_is_sampled_on_their_nodes_as_the_launch_host_samples_it
     assert set(job.status.usage) == {0, 1}  # the last figures stay once the job has ended
 
 
+def test_a_quiet_ray_job_is_possibly_stuck_with_each_ranks_stack_until_it_writes_again(cluster, tmp_path):
+    """test_forensics.py's hang detector on the cluster: the supervisor watches the logs and metrics it copies from
+    the nodes, as the launch host watches its own, and takes the quiet ranks' stacks through their agents."""
+    gate = tmp_path / "go"
+
+    @distributed(gpus=2, cluster=cluster.address, timeout=300, mlflow=False, widgets=False, stuck_after_s=2)
+    def quiet_until_gate(gate: str):
+        import os
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            dist.broadcast(torch.zeros(1), src=1)  # ray stuck: rank 0 waits here
+        while not os.path.exists(gate):
+            time.sleep(0.05)  # ray stuck: rank 1 waits here
+        while True:
+            print("progress", flush=True)
+            time.sleep(0.2)
+
+    here = f"{__file__} line "
+    expected = {
+        0: f"dist.broadcast at {here}{_line_of('dist.broadcast(torch.zeros(1), src=1)  # ray stuck: rank 0 waits here')}",
+        1: f"time.sleep at {here}{_line_of('time.sleep(0.05)  # ray stuck: rank 1 waits here')}",
+    }
+    job = quiet_until_gate.submit(str(gate))
+    try:
+        wait_for(lambda: job.status.stuck and job.status.stuck.stacks == expected, 90, "the stuck report")
+        assert job.status.stuck.stuck_after_s == 2 and job.state.value == "running"
+        gate.touch()  # rank 1 writes again: the report goes
+        wait_for(lambda: job.status.stuck is None, 60, "the stuck report to clear")
+    finally:
+        job.cancel()
+    assert isinstance(job.exception(timeout_s=60), JobCancelledError) and job.status.stuck is None
+
+
+def test_a_sigkilled_ray_rank_gets_the_oom_verdict_of_its_node_as_a_local_rank_does(cluster):
+    """test_forensics.py's SIGKILL on the cluster: the rank's agent judges on its node whether the OOM killer ended
+    it (its kernel log, its memory cgroup), and the job's error says it in the same words as on one machine."""
+
+    @distributed(gpus=1, cluster=cluster.address, timeout=120, mlflow=False, widgets=False)
+    def killed():
+        import os
+
+        print("about to crash", flush=True)
+        os.kill(os.getpid(), 9)
+
+    with pytest.raises(RankFailedError) as caught:
+        killed.distributed()
+    root = caught.value.root_cause
+    assert root.exitcode == -9 and root.exc_type is None and root.oom_killed is None
+    assert re.fullmatch(
+        r"nothing here shows the OOM killer( \(.*\))?, but it is the usual cause of a SIGKILL: look for 'Killed "
+        r"process' in `dmesg` or `journalctl -k`, and compare the rank's peak RSS with the memory limit "
+        r"\(`cat /sys/fs/cgroup/memory.max`, or memory.limit_in_bytes under cgroup v1\)",
+        root.oom,
+    ), root.oom
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "rank 0 failed (root cause): exited without a Python exception (killed by signal SIGKILL (9))"
+    assert lines[1] == f"  {root.oom}" and "    | about to crash" in lines
+
+
 def _flaky_on(cluster):
     return distributed(gpus=2, cluster=cluster.address, max_restarts=2, mlflow=False, widgets=False, timeout=300)(
         flaky_rank

@@ -80,9 +80,10 @@ def test_a_rank_that_raised_before_the_failure_seen_is_named_first_and_a_killed_
     """The launcher may see a peer fail first (on the connection the raising rank tore down as it left): the rank whose
     own error is earlier is then added and named first; a rank seen killed by a signal (no error of its own) stays
     the first, and a peer's later error is not added (found by CI: the panel named rank 0 for rank 1's ValueError)."""
-    from sgpu_magic.launch.base import root_cause_first
+    from sgpu_magic.launch.machine import root_cause_first
     from sgpu_magic.rundir import RunDir
     from sgpu_magic.wire import RankError
+    from sgpu_magic.wire.errors import ObservedFailure
 
     rd = RunDir.create(tmp_path)
 
@@ -91,11 +92,8 @@ def test_a_rank_that_raised_before_the_failure_seen_is_named_first_and_a_killed_
 
     error(0, 20.0)
     error(1, 10.0)
-    seen = [{"rank": 0, "exitcode": 1, "time_s": 21.0}]
-    assert root_cause_first(rd, 2, seen, {"0": 1, "1": -15}) == [
-        {"rank": 1, "exitcode": 1, "time_s": 10.0},
-        {"rank": 0, "exitcode": 1, "time_s": 21.0},
-    ]
+    seen = [ObservedFailure(0, 1, 21.0)]
+    assert root_cause_first(rd, 2, seen, {0: 1, 1: -15}) == [ObservedFailure(1, 1, 10.0), ObservedFailure(0, 1, 21.0)]
     rd.error_file(1).unlink()
-    killed = [{"rank": 1, "exitcode": -9, "time_s": 21.0}]
-    assert root_cause_first(rd, 2, killed, {"0": 1, "1": -9}) == killed
+    killed = [ObservedFailure(1, -9, 21.0)]
+    assert root_cause_first(rd, 2, killed, {0: 1, 1: -9}) == killed

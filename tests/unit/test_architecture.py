@@ -320,6 +320,12 @@ def test_the_record_table_names_every_wire_record_and_only_what_exists():
         "wire.host.StacksReply",
         "wire.session.ReleasePeers",
         "wire.session.SessionRecord",
+        "wire.attach.AttachRecord",
+        "wire.errors.ObservedFailure",
+        "wire.errors.FailedAttempt",
+        "wire.errors.TeardownEnd",
+        "wire.errors.RankOutcome",
+        "wire.errors.RankExit",
         "wire.payload.Payload",
         *(f"wire.payload.{cls.__name__}" for cls in sgpu_magic.wire.payload.Body.__args__),
     }

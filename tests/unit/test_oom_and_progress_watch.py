@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sgpu_magic.launch.host.forensics import OomWatch, kernel_log_kill, memory_cgroup_file, oom_kills
-from sgpu_magic.launch.host.progress import ProgressWatch
+from sgpu_magic.launch.forensics import OomWatch, kernel_log_kill, memory_cgroup_file, oom_kills
+from sgpu_magic.launch.progress import ProgressWatch
 from sgpu_magic.rundir import RunDir
 from sgpu_magic.status import StuckReport
 
@@ -105,8 +105,9 @@ def test_a_quiet_job_is_reported_stuck_until_a_file_grows(tmp_path):
     watch.restart()
     assert watch.report() is None
     wait_for(lambda: watch.check({}), 10, "the job to count as stuck")
-    report = StuckReport.from_dict(watch.report())
+    report = watch.report()
     assert report is not None and report.stuck_after_s == 0.2 and report.stacks == {}
+    assert StuckReport.from_dict(report.to_json()) == report  # as status.json holds it
     with open(rd.log_file(1), "a") as log:
         log.write("progress\n")
     assert watch.check({}) is True and watch.report() is None  # changed: the report goes

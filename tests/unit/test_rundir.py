@@ -48,7 +48,7 @@ def test_directory_of_another_user_is_refused(tmp_path):
 
 
 def test_status_writer_makes_the_final_status_the_last_write(tmp_path):
-    from sgpu_magic.launch.base import finish_job
+    from sgpu_magic.launch.machine import finish_job
     from sgpu_magic.status import StatusWriter
     from sgpu_magic.wire import RunState
 

@@ -122,16 +122,18 @@ def test_a_rank_agents_copy_has_no_env_nor_lease():
 
 # -- only wire/ spells a record's keys
 
-RECORD_NAMES = {"launch", "reply", "msg", "message", "command", "cmd", "item", "payload", "part"}
-READ_NAMES = {"status", "final"}
-"""A status dict is still changed by key where its launcher writes it (``self.status["usage"] = ...``, the launch
-host's and the Ray supervisor's); what reads it takes the typed :class:`~sgpu_magic.status.HostStatus`."""
+RECORD_NAMES = {"launch", "reply", "msg", "message", "command", "cmd", "item", "payload", "part", "failure"}
+STATUS_NAMES = {"status", "final"}
+"""A status dict is changed by key only by its owner, the run machine (``launch/machine.py``), and its codec
+(``status.py``); what reads it takes the typed :class:`~sgpu_magic.status.HostStatus`."""
+STATUS_OWNERS = {"status.py", "launch/machine.py"}
 
 
 def _keyed_reads(path: Path, rel: str) -> list[str]:
     """``launch["k"]`` / ``launch.get("k")`` / ``x.launch["k"]`` (and the same of a session's frames: ``reply``,
     ``msg``, ``message``, ``command``, ``cmd``, ``item``; and of a payload: ``payload``, ``part``), a status read
-    by key (``status["k"]`` read, ``status.get("k")``; ``final`` too), and ``launch.json`` or a rank's error file
+    by key (``status["k"]`` read or written, ``status.get/pop/setdefault/update``; ``final`` too; but in
+    :data:`STATUS_OWNERS`), a status entry (``failure``), and ``launch.json`` or a rank's error file
     read or written by hand (``read_json(rd.launch_file)``, ``read_json(rd.error_file(r))``) in one module."""
     found = []
 
@@ -146,7 +148,7 @@ def _keyed_reads(path: Path, rel: str) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if (
             isinstance(node, ast.Subscript)
-            and (recordlike(node.value) or (named(node.value, READ_NAMES) and isinstance(node.ctx, ast.Load)))
+            and (recordlike(node.value) or (named(node.value, STATUS_NAMES) and rel not in STATUS_OWNERS))
             and isinstance(node.slice, ast.Constant)
             and isinstance(node.slice.value, str)
         ):
@@ -156,7 +158,11 @@ def _keyed_reads(path: Path, rel: str) -> list[str]:
             and isinstance(node.func, ast.Attribute)
             and (
                 (node.func.attr in ("get", "setdefault", "pop", "update") and recordlike(node.func.value))
-                or (node.func.attr == "get" and named(node.func.value, READ_NAMES))
+                or (
+                    node.func.attr in ("get", "setdefault", "pop", "update")
+                    and named(node.func.value, STATUS_NAMES)
+                    and rel not in STATUS_OWNERS
+                )
             )
         ):
             found.append(f"{rel}:{node.lineno}: .{node.func.attr}(...)")
@@ -192,18 +198,24 @@ def test_the_keyed_read_check_finds_each_kind(tmp_path):
         "    f = reply['ok'], msg.get('op'), item[0], read_json(rd.exit_file(0))\n"
         "    status['usage'] = {}; g = status['usage'], self.status.get('stuck'), status.pop('waiting', None)\n"
     )
-    assert _keyed_reads(module, "m.py") == [
-        "m.py:2: ['world_size']",
-        "m.py:3: .get(...)",
-        "m.py:4: .update(...)",
-        "m.py:5: launch_file (read it with RunDir.read_launch)",
-        "m.py:7: error_file (read it with RunDir.read_error)",
-        "m.py:8: ['ok']",
-        "m.py:8: .get(...)",
-        "m.py:8: exit_file (read it with RunDir.read_exit)",
-        "m.py:9: ['usage']",
-        "m.py:9: .get(...)",
-    ]
+    assert sorted(_keyed_reads(module, "m.py")) == sorted(
+        [
+            "m.py:2: ['world_size']",
+            "m.py:3: .get(...)",
+            "m.py:4: .update(...)",
+            "m.py:5: launch_file (read it with RunDir.read_launch)",
+            "m.py:7: error_file (read it with RunDir.read_error)",
+            "m.py:8: ['ok']",
+            "m.py:8: .get(...)",
+            "m.py:8: exit_file (read it with RunDir.read_exit)",
+            "m.py:9: ['usage']",
+            "m.py:9: ['usage']",
+            "m.py:9: .get(...)",
+            "m.py:9: .pop(...)",
+        ]
+    )
+    owner = _keyed_reads(module, "launch/machine.py")  # the status's owner changes it by key; nothing else may
+    assert len(owner) == 8 and not [line for line in owner if line.startswith("launch/machine.py:9")]
 
 
 # -- the host's and keeper's commands
@@ -459,7 +471,7 @@ def test_a_payload_file_that_is_not_a_payload_is_refused_naming_the_remedy(tmp_p
 
 
 def test_a_rank_exit_reads_back_and_a_ray_ranks_outcome_says_whether_it_succeeded(tmp_path):
-    from sgpu_magic.wire.errors import RankExit, RankOutcome
+    from sgpu_magic.wire.errors import RankExit, RankOutcome, TeardownEnd
 
     rd = RunDir.create(tmp_path)
     rd.results_dir.mkdir(mode=0o700, exist_ok=True)
@@ -469,5 +481,38 @@ def test_a_rank_exit_reads_back_and_a_ray_ranks_outcome_says_whether_it_succeede
     assert rd.read_exit(0) is None
     assert RankOutcome(0).succeeded and not RankOutcome(1).succeeded and not RankOutcome(-9).succeeded
     # ended by its agent at the teardown grace: with its value written it succeeded, with its error it did not
-    assert RankOutcome(-15, teardown={"rank": 0, "outcome": "value"}).succeeded
-    assert not RankOutcome(-15, teardown={"rank": 0, "outcome": "error"}).succeeded
+    assert RankOutcome(-15, teardown=TeardownEnd(0, "value")).succeeded
+    assert not RankOutcome(-15, teardown=TeardownEnd(0, "error")).succeeded
+
+
+# -- a detached job's attach record
+
+
+def test_an_attach_record_reads_back_and_the_previous_versions_dict_still_reads(tmp_path):
+    """attach.pkl: what a kernel rebuilds a detached job's handle from; a job the previous version started (a dict of
+    the same fields) still attaches; a file that holds anything else is refused naming the remedy."""
+    import pickle
+
+    from sgpu_magic.spec import LaunchSpec
+    from sgpu_magic.wire.attach import AttachRecord
+
+    rd = RunDir.create(tmp_path)
+    spec = LaunchSpec(gpus=2, name="train", detach=True)
+    record = AttachRecord(spec, {"backend": "gloo"}, 4242, "/keeper.log", 12.5)
+    rd.write_attach(record)
+    assert oct(rd.attach_file.stat().st_mode & 0o777) == "0o600" and rd.read_attach() == record
+    old = {
+        "spec": spec,
+        "plan": {"backend": "gloo"},
+        "launcher_pid": 4242,
+        "launcher_log": "/keeper.log",
+        "submitted_s": 12.5,
+    }
+    atomic_write_bytes(rd.attach_file, pickle.dumps(old))
+    assert rd.read_attach() == record
+    atomic_write_bytes(rd.attach_file, pickle.dumps(["not", "a", "record"]))
+    with pytest.raises(RecordError, match=r"^attach.pkl holds a list, not a detached job's attach record of this "):
+        rd.read_attach()
+    atomic_write_bytes(rd.attach_file, b"torn")
+    with pytest.raises(RecordError, match=r"^attach.pkl does not read: UnpicklingError: "):
+        rd.read_attach()

@@ -12,20 +12,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sgpu_magic._compat import elastic
-from sgpu_magic.launch.base import close_attempt, finish_job, root_cause_first
 from sgpu_magic.launch.env import rank_env
 from sgpu_magic.launch.flight_recorder import flight_recorder_env
+from sgpu_magic.launch.forensics import OomWatch
 from sgpu_magic.launch.host.cleanup import kill_leftovers, release_lease
-from sgpu_magic.launch.host.forensics import OomWatch
-from sgpu_magic.launch.host.progress import ProgressWatch
 from sgpu_magic.launch.host.warm_pool import WarmPool
+from sgpu_magic.launch.machine import RunMachine
+from sgpu_magic.launch.progress import ProgressWatch
 from sgpu_magic.launch.stacks import save_stacks
 from sgpu_magic.launch.teardown import TeardownGuard
 from sgpu_magic.launch.usage import UsageSampler
 from sgpu_magic.rundir import RunDir
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
-from sgpu_magic.status import StatusWriter
 from sgpu_magic.wire import LaunchRecord, RunState, StopReason
+from sgpu_magic.wire.errors import ObservedFailure
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.api import PContext
@@ -116,34 +116,29 @@ def _make_tree_private(top: Path) -> None:
 
 
 class HostJob:
-    """One job's ranks inside the host: start, poll, stop, report."""
+    """One job's ranks inside the host over torch elastic: start, poll, stop; what it sees goes to its
+    :class:`~sgpu_magic.launch.machine.RunMachine`, which writes the status."""
 
     def __init__(self, run_dir: RunDir, env: dict, pool: WarmPool | None) -> None:
         self.run_dir = run_dir
         # the kernel wrote launch.json before it handed the run dir over
         self.launch = run_dir.read_launch()
         self.store, self.port = _rendezvous_store(self.launch.port or 0)
-        self.started_s = time.time()
-        timeout_s = self.launch.timeout_s
-        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.writer = StatusWriter(
+        self.machine = RunMachine(
             run_dir,
+            self.launch,
             on_error=lambda exc: log.warning(
                 f"sgpu_magic host: cannot write the status of job {run_dir.job_id} ({exc}); retrying"
             ),
-            state=RunState.STARTING,
             port=self.port,
-            started_s=self.started_s,
             host_pid=os.getpid(),
         )
-        self.status = self.writer.status  # changed in place, written by write()
         self.write()
         # this job's environment is its own value (its ranks get exactly it, warm or cold): never the host's
         # os.environ, which every job of the kernel shares
         env = {**env, **self.launch.env}
         self.tracked = self.launch.tracked  # the host imports mlflow once its ranks have started
         self.env, self.pool = env, pool
-        self.attempt, self.max_restarts = 1, self.launch.max_restarts
         self.done = False
         grace_s = self.launch.teardown_grace_s
         self.guard = TeardownGuard(
@@ -167,32 +162,29 @@ class HostJob:
         self._start_attempt(warm=wait == 0.0)
 
     def _start_attempt(self, warm: bool | None = None) -> None:
-        """Start every rank for attempt ``self.attempt`` (1-based; ranks see TORCHELASTIC_RESTART_COUNT = attempt - 1).
+        """Start every rank for the machine's attempt (1-based; ranks see TORCHELASTIC_RESTART_COUNT = attempt - 1).
 
         ``warm``: fork them from the forkserver; default: if it is ready (else cold while it warms up)."""
         if warm is None:
             warm = self.pool is not None and self.pool.ready(self.launch.sys_path)
-        self.status["start_method"] = "forkserver" if warm else "subprocess"
-        self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.attempt - 1)
+        self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.machine.attempt - 1)
         self.oom.watch(self.launch.world_size)
         self.ctx.start()
         self.pids = self.ctx.pids()
         self.usage.watch(self.pids)
         self.progress.restart()
         _make_tree_private(self.run_dir.elastic_dir)  # torch elastic made its per-rank folders with the umask
-        self.writer.update(
-            state=RunState.RUNNING, attempt=self.attempt, port=self.port, pids={str(k): v for k, v in self.pids.items()}
-        )
+        self.machine.running(self.pids, self.port, start_method="forkserver" if warm else "subprocess")
 
     def write(self) -> None:
         """Write status.json; when that fails (a full disk that even the reserve did not cover), keep the
         status and try again on every turn of the host's loop (:meth:`Host.run`) instead of failing."""
-        self.writer.write()
+        self.machine.write()
 
     @property
     def unwritten(self) -> bool:
         """The last write of the status failed; the host's loop writes it again."""
-        return self.writer.unwritten
+        return self.machine.unwritten
 
     def wake_fds(self) -> list[int]:
         """File descriptors that become readable when a warm rank returns or exits (its return-value
@@ -201,13 +193,13 @@ class HostJob:
 
     def poll(self) -> None:
         """Check the ranks once; finish the job when they are done, failed, or past the timeout."""
-        if self.deadline is not None and time.monotonic() > self.deadline:
+        if self.machine.timed_out():
             self.stop(StopReason.TIMED_OUT)
             return
         if self.ctx is None:  # waiting for the warming forkserver
             assert self.pool is not None  # only a forkserver that warms is waited for (_start_when_warm)
             if self.pool.ready(self.launch.sys_path) or time.monotonic() >= self.warm_by:
-                self.status["waited_for_warm_s"] = round(time.time() - self.started_s, 2)
+                self.machine.note(waited_for_warm_s=round(time.time() - self.machine.started_s, 2))
                 self._start_attempt()
             return
         self.guard.check(self.pids)
@@ -217,24 +209,24 @@ class HostJob:
             return
         failures = self.guard.spare(getattr(self.ctx, "first_failures", None) or result.failures)
         now = time.time()
-        self.status["failures"] = [
-            {"rank": r, "exitcode": f.exitcode, "time_s": now, **self.oom.verdict(r, self.pids.get(r), f.exitcode)}
+        seen = [
+            ObservedFailure(r, f.exitcode, now, **self.oom.verdict(r, self.pids.get(r), f.exitcode))
             for r, f in sorted(failures.items())
         ]
-        if failures and self.attempt <= self.max_restarts:
+        if seen and self.machine.failed(seen):
             self._restart()
             return
-        self._finish(RunState.FAILED if failures else RunState.SUCCEEDED)
+        self._finish(RunState.FAILED if seen else RunState.SUCCEEDED)
 
     def _sample(self) -> None:
         """About once a second: the ranks' usage, their memory cgroups, and whether the job is possibly stuck."""
         if not self.usage.sample():
             return
-        self.status["usage"] = self.usage.as_status()
         self.oom.sample(self.pids)
         if self.progress.check(self.pids):
-            self.status["stuck"] = self.progress.report()
-        self.write()
+            self.machine.sampled(self.usage.usage, stuck=self.progress.report())
+        else:
+            self.machine.sampled(self.usage.usage)
 
     def _restart(self) -> None:
         """torchrun's restart policy: stop every rank, keep this attempt's record, start them all again.
@@ -245,29 +237,26 @@ class HostJob:
         assert self.ctx is not None  # an attempt ran
         self.ctx.close(timeout=GRACE_S)  # type: ignore[arg-type] # torch says int; its waits take seconds as floats
         kill_leftovers(set(self.pids.values()), self.launch.job_id)
-        world = self.launch.world_size
-        exitcodes = {str(r): code for r, code in elastic.exitcodes(self.ctx).items()}
-        failed = root_cause_first(self.run_dir, world, self.status.pop("failures"), exitcodes)
-        self.status.setdefault("attempts", []).append(
-            {"attempt": self.attempt, "failures": failed, "ended_s": time.time(), "exitcodes": exitcodes}
-        )
         self.guard.reset()
-        unmarked = close_attempt(self.run_dir, world, self.attempt, self.max_restarts, failed)
-        self.attempt += 1
-        for rank, exc in unmarked:
-            log.warning(f"sgpu_magic host: could not mark attempt {self.attempt} in rank {rank}'s log ({exc})")
+        for rank, exc in self.machine.restart(elastic.exitcodes(self.ctx)):
+            log.warning(f"sgpu_magic host: could not mark attempt {self.machine.attempt} in rank {rank}'s log ({exc})")
         self.store = None  # a fresh store per attempt, as torchrun's agent makes (stale keys of the last one go)
         self.store, self.port = _rendezvous_store(self.launch.port or 0)
         self._start_attempt()
 
-    def stop(self, reason: StopReason, stacks: bool = True) -> None:
+    @property
+    def started_s(self) -> float:
+        return self.machine.started_s
+
+    def stop(self, reason: StopReason, stacks: bool = True, launch_error: str | None = None) -> None:
         """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end for ``reason``; when the job timed out or
-        was cancelled (``stacks``), the stacks of the ranks still running are taken first (:meth:`_save_stacks`)."""
+        was cancelled (``stacks``), the stacks of the ranks still running are taken first (:meth:`_save_stacks`).
+        ``launch_error``: why the host could not go on with the job (its status says it)."""
         if self.ctx is not None:
             if stacks and reason.takes_stacks:
                 self._save_stacks()
             self.ctx.close(timeout=GRACE_S)  # type: ignore[arg-type] # torch says int; its waits take seconds as floats
-        self._finish(reason)
+        self._finish(reason, launch_error)
 
     def _save_stacks(self) -> None:
         """Take the stacks of the ranks still running into ``stacks/`` and their summary into the status; a
@@ -278,20 +267,18 @@ class HostJob:
         if not running:
             return
         try:
-            self.status["stacks"] = save_stacks(self.run_dir, running)
+            self.machine.stacks_taken(save_stacks(self.run_dir, running))
         except Exception as exc:  # noqa: BLE001 - the stop goes on without them; the host log says why
             log.warning(f"sgpu_magic host: could not take the stacks of job {self.run_dir.job_id}: {exc!r}")
 
-    def _finish(self, end: RunState | StopReason) -> None:
+    def _finish(self, end: RunState | StopReason, launch_error: str | None = None) -> None:
         kill_leftovers(set(self.pids.values()), self.launch.job_id)
-        self.status.pop("stuck", None)
         self.usage.gpu.close()
-        if self.guard.ended:
-            self.status["teardown_ended"] = self.guard.report()
-        exitcodes = {str(r): code for r, code in elastic.exitcodes(self.ctx).items()} if self.ctx else {}
+        self.machine.grace_ended(self.guard.report())
+        exitcodes = elastic.exitcodes(self.ctx) if self.ctx else {}
         self.store = None  # closes the rendezvous listener before the kernel hears the job ended
         # the final status is the last thing written: once the kernel reads it, the run dir and the
         # leases are in their final form (no payload, GPUs free)
         release_lease(self.launch)
-        finish_job(self.writer, end, self.launch.world_size, exitcodes=exitcodes)
+        self.machine.finish(end, exitcodes, **({} if launch_error is None else {"launch_error": launch_error}))
         self.done = True

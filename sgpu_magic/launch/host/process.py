@@ -43,7 +43,7 @@ from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.stacks import answer as answer_stacks
 from sgpu_magic.rundir import RunDir, host_ready_marker
 from sgpu_magic.status import StatusWriter
-from sgpu_magic.wire import RunState, StopReason, read_state
+from sgpu_magic.wire import RunState, StopReason
 from sgpu_magic.wire.host import Cancel, HostCommand, Launch, Release, Stacks, decode_command
 
 log = logging.getLogger(__name__)
@@ -149,8 +149,7 @@ class Host:
         try:
             job.poll()
         except Exception as exc:  # noqa: BLE001 - one broken job must not take the host down
-            job.status["launch_error"] = f"the launch host lost this job: {type(exc).__name__}: {exc}"
-            job.stop(StopReason.FAILED)
+            job.stop(StopReason.FAILED, launch_error=f"the launch host lost this job: {type(exc).__name__}: {exc}")
 
     def run(self) -> None:
         last_check = 0.0
@@ -179,7 +178,7 @@ class Host:
                 self.pool.stop()
             for job in [*self.ended, *self.jobs.values()]:
                 if not job.run_dir.mlflow_ended_file.exists():  # the kernel did not get to end it
-                    end_mlflow_run(job.run_dir, read_state(job.status)[0], job.env)
+                    end_mlflow_run(job.run_dir, job.machine.state, job.env)
 
 
 def host_logging() -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic._util.frames import read_frame, write_frame
 from sgpu_magic._util.fs import site_packages_fingerprint
+from sgpu_magic.launch.forensics import OomWatch
 from sgpu_magic.launch.ray.cluster import ray_module
 from sgpu_magic.launch.usage import UsageSampler
 from sgpu_magic.rundir import (
@@ -156,6 +157,7 @@ class RankAgent:
 
         self._started = threading.Event()  # set once run() has started its rank (pid() waits for it)
         self._usage: tuple[str, UsageSampler] | None = None  # (the job whose rank it samples, its sampler)
+        self._oom = OomWatch()  # the memory cgroups its rank ran in, for the OOM verdict of a SIGKILL
         self._rank = 0  # the rank run() runs (or ran last)
 
     def node(self) -> tuple[str, str, list[str]]:
@@ -200,6 +202,8 @@ class RankAgent:
             self.session = SessionPipe(rd, rank)
         env = {**env, "SGPU_MAGIC_HOST_PID": str(os.getpid())}
         proc: subprocess.Popen[bytes] | _ForkedRank | None = None
+        self._oom = OomWatch()
+        self._oom.watch([rank])  # the cgroup its rank starts in: this agent's
         packages = site_packages_fingerprint(self.sys_path)
         if self.zygote is not None and self.zygote.packages != packages:  # a %pip install since it preloaded
             self.zygote.stop()
@@ -232,7 +236,8 @@ class RankAgent:
         profile = (
             {p.name: p.read_bytes() for p in sorted(rd.profile_dir.glob("rank_*"))} if rd.profile_dir.is_dir() else {}
         )
-        return RankOutcome(code, result, rd.read_error(rank), ended, profile, warm)
+        oom = self._oom.verdict(rank, proc.pid, code)  # on its node, as the launch host judges its own ranks
+        return RankOutcome(code, result, rd.read_error(rank), ended, profile, warm, **oom)
 
     def stop_rank(self) -> None:
         """Stop the rank (its whole session, SIGKILL) if it still runs and wait for it; its files stay (a job that
@@ -328,6 +333,7 @@ class RankAgent:
         if sampler.watched.get(rank) != proc.pid:  # its first sample, or a restarted attempt's rank
             sampler.watch({rank: proc.pid})
         sampler.sample(force=True)
+        self._oom.sample({rank: proc.pid})
         figures = sampler.usage.get(rank)
         return None if figures is None else figures.as_dict()
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sgpu_magic.errors import SgpuError, SpecError
-from sgpu_magic.launch.base import close_attempt, finish_job, root_cause_first
+from sgpu_magic.launch.machine import RunMachine
+from sgpu_magic.launch.progress import ProgressWatch
 from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import NAMESPACE, PENDING_NOTE_S, ray_module
 from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
@@ -20,9 +21,9 @@ from sgpu_magic.launch.stacks import REPLY_WAIT_S, CodeMap, RankStack, no_stack,
 from sgpu_magic.launch.usage import SAMPLE_INTERVAL_S
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
 from sgpu_magic.rundir import RunDir, atomic_write_bytes
-from sgpu_magic.status import HostStatus, StatusWriter
+from sgpu_magic.status import HostStatus, RankUsage
 from sgpu_magic.wire import RankError, RunState, StopReason
-from sgpu_magic.wire.errors import RankOutcome
+from sgpu_magic.wire.errors import ObservedFailure, RankOutcome
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -158,15 +159,7 @@ class _Supervisor(threading.Thread):
         # the kernel wrote launch.json before it handed the run dir over
         self.launch = rd.read_launch()
         self.world = self.launch.world_size
-        self.writer = StatusWriter(
-            rd,
-            state=RunState.STARTING,
-            started_s=time.time(),
-            host_pid=os.getpid(),
-            cluster=cluster,
-            start_method="ray",
-        )
-        self.status = self.writer.status  # changed in place, written by _write
+        self.machine = RunMachine(rd, self.launch, host_pid=os.getpid(), cluster=cluster, start_method="ray")
         self._stop_reason: StopReason | None = None
         self._mlflow: dict[str, str] | None = None
         self.finished = False
@@ -179,22 +172,20 @@ class _Supervisor(threading.Thread):
         self.pg_name = f"sgpu_magic-{rd.job_id}"
         self.bundle = _bundle(self.launch.backend, gpu_type)
         self.nodes: list[tuple[str, str, list[str]]] = []
-        self.attempt, self.max_restarts = 1, self.launch.max_restarts
         self.warm_agents = False  # it took the kernel's warm placement group and agents
         self.forked_ranks = 0  # ranks forked from their warm agent's zygote
         self._usage_asked: dict[Any, int] = {}  # {usage call: rank} asked of the agents and not answered yet
         self._usage_asked_at = 0.0
-        self._usage: dict[str, dict] = {}  # each rank's last figures, as status.json holds them
-        timeout_s = self.launch.timeout_s
-        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        """When the job times out (``time.monotonic()``), as the launch host's: from when its launcher took it (a
-        clock step of the machine moves neither)."""
+        self._usage: dict[int, RankUsage] = {}  # each rank's last figures
+        self.pids: dict[int, int] = {}  # the running attempt's ranks, on their nodes
+        self.progress = ProgressWatch(
+            rd, self.world, self.launch.stuck_after_s, take=lambda pids: self.take_stacks(sorted(pids))
+        )
+        """The hang detector, as the launch host's: it reads the sizes of the logs and metrics copied here."""
+        self._progress_at = 0.0
 
     def stop(self, reason: StopReason) -> None:
         self._stop_reason = reason  # read by the supervisor's loop within 0.1 s
-
-    def _write(self, state: RunState | None = None, **change) -> None:
-        self.writer.update(state, **change)
 
     def run(self) -> None:
         try:
@@ -208,8 +199,7 @@ class _Supervisor(threading.Thread):
     def _should_stop(self) -> StopReason | None:
         if self._stop_reason:
             return self._stop_reason
-        deadline = self.deadline
-        return StopReason.TIMED_OUT if deadline is not None and time.monotonic() > deadline else None
+        return StopReason.TIMED_OUT if self.machine.timed_out() else None
 
     def _run(self) -> None:
         if self.base_env is not None:  # in the run keeper: connected by the job's own thread (seconds, the first time)
@@ -253,11 +243,11 @@ class _Supervisor(threading.Thread):
                 noted = time.time()
                 unit = "GPU" if "GPU" in bundle else "CPU"
                 free, total = ray.available_resources().get(unit, 0), ray.cluster_resources().get(unit, 0)
-                self._write(
-                    waiting=f"waiting for {self.world} {unit} bundle(s) on the Ray cluster: {free:g} of "
-                    f"{total:g} {unit}s free now"
+                self.machine.waiting(
+                    f"waiting for {self.world} {unit} bundle(s) on the Ray cluster: {free:g} of {total:g} {unit}s "
+                    "free now"
                 )
-        self.status.pop("waiting", None)
+        self.machine.waiting(None)
         return None
 
     def _session(self) -> bool:
@@ -275,7 +265,7 @@ class _Supervisor(threading.Thread):
             return False
         self.pg, self.actors, self.pg_name = warm.pg, warm.actors, warm.name
         self.warm_agents = True
-        self.status["warm_agents"] = True
+        self.machine.note(warm_agents=True)
         return True
 
     def _start_agents(self) -> None:
@@ -313,23 +303,24 @@ class _Supervisor(threading.Thread):
             for r, a in enumerate(self.actors)
         ]
         pids = ray.get([a.pid.remote(wait_s=10.0) for a in self.actors])
-        self._write(
-            state=RunState.RUNNING,
-            port=port,
-            attempt=self.attempt,
+        self.pids = {r: p for r, p in enumerate(pids) if p is not None}
+        self.progress.restart()
+        self.machine.running(
+            self.pids,
+            port,
             master_addr=nodes[0][1],
             nodes={str(r): ip for r, (_, ip, _) in enumerate(nodes)},
-            pids={str(r): p for r, p in enumerate(pids) if p is not None},
         )
         return refs
 
     def _follow(self, refs: list) -> None:
-        """Copy the ranks' logs and record each rank's outcome as it ends; on the first failure restart every rank
-        (up to ``max_restarts`` times, as torchrun) or finish; on a stop or the timeout take the running ranks'
-        stacks and finish; else finish once every rank has succeeded."""
+        """Copy the ranks' logs and record each rank's outcome as it ends; on a failure (every rank that has failed
+        by then, as the launch host sees them) restart every rank (up to ``max_restarts`` times, as torchrun) or
+        finish; on a stop or the timeout take the running ranks' stacks and finish; else finish once every rank has
+        succeeded."""
         ray = ray_module()
         pending = dict(zip(refs, range(self.world)))
-        exitcodes: dict[str, int | None] = {}
+        exitcodes: dict[int, int | None] = {}
         last_pull = 0.0
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=0.05)
@@ -337,15 +328,13 @@ class _Supervisor(threading.Thread):
                 last_pull = time.monotonic()
                 self._pull_logs()
             self._sample_usage()
-            failed = False
-            for ref in done:
-                rank = pending.pop(ref)
-                if not self._record_outcome(rank, ref, exitcodes):
-                    failed = True
-                    break
-            if failed and self.attempt > self.max_restarts:
+            self._check_progress()
+            if done:  # and every other rank that has ended by now
+                done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            seen = [f for f in (self._record_outcome(pending.pop(ref), ref, exitcodes) for ref in done) if f]
+            if seen and not self.machine.failed(sorted(seen, key=lambda f: f.rank)):
                 return self._finish(RunState.FAILED, exitcodes=exitcodes)
-            if failed:
+            if seen:
                 pending, exitcodes = self._restart(pending, exitcodes), {}
                 continue
             reason = self._should_stop()
@@ -369,20 +358,31 @@ class _Supervisor(threading.Thread):
                 except Exception:  # noqa: BLE001 - a dead agent: its rank's end says why; its last figures stay
                     figures = None
                 if figures:
-                    self._usage[str(rank)] = figures
+                    self._usage[rank] = RankUsage.from_dict(figures)
             if ready and not self._usage_asked:
-                self._write(usage=dict(sorted(self._usage.items(), key=lambda item: int(item[0]))))
+                self.machine.sampled(self._usage)
             if self._usage_asked and now - self._usage_asked_at < USAGE_ASK_GIVE_UP_S:
                 return
         if now - self._usage_asked_at >= SAMPLE_INTERVAL_S:
             self._usage_asked_at = now
             self._usage_asked = {agent.usage.remote(): rank for rank, agent in enumerate(self.actors)}
 
-    def _restart(self, pending: dict[Any, int], exitcodes: dict[str, int | None]) -> dict[Any, int]:
+    def _check_progress(self) -> None:
+        """About once a second, as the launch host: whether the job is possibly stuck (no rank has written a log byte
+        or a metric point for ``stuck_after_s``); the report, with the ranks' stacks taken by their agents, goes into
+        the status."""
+        now = time.monotonic()
+        if now - self._progress_at < SAMPLE_INTERVAL_S:
+            return
+        self._progress_at = now
+        if self.progress.check(self.pids):
+            self.machine.sampled(stuck=self.progress.report())
+
+    def _restart(self, pending: dict[Any, int], exitcodes: dict[int, int | None]) -> dict[Any, int]:
         """torchrun's restart policy, as the launch host's (:meth:`sgpu_magic.launch.host.job.HostJob._restart`):
-        stop every rank still running, keep the failed attempt's record (``attempts`` in the status, its error files
-        in ``errors/attempt_<k>/``), drop its results, mark the next attempt in every rank's log and start every
-        rank again on the same agents, with a fresh rendezvous store; the new attempt's ``{ref: rank}``."""
+        stop every rank still running; the machine keeps the failed attempt's record and marks the next attempt in
+        every rank's log (:meth:`~sgpu_magic.launch.machine.RunMachine.restart`); every rank starts again on the same
+        agents, with a fresh rendezvous store. The new attempt's ``{ref: rank}``."""
         ray = ray_module()
         try:
             ray.get([a.stop_rank.remote() for a in self.actors], timeout=STOP_WAIT_S)
@@ -392,19 +392,15 @@ class _Supervisor(threading.Thread):
             try:
                 out: RankOutcome = ray.get(ref, timeout=STOP_WAIT_S)
             except Exception:  # noqa: BLE001 - its actor died
-                exitcodes[str(rank)] = -9
+                exitcodes[rank] = -9
                 continue
-            exitcodes[str(rank)] = out.exitcode
-            if out.error is not None:  # kept with the attempt's, by close_attempt
+            exitcodes[rank] = out.exitcode
+            if out.error is not None:  # kept with the attempt's, by the machine's restart
                 self.rd.write_error(out.error)
         self._pull_logs()  # the attempt's last lines, before the marker
-        failed = root_cause_first(self.rd, self.world, self.status.pop("failures"), exitcodes)
-        self.status.setdefault("attempts", []).append(
-            {"attempt": self.attempt, "failures": failed, "ended_s": time.time(), "exitcodes": exitcodes}
-        )
         # the marker goes into the kernel's copy of each log: the node's log goes on from the offset copied so far
-        close_attempt(self.rd, self.world, self.attempt, self.max_restarts, failed)
-        self.attempt += 1
+        for rank, exc in self.machine.restart(exitcodes):
+            log.warning(f"sgpu_magic: could not mark attempt {self.machine.attempt} in rank {rank}'s log ({exc})")
         return dict(zip(self._start_ranks(), range(self.world)))
 
     def take_stacks(self, ranks: Any, native: bool = False) -> dict[int, RankStack]:
@@ -429,22 +425,23 @@ class _Supervisor(threading.Thread):
         try:
             stacks = self.take_stacks(ranks)
             if stacks:
-                self.status["stacks"] = write_stacks(self.rd, stacks)
+                self.machine.stacks_taken(write_stacks(self.rd, stacks))
         except Exception as exc:  # noqa: BLE001 - logged, never raised: the ranks are stopped all the same
             log.warning(f"sgpu_magic: could not take the stacks of job {self.rd.job_id}: {exc!r}")
 
-    def _record_outcome(self, rank: int, ref: Any, exitcodes: dict[str, int | None]) -> bool:
-        """Write rank ``rank``'s result or error into the run dir; whether it succeeded (an agent that ended a rank
-        after its value, at the teardown grace, counts as success)."""
+    def _record_outcome(self, rank: int, ref: Any, exitcodes: dict[int, int | None]) -> ObservedFailure | None:
+        """Write rank ``rank``'s result or error into the run dir; its failure as the launch host records one (with
+        its agent's OOM verdict), ``None`` when it succeeded (an agent that ended a rank after its value, at the
+        teardown grace, counts as success)."""
         try:
             out: RankOutcome = ray_module().get(ref)
         except Exception as exc:  # noqa: BLE001 - the actor died (node lost, killed)
             died = RankError(rank, type(exc).__name__, f"the rank's Ray actor died: {exc}", time_s=time.time())
             out = RankOutcome(-9, error=died)
-        exitcodes[str(rank)] = out.exitcode
+        exitcodes[rank] = out.exitcode
         if out.warm:  # forked from its warm agent's zygote
             self.forked_ranks += 1
-            self.status["forked_ranks"] = self.forked_ranks
+            self.machine.note(forked_ranks=self.forked_ranks)
         if out.result is not None:
             atomic_write_bytes(self.rd.result_file(rank), out.result)
         if out.error is not None:
@@ -454,11 +451,10 @@ class _Supervisor(threading.Thread):
             for name, data in out.profile.items():
                 atomic_write_bytes(self.rd.profile_dir / Path(name).name, data)
         if out.teardown:  # it had not exited teardown_grace_s after its outcome: its agent ended it
-            self.status.setdefault("teardown_ended", []).append(dict(out.teardown))
-        if not out.succeeded:
-            self.status["failures"] = [{"rank": rank, "exitcode": out.exitcode, "time_s": time.time()}]
-            return False
-        return True
+            self.machine.grace_ended([out.teardown])
+        if out.succeeded:
+            return None
+        return ObservedFailure(rank, out.exitcode, time.time(), out.oom, out.oom_killed)
 
     def _rank_launch(self) -> dict:
         """The job's launch record as the agents write it on their nodes (JSON: an agent of another sgpu_magic
@@ -503,8 +499,8 @@ class _Supervisor(threading.Thread):
                 len(order),
                 nodes[0][1],
                 port,
-                restart_count=self.attempt - 1,
-                max_restarts=self.max_restarts,
+                restart_count=self.machine.attempt - 1,
+                max_restarts=self.launch.max_restarts,
                 agent_store=agent_store,
             )
         )
@@ -555,7 +551,7 @@ class _Supervisor(threading.Thread):
         ray = ray_module()
         self._pull_logs()  # what the ranks wrote up to now, before their actors go
         if self._park():
-            finish_job(self.writer, end, self.world, **change)
+            self.machine.finish(end, **change)
             return
         cleanups = []
         for actor in self.actors:
@@ -572,7 +568,7 @@ class _Supervisor(threading.Thread):
                 ray.kill(actor)
             except Exception:  # noqa: BLE001
                 pass
-        finish_job(self.writer, end, self.world, **change)
+        self.machine.finish(end, **change)
 
     def _park(self) -> bool:
         """Keep the job's placement group and agents warm for the next job of its shape (:mod:`~sgpu_magic.launch.

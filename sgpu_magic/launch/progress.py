@@ -13,19 +13,31 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
-from sgpu_magic.launch.stacks import CodeMap, take_stacks
+from sgpu_magic.launch.stacks import CodeMap, RankStack, take_stacks
 from sgpu_magic.rundir import RunDir
+from sgpu_magic.status import StuckReport
 
 RESTACK_MIN_S = 10.0
 """While a job stays quiet, its stacks are taken again at most this often."""
 
 
 class ProgressWatch:
-    """Watches one job's log and metrics files; :meth:`check` about once a second, :meth:`report` for the status."""
+    """Watches one job's log and metrics files; :meth:`check` about once a second, :meth:`report` for the status.
 
-    def __init__(self, rd: RunDir, world_size: int, stuck_after_s: float | None) -> None:
+    ``take``: how the ranks' stacks are taken (``{rank: pid}`` → ``{rank: RankStack}``); default: py-spy here
+    (the launch host's ranks; the Ray supervisor's asks each rank's agent on its node, whose logs it copies here)."""
+
+    def __init__(
+        self,
+        rd: RunDir,
+        world_size: int,
+        stuck_after_s: float | None,
+        take: Callable[[dict[int, int]], dict[int, RankStack]] | None = None,
+    ) -> None:
         self.rd, self.stuck_after_s = rd, stuck_after_s
+        self._take_stacks = take or (lambda pids: take_stacks(pids, CodeMap.read(rd.code_map_file)))
         self.files = [rd.log_file(r) for r in range(world_size)] + [rd.metrics_file(r) for r in range(world_size)]
         self.sizes: list[int] = []
         self.quiet_since = time.monotonic()
@@ -71,16 +83,15 @@ class ProgressWatch:
         return changed
 
     def _take(self, pids: dict[int, int]) -> None:
-        stacks = take_stacks(pids, CodeMap.read(self.rd.code_map_file))
+        try:
+            stacks = self._take_stacks(pids)
+        except Exception:  # noqa: BLE001 - no stacks this time; the report stands without them
+            stacks = {}
         if self.stuck:
             self.stacks = {rank: stack.where for rank, stack in stacks.items()}
 
-    def report(self) -> dict | None:
-        """``status.json``'s ``stuck``: ``{"quiet_since_s", "stuck_after_s", "stacks"}``, or ``None``."""
-        if not self.stuck:
+    def report(self) -> StuckReport | None:
+        """``status.json``'s ``stuck``, or ``None`` while the job is not stuck."""
+        if not self.stuck or self.stuck_after_s is None:
             return None
-        return {
-            "quiet_since_s": self.quiet_since_s,
-            "stuck_after_s": self.stuck_after_s,
-            "stacks": {str(r): where for r, where in self.stacks.items()},
-        }
+        return StuckReport(self.quiet_since_s, self.stuck_after_s, dict(self.stacks))

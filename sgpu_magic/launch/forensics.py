@@ -18,7 +18,9 @@ import errno
 import functools
 import os
 import signal
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 KMSG = "/dev/kmsg"
@@ -111,10 +113,11 @@ class OomWatch:
             self.baseline[path] = count
         self.cgroups.setdefault(rank, set()).add(path)
 
-    def watch(self, world_size: int) -> None:
-        """Before the ranks start: the counts of this process's cgroup, where they start."""
+    def watch(self, ranks: int | Iterable[int]) -> None:
+        """Before the ranks start (``ranks``: these, or every rank of a world of that size): the counts of this
+        process's cgroup, where they start."""
         here = memory_cgroup_file("self")
-        for rank in range(world_size):
+        for rank in range(ranks) if isinstance(ranks, int) else ranks:
             self._note(rank, here)
 
     def sample(self, pids: dict[int, int]) -> None:
@@ -122,7 +125,7 @@ class OomWatch:
         for rank, pid in pids.items():
             self._note(rank, memory_cgroup_file(pid))
 
-    def verdict(self, rank: int, pid: int | None, exitcode: int | None) -> dict[str, object]:
+    def verdict(self, rank: int, pid: int | None, exitcode: int | None) -> dict[str, Any]:
         """For a rank killed by SIGKILL: ``{"oom_killed": True | None, "oom": "<what shows it, or how to check>"}``
         (for :class:`~sgpu_magic.errors.RankFailure`); ``{}`` for any other end."""
         if exitcode != -signal.SIGKILL:

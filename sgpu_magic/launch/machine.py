@@ -1,0 +1,262 @@
+"""One job's run as its launcher drives it: :class:`RunMachine`, the only writer of a launcher's ``status.json``.
+
+Both launchers (the launch host's :class:`~sgpu_magic.launch.host.job.HostJob`, over torch elastic, and the Ray
+supervisor, :class:`~sgpu_magic.launch.ray.launcher.RayLauncher`'s, over its rank actors) start, poll and stop their
+ranks their own way and tell the machine what they saw; the machine owns what the status says of it: the transitions
+(``STARTING`` → ``RUNNING`` → a final state, through :class:`~sgpu_magic.status.StatusWriter`), one monotonic
+deadline, the failures of an attempt root cause first, torchrun's restart policy (``max_restarts``: the failed
+attempt's record, its error files kept, the next attempt's line in every log), the ranks the teardown grace ended,
+the stacks taken before a stop, the sampled usage and the hang report, and the job's end (:func:`finish_job`). So the
+two launchers' status files say the same things the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from sgpu_magic._util.fs import count_lines
+from sgpu_magic.errors import describe_exit
+from sgpu_magic.rundir import RunDir, attempt_marker
+from sgpu_magic.status import RankUsage, StatusWriter, StuckReport
+from sgpu_magic.wire import LaunchRecord, RunState, StopReason, read_state
+from sgpu_magic.wire.errors import FailedAttempt, ObservedFailure, TeardownEnd
+
+NOTES = frozenset(
+    {
+        "host_pid",
+        "port",
+        "cluster",
+        "start_method",
+        "waited_for_warm_s",
+        "warm_agents",
+        "forked_ranks",
+        "master_addr",
+        "nodes",
+    }
+)
+"""The facts of a run that a launcher may note in its status beside what the machine owns (how its ranks were
+started, where); anything else is refused, so a status key is never spelt by a launcher by hand."""
+
+_SAME: Any = object()
+
+
+class RunMachine:
+    """The status of one job's run, owned for its launcher.
+
+    Args:
+        run_dir: the job's run directory.
+        launch: its launch record (world size, ``max_restarts``, ``timeout_s``).
+        on_error: called with the ``OSError`` of the first failed status write in a row (the launcher writes again
+            later: :meth:`write`); default: raise it.
+        **notes: the first of :data:`NOTES`.
+
+    Raises:
+        ValueError: a note that is not one of :data:`NOTES`.
+    """
+
+    def __init__(
+        self,
+        run_dir: RunDir,
+        launch: LaunchRecord,
+        on_error: Callable[[OSError], None] | None = None,
+        **notes: Any,
+    ) -> None:
+        self.rd = run_dir
+        self.world_size, self.max_restarts = launch.world_size, launch.max_restarts
+        self.attempt = 1
+        """The attempt that runs (from 1; its ranks see ``TORCHELASTIC_RESTART_COUNT = attempt - 1``)."""
+        self.started_s = time.time()
+        timeout = launch.timeout_s
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        """When the job times out (``time.monotonic()``): from when its launcher took it, so a clock step of the
+        machine moves it not."""
+        self.failures: list[ObservedFailure] = []
+        self.attempts: list[FailedAttempt] = []
+        _check_notes(notes)
+        self._writer = StatusWriter(run_dir, on_error, state=RunState.STARTING, started_s=self.started_s, **notes)
+
+    @property
+    def state(self) -> RunState:
+        """The run's state as last set."""
+        return read_state(self._writer.status)[0]
+
+    @property
+    def finished(self) -> bool:
+        return self._writer.finished
+
+    @property
+    def unwritten(self) -> bool:
+        """The last write of the status failed; the launcher writes it again (:meth:`write`)."""
+        return self._writer.unwritten
+
+    def timed_out(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def write(self) -> bool:
+        """Write the status as it is now (again, after a failed write); ``False`` once finished."""
+        return self._writer.write()
+
+    def note(self, **notes: Any) -> None:
+        """Note facts of :data:`NOTES` (written with the next change).
+
+        Raises:
+            ValueError: one that is not in :data:`NOTES`."""
+        _check_notes(notes)
+        self._writer.status.update(notes)
+
+    def waiting(self, why: str | None) -> None:
+        """Why the ranks wait to start (a Ray cluster's resources), written now; ``None``: they wait no longer."""
+        if why is None:
+            self._writer.status.pop("waiting", None)
+        else:
+            self._writer.update(waiting=why)
+
+    def running(self, pids: Mapping[int, int], port: int | None, **notes: Any) -> None:
+        """Every rank of :attr:`attempt` has started: ``pids`` (``{rank: pid}`` where the launcher's machine has
+        them), the rendezvous ``port``."""
+        self.note(**notes)
+        self._writer.update(
+            state=RunState.RUNNING,
+            attempt=self.attempt,
+            port=port,
+            pids={str(rank): pid for rank, pid in sorted(pids.items())},
+        )
+
+    def sampled(self, usage: Mapping[int, RankUsage] | None = None, stuck: StuckReport | None = _SAME) -> None:
+        """The ranks' latest usage (``None``: unchanged) and the hang report (``None``: not stuck; left out:
+        unchanged), written now."""
+        status = self._writer.status
+        if usage is not None:
+            status["usage"] = {str(rank): u.as_dict() for rank, u in sorted(usage.items())}
+        if stuck is None:
+            status.pop("stuck", None)
+        elif stuck is not _SAME:
+            status["stuck"] = stuck.to_json()
+        self._writer.write()
+
+    def stacks_taken(self, summary: Mapping[Any, str]) -> None:
+        """The stacks of the ranks still running, taken just before they are stopped (``{rank: where}``)."""
+        self._writer.status["stacks"] = {str(rank): where for rank, where in summary.items()}
+
+    def grace_ended(self, entries: Iterable[TeardownEnd]) -> None:
+        """Ranks the teardown grace ended (written with the final status)."""
+        written = [e.to_json() for e in entries]
+        if written:
+            self._writer.status.setdefault("teardown_ended", []).extend(written)
+
+    def failed(self, failures: Iterable[ObservedFailure]) -> bool:
+        """The launcher saw :attr:`attempt` fail (``failures``: the ranks it saw fail, at once); whether torchrun's
+        policy restarts it (an attempt is left of ``max_restarts``: call :meth:`restart` once its ranks are
+        stopped), else the job fails (:meth:`finish`)."""
+        self.failures = list(failures)
+        return self.attempt <= self.max_restarts
+
+    def restart(self, exitcodes: Mapping[int, int | None]) -> list[tuple[int, OSError]]:
+        """Between the failed :attr:`attempt` (its ranks stopped, ``exitcodes`` theirs) and the next: its record goes
+        into ``attempts`` (failures root cause first), its files are put aside (:func:`close_attempt`) and
+        :attr:`attempt` counts on. The ranks whose log could not be marked, with why (the restart goes on)."""
+        failed = root_cause_first(self.rd, self.world_size, self.failures, exitcodes)
+        self.attempts.append(FailedAttempt(self.attempt, tuple(failed), time.time(), dict(exitcodes)))
+        self._writer.status["attempts"] = [a.to_json() for a in self.attempts]
+        self.failures = []
+        unmarked = close_attempt(self.rd, self.world_size, self.attempt, self.max_restarts, failed)
+        self.attempt += 1
+        return unmarked
+
+    def finish(
+        self, end: RunState | StopReason, exitcodes: Mapping[int, int | None] | None = None, **change: Any
+    ) -> bool:
+        """End the job (:func:`finish_job`): its final state or the reason it was stopped for, the ranks'
+        ``exitcodes`` and the failures seen; ``change``: ``launch_error`` (why the launcher could not run it).
+        ``False`` when it had ended already."""
+        status = self._writer.status
+        status.pop("stuck", None)
+        status.pop("waiting", None)
+        if self.failures:
+            status["failures"] = [f.to_json() for f in self.failures]
+        if exitcodes is not None:
+            change["exitcodes"] = {str(rank): code for rank, code in sorted(exitcodes.items())}
+        return finish_job(self._writer, end, self.world_size, **change)
+
+
+def _check_notes(notes: Mapping[str, Any]) -> None:
+    unknown = sorted(set(notes) - NOTES)
+    if unknown:
+        raise ValueError(f"{unknown} are not notes a launcher takes ({sorted(NOTES)}); the run machine owns the rest")
+
+
+def finish_job(writer: StatusWriter, end: RunState | StopReason, world_size: int, **change: Any) -> bool:
+    """The end every launcher gives a job once its ranks are gone: the payload (a pickle: code) is deleted,
+    each rank log's line count is recorded (``log_lines``), and the final status is written, last, through
+    ``writer`` (:meth:`StatusWriter.finish`), so a kernel that reads it finds the run dir in its final form.
+    Whatever else must precede the final status (leases given back, logs pulled) is done by the caller first.
+
+    Returns:
+        ``False`` when the job had been finished already (nothing is written).
+    """
+    if writer.finished:
+        return False
+    run_dir = writer.run_dir
+    try:
+        run_dir.payload_file.unlink()
+    except FileNotFoundError:
+        pass
+    log_lines = count_lines([run_dir.log_file(r) for r in range(world_size)])
+    return writer.finish(end, log_lines=log_lines, **change)
+
+
+def root_cause_first(
+    rd: RunDir, world_size: int, failed: Iterable[ObservedFailure], exitcodes: Mapping[int, int | None]
+) -> list[ObservedFailure]:
+    """The failures of an attempt that has ended (every rank stopped), the root cause first.
+
+    ``failed`` are the ranks the launcher saw fail. A rank that raises tears its process group down on its way out,
+    so a peer can fail on the broken connection and exit first: the launcher then saw only the peer. So a rank that
+    wrote an error of its own earlier than every failure seen (its error's ``time_s``; a rank seen dead without an
+    error, killed by a signal, counts as the earliest) is added, and the list is ordered by when each failed, as the
+    job's final error names the earliest failure its root cause. ``exitcodes``: the attempt's, by rank."""
+    errors: dict[int, float] = {}
+    for rank in range(world_size):
+        error = rd.read_error(rank)
+        if error is not None:
+            errors[rank] = error.time_s or math.inf
+    found = {f.rank: f for f in failed}
+    when = {rank: errors.get(rank, -math.inf) for rank in found}
+    first_seen = min(when.values(), default=math.inf)
+    for rank, time_s in errors.items():
+        if rank not in found and time_s < first_seen:
+            code = exitcodes.get(rank)
+            found[rank] = ObservedFailure(rank, code if code is not None and code > 0 else 1, time_s)
+            when[rank] = time_s
+    return sorted(found.values(), key=lambda f: (when[f.rank], f.rank))
+
+
+def close_attempt(
+    rd: RunDir, world_size: int, attempt: int, max_restarts: int, failed: Iterable[ObservedFailure]
+) -> list[tuple[int, OSError]]:
+    """Between attempt ``attempt`` (1-based) and the next, as every launcher restarts (``max_restarts``, torchrun's
+    policy): each rank's result and exit files are dropped (the next attempt is judged on its own), its error file
+    moves to ``errors/attempt_<attempt>/``, and every rank log gets the next attempt's line, naming the ``failed``
+    ranks. The ranks whose log could not be marked, with why (the restart goes on)."""
+    keep = rd.attempt_errors_dir(attempt)
+    for rank in range(world_size):
+        rd.result_file(rank).unlink(missing_ok=True)
+        rd.exit_file(rank).unlink(missing_ok=True)
+        error = rd.error_file(rank)
+        if error.exists():
+            keep.mkdir(mode=0o700, exist_ok=True)
+            os.replace(error, keep / error.name)
+    why = ", ".join(f"rank {f.rank} failed ({describe_exit(f.exitcode)})" for f in failed)
+    line = attempt_marker(attempt + 1, max_restarts + 1, why) + "\n"
+    unmarked = []
+    for rank in range(world_size):
+        try:
+            with open(rd.log_file(rank), "a") as rank_log:
+                rank_log.write(line)
+        except OSError as exc:
+            unmarked.append((rank, exc))
+    return unmarked
