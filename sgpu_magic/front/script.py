@@ -36,7 +36,7 @@ from sgpu_magic.errors import SpecError
 from sgpu_magic.front.decorator import start
 from sgpu_magic.front.spec_options import config_default, job_spec, resolve_config
 from sgpu_magic.job.handle import Job
-from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, check_switch, shown
+from sgpu_magic.spec import DEFAULT_STUCK_AFTER_S, DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, check_switch, shown
 from sgpu_magic.wire.payload import Payload, Script
 
 __all__ = ["run_script", "resolve", "ScriptTarget"]
@@ -184,6 +184,7 @@ def run_script(
     max_restarts: int = 0,
     cluster: str | None = None,
     teardown_grace_s: float = config_default("teardown_grace_s", DEFAULT_TEARDOWN_GRACE_S),
+    stuck_after_s: float | None = config_default("stuck_after_s", DEFAULT_STUCK_AFTER_S),
     remote: bool = False,
     num_accelerators: int | None = None,
     accelerator_type: str | None = None,
@@ -194,7 +195,8 @@ def run_script(
     """Run a script (or with ``module=True`` a module) on every rank, as ``torchrun`` does.
 
     The job options ``gpus``, ``gpu_type``, ``timeout``, ``port``, ``widgets``, ``mlflow``, ``gpu_ids``, ``wait``,
-    ``max_restarts``, ``cluster``, ``teardown_grace_s``, ``remote``, ``num_accelerators``, ``accelerator_type``,
+    ``max_restarts``, ``cluster``, ``teardown_grace_s``, ``stuck_after_s``, ``remote``, ``num_accelerators``,
+    ``accelerator_type``,
     ``profile`` (the script's ``optimizer.step()`` calls, or its ``runtime.step()`` marks, are its steps) and
     ``detach`` are as for :func:`~sgpu_magic.distributed` (same defaults, same ``%config DistributedMagics``
     traits).
@@ -233,6 +235,7 @@ def run_script(
         max_restarts=max_restarts,
         cluster=cluster,
         teardown_grace_s=resolve_config(teardown_grace_s),
+        stuck_after_s=resolve_config(stuck_after_s),
         remote=remote,
         num_accelerators=num_accelerators,
         accelerator_type=accelerator_type,

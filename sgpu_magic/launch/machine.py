@@ -183,6 +183,15 @@ class RunMachine:
         return finish_job(self._writer, end, self.world_size, **change)
 
 
+def fail_unstarted(run_dir: RunDir, exc: BaseException) -> None:
+    """End a job its launcher could not take (its launch record unreadable, the cluster refused): its final status
+    says why (``launch_error``), which the kernel raises.
+
+    Raises:
+        OSError: the status cannot be written either (the caller logs both)."""
+    StatusWriter(run_dir).finish(RunState.FAILED, launch_error=f"{type(exc).__name__}: {exc}")
+
+
 def _check_notes(notes: Mapping[str, Any]) -> None:
     unknown = sorted(set(notes) - NOTES)
     if unknown:

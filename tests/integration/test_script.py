@@ -336,6 +336,8 @@ def test_bad_arguments_and_options_are_refused_naming_them(settled, ip, files):
             run_script("fine.py", module="yes", gpus=2)
         with pytest.raises(SpecError, match=r"^background must be True or False"):
             run_script("fine.py", background="no", gpus=2)
+        with pytest.raises(SpecError, match=r"^stuck_after_s must be a number of seconds > 0, or None for no limit"):
+            run_script("fine.py", stuck_after_s=0, gpus=2)
         with pytest.raises(
             ValueError,
             match=r"^give the script to run as a path \(or a module name with "

@@ -40,9 +40,9 @@ from sgpu_magic._util.unix_socket import peer_uid
 from sgpu_magic.launch.host.cleanup import end_mlflow_run
 from sgpu_magic.launch.host.process import Host
 from sgpu_magic.launch.host.warm_pool import WarmPool
+from sgpu_magic.launch.machine import fail_unstarted
 from sgpu_magic.rundir import RunDir, read_json
-from sgpu_magic.status import StatusWriter
-from sgpu_magic.wire import RunState, StopReason, read_state
+from sgpu_magic.wire import StopReason, read_state
 from sgpu_magic.wire.host import Cancel, HostCommand, KeeperGreeting, Launch, RayTarget, Release
 
 
@@ -161,7 +161,7 @@ class Keeper(Host):
             self.ray_envs[run_dir.job_id] = (run_dir, env)
             self.ray.launch_with_env(run_dir, env)
         except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
-            StatusWriter(run_dir).finish(RunState.FAILED, launch_error=f"{type(exc).__name__}: {exc}")
+            fail_unstarted(run_dir, exc)
 
     def run(self) -> None:
         try:

@@ -40,10 +40,10 @@ from sgpu_magic.errors import RecordError
 from sgpu_magic.launch.host.cleanup import end_mlflow_run, import_mlflow_in_background, reap_adopted
 from sgpu_magic.launch.host.job import HostJob
 from sgpu_magic.launch.host.warm_pool import WarmPool
+from sgpu_magic.launch.machine import fail_unstarted
 from sgpu_magic.launch.stacks import answer as answer_stacks
 from sgpu_magic.rundir import RunDir, host_ready_marker
-from sgpu_magic.status import StatusWriter
-from sgpu_magic.wire import RunState, StopReason
+from sgpu_magic.wire import StopReason
 from sgpu_magic.wire.host import Cancel, HostCommand, Launch, Release, Stacks, decode_command
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class Host:
                 self.jobs[run_dir.job_id] = HostJob(run_dir, dict(cmd.env), self.pool)
             except Exception as exc:  # noqa: BLE001 - reported to the kernel through status.json
                 try:
-                    StatusWriter(run_dir).finish(RunState.FAILED, launch_error=f"{type(exc).__name__}: {exc}")
+                    fail_unstarted(run_dir, exc)
                 except OSError as write_exc:
                     log.warning(
                         f"sgpu_magic host: job {run_dir.job_id} could not start ({exc}) nor say so ({write_exc})"

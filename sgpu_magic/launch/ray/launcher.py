@@ -16,12 +16,13 @@ from sgpu_magic.launch.machine import RunMachine
 from sgpu_magic.launch.progress import ProgressWatch
 from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import NAMESPACE, PENDING_NOTE_S, ray_module
+from sgpu_magic.launch.ray.nodes import Node, NodeFiles, NodeUsage, rank_env_on
 from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
 from sgpu_magic.launch.stacks import REPLY_WAIT_S, CodeMap, RankStack, no_stack, write_stacks
 from sgpu_magic.launch.usage import SAMPLE_INTERVAL_S
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
 from sgpu_magic.rundir import RunDir, atomic_write_bytes
-from sgpu_magic.status import HostStatus, RankUsage
+from sgpu_magic.status import HostStatus
 from sgpu_magic.wire import RankError, RunState, StopReason
 from sgpu_magic.wire.errors import ObservedFailure, RankOutcome
 
@@ -29,10 +30,6 @@ if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
 log = logging.getLogger(__name__)
-
-USAGE_ASK_GIVE_UP_S = 5.0
-"""Seconds the Ray supervisor waits for an agent's usage figures before it asks every agent again (a busy or lost
-node's agent; its rank's last figures stay)."""
 
 LOG_PULL_S = 0.2
 """How often the supervisor copies new log bytes from the ranks' nodes."""
@@ -163,20 +160,17 @@ class _Supervisor(threading.Thread):
         self._stop_reason: StopReason | None = None
         self._mlflow: dict[str, str] | None = None
         self.finished = False
-        self.offsets = [0] * self.world
-        self.metric_offsets = [(0, 0)] * self.world  # (metrics file, name table) of each rank, copied so far
+        self.copier = NodeFiles(rd, self.world)
         self.actors: list = []
         self.running = threading.Event()
         """Set once every rank has started (its actor's ``run`` called)."""
         self.pg: PlacementGroup | None = None
         self.pg_name = f"sgpu_magic-{rd.job_id}"
         self.bundle = _bundle(self.launch.backend, gpu_type)
-        self.nodes: list[tuple[str, str, list[str]]] = []
+        self.nodes: list[Node] = []
         self.warm_agents = False  # it took the kernel's warm placement group and agents
         self.forked_ranks = 0  # ranks forked from their warm agent's zygote
-        self._usage_asked: dict[Any, int] = {}  # {usage call: rank} asked of the agents and not answered yet
-        self._usage_asked_at = 0.0
-        self._usage: dict[int, RankUsage] = {}  # each rank's last figures
+        self.usage = NodeUsage()
         self.pids: dict[int, int] = {}  # the running attempt's ranks, on their nodes
         self.progress = ProgressWatch(
             rd, self.world, self.launch.stuck_after_s, take=lambda pids: self.take_stacks(sorted(pids))
@@ -327,8 +321,7 @@ class _Supervisor(threading.Thread):
             if time.monotonic() - last_pull > LOG_PULL_S:
                 last_pull = time.monotonic()
                 self._pull_logs()
-            self._sample_usage()
-            self._check_progress()
+            self._sample()
             if done:  # and every other rank that has ended by now
                 done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
             seen = [f for f in (self._record_outcome(pending.pop(ref), ref, exitcodes) for ref in done) if f]
@@ -344,33 +337,14 @@ class _Supervisor(threading.Thread):
                 return self._finish(reason, exitcodes=exitcodes)
         self._finish(RunState.SUCCEEDED, exitcodes=exitcodes)
 
-    def _sample_usage(self) -> None:
-        """About once a second, as the launch host samples its ranks: each rank's CPU, memory and GPU figures, taken
-        by its agent on its node, into the status (``usage``). The asks do not block the loop: what has come is
-        taken on its next turn; an agent that has not answered within ``USAGE_ASK_GIVE_UP_S`` is asked again."""
-        ray, now = ray_module(), time.monotonic()
-        if self._usage_asked:
-            ready, _ = ray.wait(list(self._usage_asked), num_returns=len(self._usage_asked), timeout=0)
-            for ref in ready:
-                rank = self._usage_asked.pop(ref)
-                try:
-                    figures = ray.get(ref)
-                except Exception:  # noqa: BLE001 - a dead agent: its rank's end says why; its last figures stay
-                    figures = None
-                if figures:
-                    self._usage[rank] = RankUsage.from_dict(figures)
-            if ready and not self._usage_asked:
-                self.machine.sampled(self._usage)
-            if self._usage_asked and now - self._usage_asked_at < USAGE_ASK_GIVE_UP_S:
-                return
-        if now - self._usage_asked_at >= SAMPLE_INTERVAL_S:
-            self._usage_asked_at = now
-            self._usage_asked = {agent.usage.remote(): rank for rank, agent in enumerate(self.actors)}
-
-    def _check_progress(self) -> None:
-        """About once a second, as the launch host: whether the job is possibly stuck (no rank has written a log byte
-        or a metric point for ``stuck_after_s``); the report, with the ranks' stacks taken by their agents, goes into
-        the status."""
+    def _sample(self) -> None:
+        """About once a second, as the launch host samples its ranks: each rank's CPU, memory and GPU figures, taken by
+        its agent on its node (:class:`~sgpu_magic.launch.ray.nodes.NodeUsage`), and whether the job is possibly stuck
+        (no rank has written a log byte or a metric point for ``stuck_after_s``; the report, with the ranks' stacks
+        taken by their agents), into the status."""
+        usage = self.usage.poll(self.actors)
+        if usage is not None:
+            self.machine.sampled(usage)
         now = time.monotonic()
         if now - self._progress_at < SAMPLE_INTERVAL_S:
             return
@@ -471,81 +445,20 @@ class _Supervisor(threading.Thread):
             self._mlflow = run_env(run_file) if run_file else {}
         return self._mlflow
 
-    def _rank_env(
-        self, rank: int, nodes: list[tuple[str, str, list[str]]], port: int, agent_store: bool = False
-    ) -> dict[str, str]:
-        """torchrun's contract for ``rank``; ``nodes[r]`` = (node id, IP, Ray's GPU ids) of rank ``r``'s actor;
-        ``agent_store``: rank 0's agent serves the rendezvous store at ``port`` (else rank 0 does)."""
+    def _rank_env(self, rank: int, nodes: list[Node], port: int, agent_store: bool = False) -> dict[str, str]:
+        """torchrun's contract for ``rank`` on its node (:func:`~sgpu_magic.launch.ray.nodes.rank_env_on`), over the
+        ranks' base environment, the job's own and its MLflow run."""
         from sgpu_magic.launch.client import rank_base_env
-        from sgpu_magic.launch.env import cpu_framework_env, torchrun_env
 
-        order: list[str] = []
-        for node_id, _, _ in nodes:
-            if node_id not in order:
-                order.append(node_id)
-        node_id = nodes[rank][0]
-        local = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
         base = rank_base_env() if self.base_env is None else self.base_env
         env = {**base, **self.launch.env, **self._mlflow_env()}
         env.pop(RUN_FILE_ENV, None)  # the kernel's run directory is not on the nodes: the run's identity is given
-        env.update(
-            torchrun_env(
-                self.rd.job_id,
-                rank,
-                self.world,
-                local.index(rank),
-                len(local),
-                order.index(node_id),
-                len(order),
-                nodes[0][1],
-                port,
-                restart_count=self.machine.attempt - 1,
-                max_restarts=self.launch.max_restarts,
-                agent_store=agent_store,
-            )
-        )
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.update(cpu_framework_env(self.launch.backend, env))
-        gpus = [g for r in local for g in nodes[r][2]]
-        if gpus:  # as torchrun on one node: every local rank sees the node's job GPUs, and takes cuda:LOCAL_RANK
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        return env
+        return rank_env_on(self.launch, env, rank, nodes, port, self.machine.attempt, agent_store)
 
     def _pull_logs(self) -> None:
-        ray = ray_module()
-        if not self.actors:
-            return
-        refs = [a.read_log.remote(r, self.offsets[r]) for r, a in enumerate(self.actors)]
-        for rank, ref in enumerate(refs):
-            try:
-                chunk = ray.get(ref, timeout=10)
-            except Exception:  # noqa: BLE001 - a dead actor has no more log to give
-                continue
-            if chunk:
-                with open(self.rd.log_file(rank), "ab") as f:
-                    f.write(chunk)
-                self.offsets[rank] += len(chunk)
-        self._pull_metrics()
-
-    def _pull_metrics(self) -> None:
-        """Bring what each rank added to its metrics file and name table on its node into the job's run directory
-        here (the names first, so the kernel's reader knows every record it reads), with the logs."""
-        from sgpu_magic._util.metrics import append, names_file
-
-        ray = ray_module()
-        refs = [a.read_metrics.remote(r, *self.metric_offsets[r]) for r, a in enumerate(self.actors)]
-        for rank, ref in enumerate(refs):
-            try:
-                records, names = ray.get(ref, timeout=10)
-            except Exception:  # noqa: BLE001 - a dead actor has no more points to give
-                continue
-            path = self.rd.metrics_file(rank)
-            if names:
-                append(names_file(path), names)
-            if records:
-                append(path, records)
-            offset, names_offset = self.metric_offsets[rank]
-            self.metric_offsets[rank] = (offset + len(records), names_offset + len(names))
+        """Copy what the ranks added to their logs and metrics on their nodes into the run directory here."""
+        if self.actors:
+            self.copier.pull(self.actors)
 
     def _finish(self, end: RunState | StopReason, **change) -> None:
         ray = ray_module()
