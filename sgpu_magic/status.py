@@ -63,7 +63,8 @@ _GPU_KEYS = ("gpu_percent", "gpu_memory_bytes", "gpu_memory_total_bytes", "gpu_p
 
 @dataclass(frozen=True)
 class StuckReport:
-    """The launch host's hang detector found no progress (:mod:`sgpu_magic.launch.progress`): no rank has written
+    """The hang detector (:mod:`sgpu_magic.launch.progress`; the launch host's or the Ray supervisor's) found no
+    progress: no rank has written
     a log byte or a metric point since ``quiet_since_s`` (epoch seconds), for at least ``stuck_after_s`` seconds,
     while every rank still runs. ``stacks``: ``{rank: where}`` as for a timeout (``{}`` until py-spy has answered)."""
 
@@ -138,7 +139,8 @@ class HostStatus:
         """Read a ``status.json`` object (any schema, see :data:`~sgpu_magic.rundir.STATUS_SCHEMA`).
 
         Raises:
-            RecordError: its state is not one this version knows (:func:`~sgpu_magic.wire.read_state`).
+            RecordError: its state is not one this version knows (:func:`~sgpu_magic.wire.read_state`), or a failure,
+                attempt or teardown entry is mangled.
         """
         state, stop_reason = read_state(status)
         return cls(
@@ -167,7 +169,7 @@ class HostStatus:
         """``run_dir``'s ``status.json`` as last written (a file not written yet: a pending job's).
 
         Raises:
-            RecordError: its state is not one this version knows.
+            RecordError: its state is not one this version knows, or an entry is mangled (:meth:`from_dict`).
         """
         return cls.from_dict(read_json(run_dir.status_file) or {})
 

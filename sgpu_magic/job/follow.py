@@ -196,7 +196,7 @@ class JobSink:
         """A rank failed and every rank was started again (``max_restarts``); ``attempt`` counts from 1."""
 
     def stuck_changed(self, job: Job) -> None:
-        """The launch host's hang detector changed its report: ``job.status.stuck`` (``None``: progress again)."""
+        """The launcher's hang detector changed its report: ``job.status.stuck`` (``None``: progress again)."""
 
     def finished(self, job: Job) -> None:
         """The job reached a final state; every line of its logs was delivered before this."""

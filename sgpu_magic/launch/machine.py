@@ -162,6 +162,7 @@ class RunMachine:
         failed = root_cause_first(self.rd, self.world_size, self.failures, exitcodes)
         self.attempts.append(FailedAttempt(self.attempt, tuple(failed), time.time(), dict(exitcodes)))
         self._writer.status["attempts"] = [a.to_json() for a in self.attempts]
+        self._writer.status.pop("stuck", None)  # the next attempt is judged on its own
         self.failures = []
         unmarked = close_attempt(self.rd, self.world_size, self.attempt, self.max_restarts, failed)
         self.attempt += 1

@@ -1,6 +1,7 @@
 """The hang detector: a job whose ranks all run but none has written a log byte or logged a metric point for
-``stuck_after_s`` seconds is *possibly stuck*; the launch host then takes the ranks' stacks (py-spy, as for a
-timeout: :mod:`sgpu_magic.launch.stacks`) and reports both in ``status.json``'s ``stuck``
+``stuck_after_s`` seconds is *possibly stuck*; its launcher (the launch host, or the Ray supervisor, which watches the
+logs and metrics it copies from the nodes) then takes the ranks' stacks (py-spy, as for a timeout:
+:mod:`sgpu_magic.launch.stacks`; on Ray each rank's agent on its node) and reports both in ``status.json``'s ``stuck``
 (:class:`~sgpu_magic.status.StuckReport`). The report goes when any rank writes again.
 
 Progress is read from the sizes of the ranks' log and metrics files (one ``stat`` each per check, about once a

@@ -83,7 +83,3 @@ class UsageSampler:
                 **gpu.get(rank, {}),  # type: ignore[arg-type] # GpuSampler's keys and types
             )
         return True
-
-    def as_status(self) -> dict[str, dict]:
-        """``{rank: {...}}`` as ``status.json`` holds it."""
-        return {str(rank): usage.as_dict() for rank, usage in sorted(self.usage.items())}

@@ -76,7 +76,7 @@ def peak_rss_line(usage: dict[int, RankUsage]) -> list[str]:
 
 def stuck_line(job: Job) -> str:
     """``possibly stuck: no rank has written a log line or a metric for 300 s; rank 0: dist.broadcast at Cell In[4]
-    line 7; rank 1: ...`` while the launch host's hang detector reports the running job, else ``""``."""
+    line 7; rank 1: ...`` while the launcher's hang detector reports the running job, else ``""``."""
     report = job.status.stuck
     if report is None or job.state.final:
         return ""

@@ -4,7 +4,8 @@ Written by the kernel that starts the job once its run keeper has it (``job/life
 attaches to it, stops it or lists it (``front/detached``), both through the private-read check (a pickle is code).
 The job's spec and device plan are the kernel's own types (:class:`~sgpu_magic.spec.LaunchSpec`,
 :class:`~sgpu_magic.launch.resources.DevicePlan`), pickled as they are; both kernels are of one installation.
-The previous version wrote a dict of the same fields: it still reads, so a job it started still attaches.
+The file holds a plain dict of the record's fields, as the previous version wrote it: a job either version started
+attaches from the other.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ class AttachRecord:
     submitted_s: float
 
     def encode(self) -> bytes:
-        return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
+        """A pickled dict of the fields (not of this class: a kernel of the previous version reads it too)."""
+        return pickle.dumps({f.name: getattr(self, f.name) for f in fields(self)}, protocol=pickle.HIGHEST_PROTOCOL)
 
     @classmethod
     def decode(cls, raw: bytes) -> AttachRecord:
-        """Read ``attach.pkl`` (this version's record, or the previous version's dict of the same fields).
+        """Read ``attach.pkl`` (a dict of the fields, as this version and the previous one write it).
 
         Raises:
             RecordError: it holds neither.

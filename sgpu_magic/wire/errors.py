@@ -4,13 +4,14 @@ fail and end (:class:`ObservedFailure`, :class:`FailedAttempt`, :class:`Teardown
 (:class:`RankExit`).
 
 Written by the rank (``rank/payload.write_error``; ``rank/worker`` for a non-zero ``sys.exit``), by the Ray supervisor
-for a rank on a node (the agent hands it back); read by the launchers' root-cause order (``launch/base``), the job's
+for a rank on a node (the agent hands it back); read by the launchers' root-cause order (``launch/machine``), the job's
 error (``job/outcome``), ``job.locals(rank)`` and a session's messages (``session/outcome``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,7 +121,7 @@ class ObservedFailure:
             return cls(
                 rank=int(data["rank"]),
                 exitcode=None if code is None else int(code),
-                time_s=float(data.get("time_s") or 0.0),
+                time_s=math.inf if data.get("time_s") is None else float(data["time_s"]),  # unknown: the latest
                 oom=str(data.get("oom") or ""),
                 oom_killed=data.get("oom_killed"),
             )

@@ -62,6 +62,7 @@ def test_a_failed_attempt_is_restarted_while_restarts_are_left_and_its_record_is
     machine.running({0: 10, 1: 11}, 1)
     rd.write_error(RankError(1, "ValueError", "bad", time_s=5.0))  # raised before the peer the launcher saw
     rd.write_error(RankError(0, "RuntimeError", "connection reset by peer", time_s=9.0))
+    machine.sampled(stuck=StuckReport(1.0, 2.0, {0: "f at x.py:1"}))  # the failed attempt was quiet a while
     assert machine.failed([ObservedFailure(0, 1, 9.0)])  # a restart is left
     assert machine.restart({0: 1, 1: 1}) == []
     assert machine.attempt == 2 and not rd.error_file(1).exists()
@@ -69,7 +70,7 @@ def test_a_failed_attempt_is_restarted_while_restarts_are_left_and_its_record_is
     assert "attempt 2 of 2" in rd.log_file(0).read_text()
     machine.running({0: 20, 1: 21}, 2)
     status = HostStatus.read(rd)
-    assert status.attempt == 2 and status.failures == ()
+    assert status.attempt == 2 and status.failures == () and status.stuck is None  # the next attempt's own
     (attempt,) = status.attempts
     assert attempt.attempt == 1 and attempt.exitcodes == {0: 1, 1: 1}
     assert attempt.failures == (ObservedFailure(1, 1, 5.0), ObservedFailure(0, 1, 9.0))  # root cause first
@@ -108,6 +109,7 @@ def test_the_status_entries_read_back_as_written_and_a_mangled_one_is_refused():
     failure = ObservedFailure(2, -9, 3.5, "nothing here shows the OOM killer", None)
     assert ObservedFailure.from_json(failure.to_json()) == failure
     assert ObservedFailure(0, 1, 1.0).to_json() == {"rank": 0, "exitcode": 1, "time_s": 1.0}  # no OOM keys
+    assert ObservedFailure.from_json({"rank": 1, "exitcode": -9}).time_s == float("inf")  # unknown: not the earliest
     attempt = FailedAttempt(1, (failure,), 4.0, {0: 1, 2: -9})
     assert FailedAttempt.from_json(attempt.to_json()) == attempt
     ended = TeardownEnd(0, "error", 2.0, 2.1)

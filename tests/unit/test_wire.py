@@ -501,6 +501,7 @@ def test_an_attach_record_reads_back_and_the_previous_versions_dict_still_reads(
     record = AttachRecord(spec, {"backend": "gloo"}, 4242, "/keeper.log", 12.5)
     rd.write_attach(record)
     assert oct(rd.attach_file.stat().st_mode & 0o777) == "0o600" and rd.read_attach() == record
+    assert type(pickle.loads(rd.attach_file.read_bytes())) is dict  # a kernel of the previous version reads it too
     old = {
         "spec": spec,
         "plan": {"backend": "gloo"},

@@ -39,10 +39,7 @@ def rank_env_on(
     0's node, ``attempt`` (from 1) sets ``TORCHELASTIC_RESTART_COUNT``; ``agent_store``: rank 0's agent serves the
     rendezvous store at ``port`` (else rank 0 does). As torchrun on one node, every local rank sees its node's job
     GPUs (``CUDA_VISIBLE_DEVICES`` in local-rank order) and takes ``cuda:LOCAL_RANK``."""
-    order: list[str] = []
-    for node_id, _, _ in nodes:
-        if node_id not in order:
-            order.append(node_id)
+    order = list(dict.fromkeys(node for node, _, _ in nodes))  # by their first rank
     node_id = nodes[rank][0]
     local = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
     env = dict(env)
