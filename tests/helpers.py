@@ -36,6 +36,15 @@ class Box:
 """Case C01, cell 1: a notebook helper, class and global that ranks must receive by value."""
 
 
+OOM_HINT = (
+    r"nothing here shows the OOM killer( \(.*\))?, but it is the usual cause of a SIGKILL: look for 'Killed "
+    r"process' in `dmesg` or `journalctl -k`, and compare the rank's peak RSS with the memory limit "
+    r"\(`cat /sys/fs/cgroup/memory.max`, or memory.limit_in_bytes under cgroup v1\)"
+)
+"""The OOM hint of a SIGKILLed rank that nothing shows the OOM killer ended (``re.fullmatch`` it), the same on one
+machine and on a Ray node."""
+
+
 def wait_gone(pids, within_s: float = PID_GONE_S) -> list[int]:
     """Poll until none of ``pids`` exists (zombies count as existing); return those still there at the deadline."""
     deadline = time.monotonic() + within_s

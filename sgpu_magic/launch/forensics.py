@@ -113,11 +113,10 @@ class OomWatch:
             self.baseline[path] = count
         self.cgroups.setdefault(rank, set()).add(path)
 
-    def watch(self, ranks: int | Iterable[int]) -> None:
-        """Before the ranks start (``ranks``: these, or every rank of a world of that size): the counts of this
-        process's cgroup, where they start."""
+    def watch(self, ranks: Iterable[int]) -> None:
+        """Before ``ranks`` start: the counts of this process's cgroup, where they start."""
         here = memory_cgroup_file("self")
-        for rank in range(ranks) if isinstance(ranks, int) else ranks:
+        for rank in ranks:
             self._note(rank, here)
 
     def sample(self, pids: dict[int, int]) -> None:

@@ -42,14 +42,12 @@ class AttachRecord:
         """Read ``attach.pkl`` (a dict of the fields, as this version and the previous one write it).
 
         Raises:
-            RecordError: it holds neither.
+            RecordError: it holds anything else.
         """
         try:
             record = pickle.loads(raw)
         except Exception as exc:  # noqa: BLE001 - a pickle of a class this installation lacks, or a torn file
             raise RecordError(f"attach.pkl does not read: {type(exc).__name__}: {exc}") from None
-        if isinstance(record, cls):
-            return record
         names = [f.name for f in fields(cls)]
         if isinstance(record, dict) and set(names) <= set(record):
             return cls(**{name: record[name] for name in names})

@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from sgpu_magic.errors import RecordError
+
+
+@contextmanager
+def _reading(what: str, remedy: str = "") -> Iterator[None]:
+    """Refuse a record that lacks a key or holds a value of the wrong kind: a :class:`RecordError` naming ``what`` and
+    the key or value (and ``remedy``)."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise RecordError(f"{what} lacks or mangles {exc}{remedy}") from None
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,7 @@ class RankError:
         Raises:
             RecordError: it is not an object with ``rank`` and ``exc_type``.
         """
-        try:
+        with _reading("a rank's error record", ": not written by sgpu_magic"):
             return cls(
                 rank=int(data["rank"]),
                 exc_type=str(data["exc_type"]),
@@ -72,8 +83,6 @@ class RankError:
                 cuda=bool(data.get("cuda")),
                 saved_locals={str(k): str(v) for k, v in (data.get("locals") or {}).items()},
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise RecordError(f"a rank's error record lacks or mangles {exc}: not written by sgpu_magic") from None
 
     @classmethod
     def decode(cls, raw: bytes) -> RankError:
@@ -116,7 +125,7 @@ class ObservedFailure:
     def from_json(cls, data: Any) -> ObservedFailure:
         """Raises:
         RecordError: not a failure entry (no ``rank``)."""
-        try:
+        with _reading("a failure entry of status.json"):
             code = data.get("exitcode")
             return cls(
                 rank=int(data["rank"]),
@@ -125,8 +134,6 @@ class ObservedFailure:
                 oom=str(data.get("oom") or ""),
                 oom_killed=data.get("oom_killed"),
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise RecordError(f"a failure entry of status.json lacks or mangles {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -157,15 +164,13 @@ class FailedAttempt:
     def from_json(cls, data: Any) -> FailedAttempt:
         """Raises:
         RecordError: not an attempt entry."""
-        try:
+        with _reading("an attempt entry of status.json"):
             return cls(
                 attempt=int(data["attempt"]),
                 failures=tuple(ObservedFailure.from_json(f) for f in data.get("failures") or ()),
                 ended_s=float(data.get("ended_s") or 0.0),
                 exitcodes={int(r): code for r, code in (data.get("exitcodes") or {}).items()},
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise RecordError(f"an attempt entry of status.json lacks or mangles {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -194,7 +199,7 @@ class TeardownEnd:
     def from_json(cls, data: Any) -> TeardownEnd:
         """Raises:
         RecordError: not a teardown entry."""
-        try:
+        with _reading("a teardown entry of status.json"):
             return cls(
                 rank=int(data["rank"]),
                 outcome=str(data.get("outcome") or ""),
@@ -202,8 +207,6 @@ class TeardownEnd:
                 after_s=float(data.get("after_s") or 0.0),
                 signal=str(data.get("signal") or "SIGTERM"),
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise RecordError(f"a teardown entry of status.json lacks or mangles {exc}") from None
 
 
 @dataclass(frozen=True)

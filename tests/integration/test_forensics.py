@@ -21,7 +21,7 @@ from sgpu_magic.front.decorator import function_payload, start
 from sgpu_magic.launch.forensics import memory_cgroup_file
 from sgpu_magic.ui.panel import Panel
 
-from helpers import wait_for
+from helpers import OOM_HINT, wait_for
 
 KILLED = """
 %%distributed --gpus 1 --no-mlflow --timeout 120
@@ -51,12 +51,7 @@ def test_a_sigkilled_rank_names_its_last_log_line_its_peak_rss_and_how_to_check_
     assert root.exitcode == -9 and root.exc_type is None
     assert root.last_lines[-1] == "about to crash"
     assert root.oom_killed is None  # nothing shows the OOM killer: the hint says how to check
-    assert re.fullmatch(
-        r"nothing here shows the OOM killer( \(.*\))?, but it is the usual cause of a SIGKILL: look for 'Killed "
-        r"process' in `dmesg` or `journalctl -k`, and compare the rank's peak RSS with the memory limit "
-        r"\(`cat /sys/fs/cgroup/memory.max`, or memory.limit_in_bytes under cgroup v1\)",
-        root.oom,
-    ), root.oom
+    assert re.fullmatch(OOM_HINT, root.oom), root.oom
     assert root.peak_rss_bytes is None or root.peak_rss_bytes > 0
     lines = str(error).splitlines()
     assert lines[0] == "rank 0 failed (root cause): exited without a Python exception (killed by signal SIGKILL (9))"

@@ -83,7 +83,7 @@ def test_a_sigkill_with_no_witness_gets_the_hint_and_other_ends_get_nothing():
         "oom_killed": None,
         "oom": f"nothing here shows the OOM killer, {HINT}",
     }
-    watch.watch(2)  # the cgroup the ranks start in (this process's)
+    watch.watch(range(2))  # the cgroup the ranks start in (this process's)
     if watch.cgroups:
         assert watch.verdict(1, None, -9)["oom"] == (
             f"nothing here shows the OOM killer (its memory cgroup's oom_kill count did not change), {HINT}"

@@ -168,7 +168,7 @@ class HostJob:
         if warm is None:
             warm = self.pool is not None and self.pool.ready(self.launch.sys_path)
         self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.machine.attempt - 1)
-        self.oom.watch(self.launch.world_size)
+        self.oom.watch(range(self.launch.world_size))
         self.ctx.start()
         self.pids = self.ctx.pids()
         self.usage.watch(self.pids)
