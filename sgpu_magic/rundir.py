@@ -26,6 +26,7 @@ Layout::
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import secrets
@@ -294,9 +295,15 @@ HOST_WARM_STATS = "warm.json"
 """Beside the host logs: the forkserver's remembered preload time (see :mod:`sgpu_magic.launch.host.warm_pool`)."""
 
 
-def _entry(name: str, doc: str) -> property:
-    """A :class:`RunDir` property: the path of its entry ``name``."""
-    return property(lambda self: self.path / name, doc=doc)
+def _entry(name: str, doc: str) -> functools.cached_property:
+    """A :class:`RunDir` property: the path of its entry ``name`` (made once per RunDir: a session cell's follower
+    and writers name the same files many times)."""
+
+    def entry(self: RunDir) -> Path:
+        return self.path / name
+
+    entry.__doc__ = doc
+    return functools.cached_property(entry)
 
 
 class RunDir:

@@ -199,6 +199,11 @@ class StatusWriter:
         run_dir: the job's run directory.
         on_error: called with the ``OSError`` of the first failed write in a row; default: raise it.
         state: the run's first state (``STARTING`` for a launcher's job); ``None``: none yet.
+        final_only: write the file once, at :meth:`finish` (the record a run leaves for post-mortems); until then
+            each change is only kept in :attr:`status` and told to ``on_change`` (a session cell, whose follower
+            is in the same process as its writer: :class:`sgpu_magic.job.follow.MemoryFeed`).
+        on_change: called with a copy of the status after each change (each :meth:`update` and the
+            :meth:`finish`), outside the writer's lock; default: nothing.
         **initial: the status's first other keys (not written until :meth:`write` or :meth:`update`).
 
     The state is only ever given typed (a :class:`~sgpu_magic.wire.RunState`, or the
@@ -210,6 +215,8 @@ class StatusWriter:
         run_dir: RunDir,
         on_error: Callable[[OSError], None] | None = None,
         state: RunState | None = None,
+        final_only: bool = False,
+        on_change: Callable[[dict[str, Any]], None] | None = None,
         **initial: Any,
     ) -> None:
         self.run_dir = run_dir
@@ -217,6 +224,8 @@ class StatusWriter:
         self.finished = False
         self.unwritten = False
         self._on_error = on_error
+        self._final_only = final_only
+        self._on_change = on_change
         self._lock = threading.Lock()
 
     def write(self) -> bool:
@@ -240,7 +249,10 @@ class StatusWriter:
             self.status.update(change)
             if state is not None:
                 self.status["state"] = state.value
-            return self._write_locked()
+            written = self._write_locked()
+            changed = dict(self.status)
+        self._told(changed)
+        return written
 
     def finish(self, end: RunState | StopReason, **change: Any) -> bool:
         """Write the final status: the final state ``end`` (or the one a run stopped for ``end`` ends in, with its
@@ -263,13 +275,21 @@ class StatusWriter:
             self.status.setdefault("ended_s", time.time())
             self.finished = True  # a failed write is retried by write(), which must then still go through
             self._write_locked(final=True)
-            return True
+            changed = dict(self.status)
+        self._told(changed)
+        return True
+
+    def _told(self, status: dict[str, Any]) -> None:
+        if self._on_change is not None:
+            self._on_change(status)
 
     def _write_locked(self, final: bool = False) -> bool:
         if not isinstance(self.status.get("state", ""), str):  # set in the dict by hand: the writer takes it typed
             raise TypeError(f"status['state'] = {self.status['state']!r}: give a state to StatusWriter.update/finish")
         if self.finished and not final and not self.unwritten:
             return False
+        if self._final_only and not self.finished:
+            return True  # kept in memory (told to on_change) until the final write
         try:
             write_status(self.run_dir, self.status)
         except OSError as exc:

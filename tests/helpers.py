@@ -61,6 +61,21 @@ def run_dirs(sgpu_home) -> set[str]:
     return {p.name for p in runs.iterdir()} if runs.exists() else set()
 
 
+def children() -> list[psutil.Process]:
+    """Every descendant of the test process but multiprocessing's resource tracker: the first user of
+    multiprocessing in a process (a unit test's) starts it, and it lives until that process ends; it is not
+    something a job left behind."""
+    mine = psutil.Process().children(recursive=True)
+    return [p for p in mine if "multiprocessing.resource_tracker" not in " ".join(_cmdline_of(p))]
+
+
+def _cmdline_of(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
 def kids() -> list[int]:
     """PIDs of every descendant of the test process."""
     return sorted(p.pid for p in psutil.Process().children(recursive=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import os
 import select
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -367,6 +368,61 @@ class StatusFeed:
                 os.read(fd, 4096)
         except (OSError, ValueError):  # closed by the thread that saw the job end
             time.sleep(POLL_INTERVAL_S)
+
+
+class MemoryFeed:
+    """A job's status kept in memory by its writer in this process (a session cell's, from its ranks' replies:
+    :class:`~sgpu_magic.status.StatusWriter` with ``final_only``), in the shape of :class:`StatusFeed`: no file
+    is read and no FIFO made; the follower sleeps on an event that each change (and :meth:`wake`) sets."""
+
+    def __init__(self, status: dict[str, Any] | None = None) -> None:
+        self._status: dict[str, Any] = {"state": RunState.PENDING.value} if status is None else status
+        self._version = 0
+        self._event = threading.Event()
+        self._others: list[MemoryFeed] = []
+
+    def another(self) -> MemoryFeed:
+        """A feed of the same status for a second follower (``job.show()``), woken by each change as this one is."""
+        other = MemoryFeed(self._status)
+        self._others.append(other)
+        return other
+
+    def changed(self, status: dict[str, Any]) -> None:
+        """The writer's ``on_change``: ``status`` is the job's status now."""
+        self._status = status
+        for other in self._others:
+            other.changed(status)
+        self._wake()
+
+    def wake(self) -> None:
+        """Wake the follower for a full poll (its sinks' ``tick``) although the status has not changed: what the
+        ranks sent beside it (a debugger's frame) waits to be served."""
+        self._wake()
+
+    def _wake(self) -> None:
+        self._version += 1
+        self._event.set()
+
+    def stamp(self) -> tuple:
+        return (self._version,)
+
+    def read(self, stamp: tuple | None = None) -> dict:
+        return self._status
+
+    def open_signal(self) -> None:
+        """Nothing to open (see :meth:`StatusFeed.open_signal`)."""
+
+    def close_signal(self) -> None:
+        """Nothing to close."""
+
+    def wait(self) -> None:
+        """Sleep until the status changes (or :meth:`wake`), or ``PUMP_INTERVAL_S`` passes."""
+        self._event.wait(PUMP_INTERVAL_S)
+        self._event.clear()  # a change after this sets it again: the poll that follows reads what came before
+
+
+Feed = StatusFeed | MemoryFeed
+"""Where a followed job's status comes from: its ``status.json`` (another process writes it), or memory."""
 
 
 class LogPump:

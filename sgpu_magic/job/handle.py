@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sgpu_magic._util.metrics import STEP_TIME
 from sgpu_magic.errors import SgpuError
-from sgpu_magic.job.follow import JobSink, view_of
+from sgpu_magic.job.follow import JobSink, MemoryFeed, view_of
 from sgpu_magic.job.lifecycle import CANCEL_WAIT_S, JobLifecycle
 from sgpu_magic.job.outcome import build_error, ending_notes, load_result, stopped_error
 from sgpu_magic.job.profile import merged_trace, summaries
@@ -85,9 +85,10 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         ranks: Sequence[int] | None = None,
         listed_when_ended: bool = True,
         listed: bool = True,
+        feed: MemoryFeed | None = None,
     ) -> None:
         concurrent.futures.Future.__init__(self)
-        super().__init__(run_dir, spec, plan, get_host, sinks, registry)
+        super().__init__(run_dir, spec, plan, get_host, sinks, registry, feed)
         self.listed_when_ended = listed_when_ended
         self.ranks: tuple[int, ...] = tuple(range(plan.world_size) if ranks is None else ranks)
         self.title = f"job {run_dir.job_id}"
@@ -454,7 +455,8 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         host = self._host
         if host is None:
             raise SgpuError(f"{self.title} has not started yet (state {self.state.value}); show it once it runs")
-        follower = Job(self._rd, self.spec, self.plan, lambda: host, [fresh], ranks=self.ranks, listed=False)
+        feed = self._feed.another() if isinstance(self._feed, MemoryFeed) else None  # a running session cell's
+        follower = Job(self._rd, self.spec, self.plan, lambda: host, [fresh], ranks=self.ranks, listed=False, feed=feed)
         follower.title, follower.shown_from = self.title, self
         follower.follow_from_start(host, self.submitted_s)
 

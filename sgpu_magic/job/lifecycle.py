@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from sgpu_magic._util.fs import touch_private
 from sgpu_magic.errors import JobCancelledError, LauncherError, ResourceError, SgpuError
-from sgpu_magic.job.follow import PUMP_INTERVAL_S, JobEvents, JobSink, LogPump, StatusFeed
+from sgpu_magic.job.follow import PUMP_INTERVAL_S, Feed, JobEvents, JobSink, LogPump, MemoryFeed, StatusFeed
 from sgpu_magic.job.metrics import MetricsPump
 from sgpu_magic.job.outcome import stopped_error
 from sgpu_magic.job.registry import forget, register
@@ -56,11 +56,13 @@ class JobLifecycle:
         get_host: Callable[[], Launcher],
         sinks: Sequence[JobSink],
         registry: LeaseRegistry | None,
+        feed: MemoryFeed | None = None,
     ) -> None:
         self._rd = run_dir
         self.spec = spec
         self.plan = plan
-        self._feed = StatusFeed(run_dir)
+        self._feed: Feed = StatusFeed(run_dir) if feed is None else feed
+        self._on_files = feed is None  # a job followed in memory (a session cell) runs on ranks started already
         self._get_host = get_host
         self._host: Launcher | None = None
         self._registry = registry
@@ -239,9 +241,10 @@ class JobLifecycle:
                 extra = sink.prepare(rd.job_id, spec, plan)
                 prepared.append(sink)
                 launch = launch.prepared(extra)
-            rd.write_launch(launch)
-            for rank in range(plan.world_size):
-                rd.log_file(rank).touch(mode=0o600)
+            if self._on_files:  # a session cell's ranks run already: nothing reads a launch record, they make the logs
+                rd.write_launch(launch)
+                for rank in range(plan.world_size):
+                    rd.log_file(rank).touch(mode=0o600)
             self._feed.open_signal()
             host = self._get_host()
             try:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol, cast
 
-from sgpu_magic.job.follow import JobSink, view_of
+from sgpu_magic.job.follow import JobSink, MemoryFeed, view_of
 from sgpu_magic.job.handle import Job
 from sgpu_magic.launch import launcher_for
 from sgpu_magic.launch.base import Launcher
@@ -90,6 +90,7 @@ def submit(
     lean: bool = False,
     listed_when_ended: bool = True,
     reserve_of: Path | None = None,
+    feed: MemoryFeed | None = None,
 ) -> Job:
     """Write the payload into a new RunDir, lease GPUs, and hand it to the launch host.
 
@@ -103,7 +104,9 @@ def submit(
     one is asked once more, so a dead host never fails a launch. ``before_launch``: see :func:`start`;
     ``ranks``: the ranks that run it (a session cell on some of the session's ranks), default all; ``lean``: a
     session cell's run directory, ``reserve_of`` the session's (see :meth:`RunDir.create`); ``listed_when_ended``:
-    whether the job stays in the kernel's job list once it ended (see :data:`~sgpu_magic.job.registry.MAX_ENDED_JOBS`).
+    whether the job stays in the kernel's job list once it ended (see :data:`~sgpu_magic.job.registry.MAX_ENDED_JOBS`);
+    ``feed``: where the job's status comes from when its launcher keeps it in this process (a session cell), else
+    its ``status.json`` (no ``launch.json`` is written for such a job: its ranks run already).
     """
     rd = RunDir.create(root, lean=lean, reserve_of=reserve_of)
     rd.write_payload(payload)
@@ -112,6 +115,6 @@ def submit(
         before_launch(rd)
     if plan.needs_lease and registry is None:
         registry = LeaseRegistry()
-    job = Job(rd, spec, plan, get_host, sinks, registry, ranks, listed_when_ended)
+    job = Job(rd, spec, plan, get_host, sinks, registry, ranks, listed_when_ended, feed=feed)
     job.start(background)
     return job

@@ -18,6 +18,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -53,6 +54,8 @@ class Request:
     run_dir: RunDir | None = None
     writer: StatusWriter | None = None
     """The cell's status writer (``None`` for push, pull, stop)."""
+    wake: Callable[[], None] | None = None
+    """Wakes the cell's follower when a rank sent a frame before its reply (``None`` for push, pull, stop)."""
     deadline: float | None = None
     reason: StopReason | None = None
     """Why the cell's ranks were interrupted (the first reason wins), ``None`` while they were not."""

@@ -4,9 +4,10 @@ The session's ranks are one long job of the launch host (payload kind ``session`
 :mod:`sgpu_magic.rank.session`): started from the warm forkserver, holding the session's GPU leases, stopped
 all together when one dies (torch elastic), and ended with the kernel like any job. Each cell is a
 :class:`~sgpu_magic.job.handle.Job` of its own (its run directory, logs, panel, MLflow child run, results and
-errors) whose launcher is the session (:class:`CellLauncher`): launching sends the cell to the ranks over the
-session's channel, and the session's reader thread writes the cell's ``status.json`` from the ranks' replies,
-so the layers above follow a cell exactly as they follow a job.
+errors) whose launcher is the cell's :class:`~sgpu_magic.session.execution.CellExecution`: launching sends the
+cell to the ranks over the session's channel, and the session's reader thread keeps the cell's status from the
+ranks' replies in memory (written to its ``status.json`` once, when it ends), so the layers above follow a cell
+as they follow a job, without a file or a FIFO in between.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from sgpu_magic.job.handle import Job
 from sgpu_magic.job.start import start as start_job
 from sgpu_magic.job.start import submit
 from sgpu_magic.launch.stacks import CodeMap, RankStack, take_stacks
-from sgpu_magic.rundir import RunDir, signal_status
+from sgpu_magic.rundir import RunDir
 from sgpu_magic.session.channel import Channel, Request, new_channel
-from sgpu_magic.session.launcher import CellLauncher
+from sgpu_magic.session.execution import CellExecution
 from sgpu_magic.session.outcome import (
     cell_status,
     death_message,
@@ -399,19 +400,20 @@ class SessionCore:
             payload.profile_steps = profile_steps
         assert self._channel is not None  # usable: started
         relay = DebugRelay(self._channel, *self.debug_io)  # serves runtime.breakpoint() while the cell runs
-        launcher = CellLauncher(self, ranks, timeout_s, relay)
+        execution = CellExecution(self.send_cell, self.interrupt, self._alive, self._where, ranks, timeout_s, relay)
         sinks.insert(0, relay)
         plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none
         job = submit(
             spec,
             plan,
             payload,
-            lambda: launcher,
+            lambda: execution,
             sinks,
             ranks=ranks,
             lean=True,
             listed_when_ended=False,
             reserve_of=self.job.run_dir,
+            feed=execution.feed,
         )
         job.title = label  # the summary line says "session s1 cell 3 failed ..." (it is shown once the cell ends)
         job.summary_on_success = False  # a cell that succeeded shows its output only, as in IPython
@@ -421,15 +423,24 @@ class SessionCore:
         self.cells_run += 1
         return job
 
-    def send_cell(self, run_dir: RunDir, ranks: tuple[int, ...], timeout_s: float | None) -> Request:
-        """Hand a cell to its ranks (called by the cell's Job through :class:`CellLauncher`); its request."""
+    def _alive(self) -> bool:
+        return not self.stopped
+
+    def _where(self) -> str:
+        return str(self.job.run_dir) if self.job is not None else "(not started)"
+
+    def send_cell(self, execution: CellExecution, run_dir: RunDir) -> Request:
+        """Hand a cell to its ranks (called by the cell's Job through its :class:`CellExecution`); its request.
+        Its status is kept in memory, in the execution's feed, until it ends."""
         self.check_usable()
-        request = self._new_request(ranks, run_dir)
+        request = self._new_request(execution.ranks, run_dir)
+        timeout_s = execution.timeout_s
         request.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.state = SessionState.BUSY
-        request.writer = StatusWriter(run_dir)
+        request.writer = StatusWriter(run_dir, final_only=True, on_change=execution.feed.changed)
+        request.wake = execution.feed.wake
         request.writer.update(
-            state=RunState.RUNNING, started_s=request.started_s, pids={str(r): self.pids[r] for r in ranks}
+            state=RunState.RUNNING, started_s=request.started_s, pids={str(r): self.pids[r] for r in execution.ranks}
         )
         with held_interrupt() as interrupted:
             self._send(request, RunCell(str(run_dir.path)), "the cell")
@@ -611,8 +622,8 @@ class SessionCore:
         if isinstance(reply, DebugFrame):  # a debugger's output or its request for a line: the reply comes later
             if request is not None and reply.seq == request.seq:
                 request.stream.put(reply)
-                if request.run_dir is not None:
-                    signal_status(request.run_dir)  # the cell's follower serves it (DebugRelay.tick) at once
+                if request.wake is not None:
+                    request.wake()  # the cell's follower serves it (DebugRelay.tick) at once
             return
         self._names[rank] = set(reply.names)
         stuck = self.stuck

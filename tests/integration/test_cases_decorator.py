@@ -20,7 +20,7 @@ import pytest
 
 from sgpu_magic.errors import CaptureError, JobTimeoutError, RankFailedError, ResourceError
 
-from helpers import C01_CELL1, kids, run_dirs, wait_gone
+from helpers import C01_CELL1, children, kids, run_dirs, wait_gone
 
 # --- helpers -------------------------------------------------------------------------------
 
@@ -275,7 +275,7 @@ def test_c13_normal_finish_leaves_no_process_pipe_or_socket(ip, run_cell):
     assert [v for _, v in out] == [3.0, 3.0]
     assert len(set(all_pids)) == 10  # fresh ranks every run
     assert wait_gone(all_pids) == []
-    assert me.children(recursive=True) == []
+    assert children() == []
     assert abs(me.num_fds() - fds0) <= 3
 
 
@@ -429,7 +429,7 @@ def test_c25_repeated_failed_launches_do_not_pile_up_processes(ip, run_cell, pid
     pids = read_pids(piddir)
     assert len(pids) == 6
     assert wait_gone(pids) == []
-    assert me.children(recursive=True) == []
+    assert children() == []
     assert max(fds) - min(fds) <= 3
 
 
@@ -463,7 +463,7 @@ def test_timeout_stops_every_rank_and_raises_timeout_error(ip, run_cell, piddir,
     pids = rank_pids(sleepy.last_job, piddir)
     assert len(pids) == 2
     assert wait_gone(pids) == []
-    assert psutil.Process().children(recursive=True) == []
+    assert children() == []
 
 
 # --- plain local call ----------------------------------------------------------------------

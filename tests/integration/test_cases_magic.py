@@ -13,14 +13,13 @@ import json
 import re
 import textwrap
 
-import psutil
 import pytest
 from IPython.core.error import UsageError
 
 from sgpu_magic.errors import RankFailedError
 from sgpu_magic.front.magics import DistributedMagics
 
-from helpers import C01_CELL1, kids, run_dirs, wait_gone
+from helpers import C01_CELL1, children, kids, run_dirs, wait_gone
 
 # --- helpers -------------------------------------------------------------------------------
 
@@ -214,7 +213,7 @@ def test_c09_rank_crash_mid_training_stops_the_job_and_keeps_logs(ip, run_cell, 
     pids = sorted(int(p.name) for p in piddir.iterdir())
     assert len(pids) == 2
     assert wait_gone(pids) == []
-    assert psutil.Process().children(recursive=True) == []
+    assert children() == []
 
     # with the raise removed, the same cell runs to the end on both ranks
     fixed = C09_CELL.replace('        raise ValueError("bad batch at step 2 on rank 1")\n', "        pass\n")

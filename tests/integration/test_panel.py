@@ -595,8 +595,9 @@ def test_show_gives_a_jobs_panel_again_with_every_line_running_or_ended(tmp_path
         ]
 
 
-def test_show_gives_a_session_cells_panel_again():
-    """A session cell is a blocking cell too: ``sess.jobs[-1].show()`` gives its panel back (its lines, its state)."""
+def test_show_gives_a_session_cells_panel_again(tmp_path):
+    """A session cell is a blocking cell too: ``sess.jobs[-1].show()`` gives its panel back (its lines, its state);
+    a running cell's, whose status is only in memory until it ends, follows it live (running, then its end)."""
     from sgpu_magic import Session
 
     sess = Session(gpus=2, widgets=True, mlflow=False, name="shown")
@@ -607,5 +608,19 @@ def test_show_gives_a_session_cells_panel_again():
         wait_for(lambda: again.snapshot is not None, 30, "the cell's panel again")
         assert [snapshot_rank(again, r)[1] for r in (0, 1)] == [["hello from 0"], ["hello from 1"]]
         assert "succeeded" in again.snapshot["text/html"] and "session shown" in again.snapshot["text/plain"]
+        go = tmp_path / "go"
+        job = sess.submit_cell(
+            f"import pathlib, time\nprint('waiting', flush=True)\nwhile not pathlib.Path({str(go)!r}).exists():\n"
+            "    time.sleep(0.01)\n8",
+            {},
+        )
+        live = Panel()
+        wait_for(lambda: "waiting" in job.logs(1), 60, "rank 1 in the cell")
+        job.show(live)
+        wait_for(lambda: "running" in live.header.value and "waiting" in shown(live, 1), 30, "the live cell shown")
+        go.touch()
+        assert job.result() == [8, 8]
+        wait_for(lambda: live.snapshot is not None, 30, "the shown cell's end")
+        assert "succeeded" in live.snapshot["text/html"]
     finally:
         sess.stop()

@@ -378,6 +378,33 @@ def test_distributed_jobs_lists_the_session_and_a_cell_while_it_runs_only(sess, 
     assert sess.jobs[-1] is job and f"cells={cells_before + 1}" in repr(sess)
 
 
+def test_a_running_cells_state_is_in_memory_and_its_status_file_is_written_once_when_it_ends(sess, tmp_path):
+    """A cell is followed from its ranks' replies in memory: while it runs its run directory has no status.json,
+    no launch.json and no status FIFO, yet the job reads as running with the ranks' pids; once it ends, its
+    status.json holds the final state and each rank's outcome (the record a post-mortem reads)."""
+    from sgpu_magic.job.state import JobState
+    from sgpu_magic.rundir import RunDir, read_json
+
+    go, started = tmp_path / "go", tmp_path / "started"
+    code = (
+        f"import pathlib, time\npathlib.Path({str(started)!r} + str(rank)).touch()\n"
+        f"while not pathlib.Path({str(go)!r}).exists():\n    time.sleep(0.01)\nrank"
+    )
+    job = sess.submit_cell(code, {})
+    rd = RunDir(job.run_dir)
+    try:
+        wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in (0, 1)), 60, "both ranks in the cell")
+        assert job.state is JobState.RUNNING
+        assert set(job.status.pids) == {0, 1} and set(job.status.pids.values()) == set(sess.pids.values())
+        assert not rd.status_file.exists() and not rd.launch_file.exists() and not rd.status_signal.exists()
+    finally:
+        go.touch()
+    assert job.result() == [0, 1]
+    written = read_json(rd.status_file)
+    assert written["state"] == "succeeded" and written["rank_outcomes"] == {"0": "returned", "1": "returned"}
+    assert not rd.launch_file.exists() and not rd.status_signal.exists()
+
+
 def test_debugging_needs_a_failed_cell_a_rank_in_the_world_or_a_known_job(sess, ip):
     sess.run_cell("1")
     with pytest.raises(SessionError, match=r"the last cell of session shared did not fail: there is nothing to debug"):

@@ -31,12 +31,12 @@ def test_the_ray_launcher_is_a_launcher_and_says_where_its_diagnostics_are():
 
 def test_the_local_launch_host_has_the_protocols_methods_with_its_signatures():
     from sgpu_magic.launch.keeper import RunKeeper
-    from sgpu_magic.session.launcher import CellLauncher
+    from sgpu_magic.session.execution import CellExecution
 
     assert _methods(LaunchHost) == _methods(Launcher)
     assert _methods(RunKeeper) == _methods(Launcher)
     assert _methods(RayLauncher) == _methods(Launcher)
-    assert _methods(CellLauncher) == _methods(Launcher)
+    assert _methods(CellExecution) == _methods(Launcher)
 
 
 def test_both_session_channels_have_the_channels_methods_with_its_signatures():

@@ -72,6 +72,37 @@ def test_status_writer_makes_the_final_status_the_last_write(tmp_path):
     assert read_json(rd.status_file) == final
 
 
+def test_a_final_only_status_writer_tells_each_change_to_its_memory_feed_and_writes_the_file_once(tmp_path):
+    """A session cell's writer: each change reaches the follower's MemoryFeed (a new stamp, a woken wait) and no
+    file is written until the final status, which is written once (as any writer's) and told too."""
+    import threading
+
+    from sgpu_magic.job.follow import MemoryFeed
+    from sgpu_magic.status import StatusWriter
+    from sgpu_magic.wire import RunState
+
+    rd = RunDir.create(tmp_path)
+    feed = MemoryFeed()
+    assert feed.read() == {"state": "pending"}
+    writer = StatusWriter(rd, final_only=True, on_change=feed.changed)
+    stamp = feed.stamp()
+    woken = threading.Event()
+    waiter = threading.Thread(target=lambda: (feed.wait(), woken.set()))
+    waiter.start()
+    assert writer.update(state=RunState.RUNNING, pids={"0": 123})
+    waiter.join(5)
+    assert woken.is_set() and feed.stamp() != stamp
+    assert feed.read() == {"state": "running", "pids": {"0": 123}} and not rd.status_file.exists()
+    stamp = feed.stamp()
+    feed.wake()  # a frame beside the status (a debugger's): a new stamp, the same status
+    assert feed.stamp() != stamp and feed.read()["state"] == "running"
+    assert writer.finish(RunState.SUCCEEDED, rank_outcomes={"0": "returned"})
+    final = read_json(rd.status_file)
+    told = feed.read()
+    assert final["state"] == "succeeded" and final["pids"] == {"0": 123} and told | {"schema": final["schema"]} == final
+    assert not writer.update(state=RunState.RUNNING) and feed.read() is told
+
+
 def test_status_writer_refuses_a_state_that_is_not_final(tmp_path):
     from sgpu_magic.status import StatusWriter
     from sgpu_magic.wire import RunState
