@@ -42,6 +42,7 @@ from sgpu_magic.wire.errors import RankExit
 
 if TYPE_CHECKING:
     from sgpu_magic.wire.attach import AttachRecord
+    from sgpu_magic.wire.mlflow import MlflowRunRecord
     from sgpu_magic.wire.payload import Payload
     from sgpu_magic.wire.session import SessionRecord
 
@@ -524,6 +525,23 @@ class RunDir:
     def write_attach(self, record: AttachRecord) -> None:
         """Write ``attach.pkl`` (atomically, 0600): how another kernel attaches to this detached job."""
         atomic_write_bytes(self.attach_file, record.encode())
+
+    def write_mlflow_run(self, record: MlflowRunRecord) -> None:
+        """Write ``mlflow.json`` (atomically, 0600): the job's MLflow run, or that tracking could not start."""
+        atomic_write_json(self.mlflow_file, record.encode())
+
+    def read_mlflow_run(self) -> MlflowRunRecord | None:
+        """``mlflow.json`` as its typed record, read through the private-read check; ``None`` before the kernel has
+        written it.
+
+        Raises:
+            PermissionError: it or its folder is not private to this user (:func:`read_private`).
+            RecordError: it is not a run record this version reads.
+        """
+        from sgpu_magic.wire.mlflow import MlflowRunRecord  # a rank reads it on first need only: not loaded at start
+
+        raw = read_json(self.mlflow_file, private=True)
+        return None if raw is None else MlflowRunRecord.decode(raw)
 
     def read_attach(self) -> AttachRecord:
         """``attach.pkl`` as its typed record, read through the private-read check (a pickle is code).

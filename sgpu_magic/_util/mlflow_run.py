@@ -14,41 +14,36 @@ import os
 import time
 from pathlib import Path
 
-from sgpu_magic.rundir import read_json
+from sgpu_magic.errors import RecordError
+from sgpu_magic.rundir import RunDir
 
 RUN_ID_ENV = "SGPU_MAGIC_MLFLOW_RUN_ID"
 RUN_FILE_ENV = "SGPU_MAGIC_MLFLOW_RUN_FILE"
 RUN_WAIT_S = 120.0
 """How long a rank waits for the kernel to make the job's run (the first tracked job of a kernel may wait for
 mlflow's import and a new store's tables, seconds on a busy machine); then it goes on untracked."""
-_RUN_ENV_KEYS = {
-    "tracking_uri": "MLFLOW_TRACKING_URI",
-    "run_id": "MLFLOW_RUN_ID",
-    "experiment_id": "MLFLOW_EXPERIMENT_ID",
-    "experiment_name": "MLFLOW_EXPERIMENT_NAME",
-    "registry_uri": "MLFLOW_REGISTRY_URI",
-}
 
 
 def run_env(run_file: str, wait_s: float = RUN_WAIT_S) -> dict[str, str]:
-    """The MLflow variables of the job's run named in ``run_file`` (``mlflow.json``), waiting for the kernel to write
-    it (at most ``wait_s``); ``{}`` when tracking could not start or the file did not come. The file is read through
-    the private-read check (0600, owned by this user)."""
+    """The MLflow variables of the job's run named in ``run_file`` (``mlflow.json``:
+    :class:`~sgpu_magic.wire.mlflow.MlflowRunRecord`), waiting for the kernel to write it (at most ``wait_s``);
+    ``{}`` when tracking could not start, the file did not come, or it is not a run record this version reads. The
+    file is read through the private-read check (0600, owned by this user)."""
 
-    deadline, path = time.monotonic() + wait_s, Path(run_file)
+    deadline, rd = time.monotonic() + wait_s, RunDir(Path(run_file).parent)
     while True:
         try:
-            record = read_json(path, private=True)
+            record = rd.read_mlflow_run()
+        except RecordError:
+            return {}
         except OSError:
             record = None
         if record is not None or time.monotonic() >= deadline:
             break
         time.sleep(0.01)
-    if not record or not record.get("run_id"):
+    if record is None or not record.tracked:
         return {}
-    env = {var: str(record[key]) for key, var in _RUN_ENV_KEYS.items() if record.get(key)}
-    env[RUN_ID_ENV] = str(record["run_id"])
-    return env
+    return {**record.mlflow_env(), RUN_ID_ENV: str(record.run_id)}
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from sgpu_magic.front.sessions import sessions
 from sgpu_magic.job.handle import CANCEL_WAIT_S, Job, jobs
 from sgpu_magic.job.state import JobState
 from sgpu_magic.launch.keeper import KeeperPaths, RunKeeper
-from sgpu_magic.rundir import RunDir, default_root, detached_index, read_json
+from sgpu_magic.rundir import RunDir, default_root, detached_index
 from sgpu_magic.session.core import SessionState
 from sgpu_magic.status import HostStatus
 from sgpu_magic.wire import GPUS_ENV, StopReason
@@ -68,7 +68,10 @@ def _read(rd: RunDir) -> DetachedRun | None:
         return None
     if not launch.detached:
         return None
-    mlflow = read_json(rd.mlflow_file) or {}
+    try:
+        mlflow = rd.read_mlflow_run()
+    except (OSError, RecordError):  # not this user's, or not a record this version reads: the run is listed untracked
+        mlflow = None
     started_s = status.started_s or rd.launch_file.stat().st_mtime
     return DetachedRun(
         job_id=rd.job_id,
@@ -78,7 +81,7 @@ def _read(rd: RunDir) -> DetachedRun | None:
         gpus=launch.env.get(GPUS_ENV) or "cpu",
         started_s=float(started_s),
         ended_s=status.ended_s,
-        mlflow_run_id=mlflow.get("run_id"),
+        mlflow_run_id=mlflow.run_id if mlflow is not None else None,
     )
 
 

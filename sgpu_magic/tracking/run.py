@@ -56,14 +56,15 @@ from sgpu_magic._compat.mlflow import active_experiment_id, stop_system_metrics
 from sgpu_magic._util.kernel_log import divert_info
 from sgpu_magic._util.metrics import STEP_TIME, Point
 from sgpu_magic._util.redact import redact
-from sgpu_magic.errors import SgpuError
+from sgpu_magic.errors import RecordError, SgpuError
 from sgpu_magic.job.follow import JobSink
 from sgpu_magic.job.state import JobState
 from sgpu_magic.rank.mlflow_guard import RANK_TAG, RUN_FILE_ENV
-from sgpu_magic.rundir import RunDir, atomic_write_bytes, atomic_write_json, read_json
+from sgpu_magic.rundir import RunDir, atomic_write_bytes
 from sgpu_magic.tracking.server import run_link, start_ui
 from sgpu_magic.tracking.uri import http_base, kernel_tracking_uri, notebook_path, open_client, sqlite_dir
 from sgpu_magic.tracking.worker import worker
+from sgpu_magic.wire.mlflow import MlflowRunRecord
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -258,9 +259,10 @@ class MlflowTracking(JobSink):
     def prepare(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> dict:
         """Queue the run's creation; return the ranks' MLflow environment (where to find the run once it exists)."""
         assert self._job is not None  # created() came first, in the starting thread
-        run_file = RunDir(self._job.run_dir).mlflow_file
+        run_dir = RunDir(self._job.run_dir)
+        run_file = run_dir.mlflow_file
         self._started_ms = int(time.time() * 1000)
-        self._queue(lambda: self._create(job_id, spec, plan, run_file))
+        self._queue(lambda: self._create(job_id, spec, plan, run_dir))
         self._made = self._last
         env = {
             RUN_FILE_ENV: str(run_file),
@@ -280,37 +282,37 @@ class MlflowTracking(JobSink):
 
     def _adopt(self, job: Job, run_dir: RunDir) -> None:
         try:
-            info = read_json(run_dir.mlflow_file, private=True) or {}
-        except OSError as exc:
+            record = run_dir.read_mlflow_run()
+        except (OSError, RecordError) as exc:
             _warn(f"the MLflow run of job {job.job_id} cannot be read ({exc}): it is not tracked from this kernel")
             return
-        if not info.get("run_id") or run_dir.mlflow_ended_file.exists():
+        if record is None or not record.tracked or run_dir.mlflow_ended_file.exists():
             return
         (mlflow,) = import_mlflow()
-        self._client, self.tracking_uri = mlflow.MlflowClient(info["tracking_uri"]), info["tracking_uri"]
-        self.run_id, self.experiment_id = info["run_id"], info.get("experiment_id")
-        self._experiment_name = info.get("experiment_name")
+        self._client, self.tracking_uri = mlflow.MlflowClient(record.tracking_uri), record.tracking_uri
+        self.run_id, self.experiment_id = record.run_id, record.experiment_id
+        self._experiment_name = record.experiment_name
         job.mlflow_run_id, job.mlflow_tracking_uri = self.run_id, self.tracking_uri
 
-    def _create(self, job_id: str, spec: LaunchSpec, plan: DevicePlan, run_file: Path) -> None:
+    def _create(self, job_id: str, spec: LaunchSpec, plan: DevicePlan, run_dir: RunDir) -> None:
         """On the worker: make the run, then name it where the ranks and the launch host read it (``mlflow.json``:
-        a ``null`` run id when it could not be made, so no rank waits for it)."""
-        record: dict[str, str | None] = {"run_id": None}
+        no run id when it could not be made, so no rank waits for it)."""
+        record = MlflowRunRecord(None, error="tracking could not start")
         try:
             self._create_run(job_id, spec, plan)
-            record = {
-                "run_id": self.run_id,
-                "tracking_uri": self.tracking_uri,
-                "experiment_id": self.experiment_id,
-                "experiment_name": self._experiment_name,
-                **self._registry_env(),
-            }
+            record = MlflowRunRecord(
+                self.run_id,
+                self.tracking_uri,
+                self.experiment_id,
+                self._experiment_name,
+                registry_uri=self._registry_uri(),
+            )
         except Exception as exc:  # noqa: BLE001 - tracking must never stop a job
             self._terminate("FAILED", time.time())
             self.run_id = None
             _warn(f"MLflow tracking is off for job {job_id}: {type(exc).__name__}: {exc}")
         finally:
-            atomic_write_json(run_file, {**record, "error": None if record["run_id"] else "tracking could not start"})
+            run_dir.write_mlflow_run(record)
         job = self._job
         if self.run_id is not None and job is not None:
             job.mlflow_run_id, job.mlflow_tracking_uri = self.run_id, self.tracking_uri
@@ -318,22 +320,25 @@ class MlflowTracking(JobSink):
             if not job.ended:
                 self._start_monitor()
 
-    def _registry_env(self) -> dict[str, str | None]:
-        """``registry_uri`` for the ranks: the kernel's registry URI (MLflow's default: the tracking URI).
+    def _registry_uri(self) -> str | None:
+        """The registry URI for the ranks: the kernel's (MLflow's default: the tracking URI); ``None`` when the
+        ranks get it otherwise (``MLFLOW_REGISTRY_URI`` in the kernel's environment reaches them) or resolve it.
 
         Where it is not set, every ``MlflowClient()`` MLflow makes (two per fluent ``log_metric``) looks
         for a Spark session, a failed ``import pyspark`` each time: 1.3 ms of a 1.5 ms ``log_metric`` here.
         """
         if "MLFLOW_REGISTRY_URI" in os.environ:  # reaches the ranks with the rest of the kernel's environment
-            return {}
+            return None
         import mlflow
 
         try:
             registry = mlflow.get_registry_uri()
             same = registry == mlflow.get_tracking_uri()
         except Exception:  # noqa: BLE001 - only a speed-up: the ranks then resolve it themselves
-            return {}
-        return {"registry_uri": self.tracking_uri if same else registry} if registry else {}
+            return None
+        if not registry:
+            return None
+        return self.tracking_uri if same else registry
 
     def _create_run(self, job_id: str, spec: LaunchSpec, plan: DevicePlan) -> None:
         mlflow, entities = import_mlflow("mlflow.entities")  # at once once imported (warm_up did, or the notebook)

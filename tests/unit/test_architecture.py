@@ -300,6 +300,7 @@ def test_the_record_table_names_every_wire_record_and_only_what_exists():
 
     import sgpu_magic.wire
     import sgpu_magic.wire.host
+    import sgpu_magic.wire.mlflow
     import sgpu_magic.wire.payload
     import sgpu_magic.wire.session
 
@@ -321,6 +322,7 @@ def test_the_record_table_names_every_wire_record_and_only_what_exists():
         "wire.session.ReleasePeers",
         "wire.session.SessionRecord",
         "wire.attach.AttachRecord",
+        "wire.mlflow.MlflowRunRecord",
         "wire.errors.ObservedFailure",
         "wire.errors.FailedAttempt",
         "wire.errors.TeardownEnd",

@@ -129,6 +129,10 @@ STATUS_NAMES = {"status", "final"}
 STATUS_OWNERS = {"status.py", "launch/machine.py"}
 
 
+_BY_HAND = {"read_json", "atomic_write_json", "read_private", "open", "loads", "read_text", "read_bytes"}
+"""Calls that read or write a file's record by hand (``str(rd.mlflow_file)``, a path for the ranks, is not one)."""
+
+
 def _keyed_reads(path: Path, rel: str) -> list[str]:
     """``launch["k"]`` / ``launch.get("k")`` / ``x.launch["k"]`` (and the same of a session's frames: ``reply``,
     ``msg``, ``message``, ``command``, ``cmd``, ``item``; and of a payload: ``payload``, ``part``), a status read
@@ -167,9 +171,12 @@ def _keyed_reads(path: Path, rel: str) -> list[str]:
         ):
             found.append(f"{rel}:{node.lineno}: .{node.func.attr}(...)")
         elif isinstance(node, ast.Call) and rel != "rundir.py":  # a record's file read or written by hand
+            called_name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
             for arg in node.args:
                 if isinstance(arg, ast.Attribute) and arg.attr == "launch_file":
                     found.append(f"{rel}:{node.lineno}: launch_file (read it with RunDir.read_launch)")
+                if isinstance(arg, ast.Attribute) and arg.attr == "mlflow_file" and called_name in _BY_HAND:
+                    found.append(f"{rel}:{node.lineno}: mlflow_file (read it with RunDir.read_mlflow_run)")
                 called = arg.func if isinstance(arg, ast.Call) else None
                 if isinstance(called, ast.Attribute) and called.attr in ("error_file", "exit_file"):
                     what = called.attr.split("_")[0]
@@ -197,6 +204,7 @@ def test_the_keyed_read_check_finds_each_kind(tmp_path):
         "    e = json.loads(rd.error_file(1).read_bytes()), read_json(rd.error_file(2))\n"
         "    f = reply['ok'], msg.get('op'), item[0], read_json(rd.exit_file(0))\n"
         "    status['usage'] = {}; g = status['usage'], self.status.get('stuck'), status.pop('waiting', None)\n"
+        "    h = read_json(rd.mlflow_file, private=True), str(rd.mlflow_file)\n"
     )
     assert sorted(_keyed_reads(module, "m.py")) == sorted(
         [
@@ -212,10 +220,64 @@ def test_the_keyed_read_check_finds_each_kind(tmp_path):
             "m.py:9: ['usage']",
             "m.py:9: .get(...)",
             "m.py:9: .pop(...)",
+            "m.py:10: mlflow_file (read it with RunDir.read_mlflow_run)",
         ]
     )
     owner = _keyed_reads(module, "launch/machine.py")  # the status's owner changes it by key; nothing else may
-    assert len(owner) == 8 and not [line for line in owner if line.startswith("launch/machine.py:9")]
+    assert len(owner) == 9 and not [line for line in owner if line.startswith("launch/machine.py:9")]
+
+
+# -- mlflow.json
+
+
+def test_a_jobs_mlflow_run_record_reads_back_and_gives_mlflow_its_variables(tmp_path):
+    from sgpu_magic._util.mlflow_run import RUN_ID_ENV, run_env
+    from sgpu_magic.rundir import RunDir
+    from sgpu_magic.wire.mlflow import MlflowRunRecord
+
+    rd = RunDir.create(tmp_path)
+    assert rd.read_mlflow_run() is None and run_env(str(rd.mlflow_file), wait_s=0) == {}
+    record = MlflowRunRecord("r1", "sqlite:////m.db", "7", "nb", registry_uri="sqlite:////m.db")
+    rd.write_mlflow_run(record)
+    assert rd.read_mlflow_run() == record and record.tracked
+    assert oct(rd.mlflow_file.stat().st_mode & 0o777) == "0o600"
+    assert run_env(str(rd.mlflow_file), wait_s=0) == {
+        "MLFLOW_RUN_ID": "r1",
+        "MLFLOW_TRACKING_URI": "sqlite:////m.db",
+        "MLFLOW_EXPERIMENT_ID": "7",
+        "MLFLOW_EXPERIMENT_NAME": "nb",
+        "MLFLOW_REGISTRY_URI": "sqlite:////m.db",
+        RUN_ID_ENV: "r1",
+    }
+    untracked = MlflowRunRecord(None, error="tracking could not start")
+    rd.write_mlflow_run(untracked)
+    assert rd.read_mlflow_run() == untracked and not untracked.tracked
+    assert run_env(str(rd.mlflow_file), wait_s=0) == {} and untracked.mlflow_env() == {}
+
+
+def test_an_mlflow_json_of_the_previous_version_reads_and_a_mangled_one_is_refused_naming_it(tmp_path):
+    from sgpu_magic._util.mlflow_run import run_env
+    from sgpu_magic.rundir import RunDir, atomic_write_json
+    from sgpu_magic.wire.mlflow import MlflowRunRecord
+
+    rd = RunDir.create(tmp_path)
+    # as the previous version wrote it: no registry_uri where the kernel had none; a later key is passed over
+    atomic_write_json(
+        rd.mlflow_file,
+        {"run_id": "r1", "tracking_uri": "file:///m", "experiment_id": "0", "experiment_name": None, "error": None,
+         "later": 1},
+    )  # fmt: skip
+    assert rd.read_mlflow_run() == MlflowRunRecord("r1", "file:///m", "0")
+    for raw, what in [
+        ({"tracking_uri": "file:///m"}, "'run_id'"),
+        ({"run_id": 5}, "'run_id': 5 is not a string"),
+        (["r1"], "a JSON list, not an object"),
+    ]:
+        atomic_write_json(rd.mlflow_file, raw)
+        with pytest.raises(RecordError) as err:
+            rd.read_mlflow_run()
+        assert str(err.value) == f"mlflow.json lacks or mangles {what}; the job's MLflow run cannot be named from it"
+        assert run_env(str(rd.mlflow_file), wait_s=0) == {}  # a rank goes on untracked
 
 
 # -- the host's and keeper's commands

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import psutil
 
-from sgpu_magic.rundir import RunDir, read_json
+from sgpu_magic.errors import RecordError
+from sgpu_magic.rundir import RunDir
 from sgpu_magic.wire import LaunchRecord, RunState
 
 log = logging.getLogger(__name__)
@@ -116,26 +117,28 @@ def end_mlflow_run(run_dir: RunDir, state: RunState, env: dict[str, str] | None 
     mlflow is imported only here; a failure is logged, never raised.
     """
     try:
-        info = read_json(run_dir.mlflow_file, private=True) or {}
-    except OSError:
+        record = run_dir.read_mlflow_run()
+    except (OSError, RecordError) as exc:
+        log.warning(f"sgpu_magic host: the MLflow run of {run_dir.job_id} cannot be read, so not ended: {exc}")
         return
-    if not info.get("run_id"):
+    run_id = record.run_id if record is not None else None
+    if record is None or not run_id:
         return
     status = _RUN_STATUS.get(state, "KILLED")
     try:
         with _environ(env):
             from mlflow import MlflowClient
 
-            client = MlflowClient(info["tracking_uri"])
-            run = client.get_run(info["run_id"])
+            client = MlflowClient(record.tracking_uri)
+            run = client.get_run(run_id)
             children = client.search_runs(
                 [run.info.experiment_id],
-                f"tags.mlflow.parentRunId = '{info['run_id']}' and attributes.status = 'RUNNING'",
+                f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'",
             )
             for left in [*children, *([run] if run.info.status == "RUNNING" else [])]:
                 client.set_terminated(left.info.run_id, status)
     except Exception as exc:  # noqa: BLE001 - the host is on its way out; its log says why
-        log.warning(f"sgpu_magic host: could not end MLflow run {info['run_id']} {status}: {type(exc).__name__}: {exc}")
+        log.warning(f"sgpu_magic host: could not end MLflow run {run_id} {status}: {type(exc).__name__}: {exc}")
 
 
 def reap_adopted(keep: set[int]) -> None:
