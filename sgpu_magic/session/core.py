@@ -400,7 +400,10 @@ class SessionCore:
             payload.profile_steps = profile_steps
         assert self._channel is not None  # usable: started
         relay = DebugRelay(self._channel, *self.debug_io)  # serves runtime.breakpoint() while the cell runs
-        execution = CellExecution(self.send_cell, self.interrupt, self._alive, self._where, ranks, timeout_s, relay)
+        session_dir = str(self.job.run_dir)
+        execution = CellExecution(
+            self.send_cell, self.interrupt, lambda: not self.stopped, lambda: session_dir, ranks, timeout_s, relay
+        )
         sinks.insert(0, relay)
         plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none
         job = submit(
@@ -422,12 +425,6 @@ class SessionCore:
             self.jobs[-LIVE_VIEW_CELLS - 1].release_views()
         self.cells_run += 1
         return job
-
-    def _alive(self) -> bool:
-        return not self.stopped
-
-    def _where(self) -> str:
-        return str(self.job.run_dir) if self.job is not None else "(not started)"
 
     def send_cell(self, execution: CellExecution, run_dir: RunDir) -> Request:
         """Hand a cell to its ranks (called by the cell's Job through its :class:`CellExecution`); its request.
