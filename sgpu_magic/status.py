@@ -203,7 +203,9 @@ class StatusWriter:
             each change is only kept in :attr:`status` and told to ``on_change`` (a session cell, whose follower
             is in the same process as its writer: :class:`sgpu_magic.job.follow.MemoryFeed`).
         on_change: called with a copy of the status after each change (each :meth:`update` and the
-            :meth:`finish`), outside the writer's lock; default: nothing.
+            :meth:`finish`, also when its write failed), under the writer's lock, so in the order of the changes
+            (it must not call the writer); default: nothing. A change made to :attr:`status` in place and written
+            with :meth:`write` is not told.
         **initial: the status's first other keys (not written until :meth:`write` or :meth:`update`).
 
     The state is only ever given typed (a :class:`~sgpu_magic.wire.RunState`, or the
@@ -249,10 +251,10 @@ class StatusWriter:
             self.status.update(change)
             if state is not None:
                 self.status["state"] = state.value
-            written = self._write_locked()
-            changed = dict(self.status)
-        self._told(changed)
-        return written
+            try:
+                return self._write_locked()
+            finally:
+                self._told()
 
     def finish(self, end: RunState | StopReason, **change: Any) -> bool:
         """Write the final status: the final state ``end`` (or the one a run stopped for ``end`` ends in, with its
@@ -274,14 +276,17 @@ class StatusWriter:
                 self.status["stop_reason"] = end.value
             self.status.setdefault("ended_s", time.time())
             self.finished = True  # a failed write is retried by write(), which must then still go through
-            self._write_locked(final=True)
-            changed = dict(self.status)
-        self._told(changed)
-        return True
+            try:
+                self._write_locked(final=True)
+            finally:
+                self._told()  # the final state reaches the reader in memory even when the file could not be written
+            return True
 
-    def _told(self, status: dict[str, Any]) -> None:
+    def _told(self) -> None:
+        """Tell ``on_change`` the status (a copy), under the lock: it sees the changes in the order they were made, so
+        a final state it was told is never followed by an earlier one."""
         if self._on_change is not None:
-            self._on_change(status)
+            self._on_change(dict(self.status))
 
     def _write_locked(self, final: bool = False) -> bool:
         if not isinstance(self.status.get("state", ""), str):  # set in the dict by hand: the writer takes it typed

@@ -380,24 +380,29 @@ class MemoryFeed:
         self._version = 0
         self._event = threading.Event()
         self._others: list[MemoryFeed] = []
+        self._lock = threading.Lock()
 
     def another(self) -> MemoryFeed:
-        """A feed of the same status for a second follower (``job.show()``), woken by each change as this one is."""
-        other = MemoryFeed(self._status)
-        self._others.append(other)
+        """A feed of the same status for a second follower (``job.show()``), told each later change as this one is."""
+        with self._lock:  # no change falls between the copy and the subscription
+            other = MemoryFeed(self._status)
+            self._others.append(other)
         return other
 
     def changed(self, status: dict[str, Any]) -> None:
         """The writer's ``on_change``: ``status`` is the job's status now."""
-        self._status = status
-        for other in self._others:
+        with self._lock:
+            self._status = status
+            others = list(self._others)
+            self._wake()
+        for other in others:
             other.changed(status)
-        self._wake()
 
     def wake(self) -> None:
         """Wake the follower for a full poll (its sinks' ``tick``) although the status has not changed: what the
         ranks sent beside it (a debugger's frame) waits to be served."""
-        self._wake()
+        with self._lock:
+            self._wake()
 
     def _wake(self) -> None:
         self._version += 1

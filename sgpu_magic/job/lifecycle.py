@@ -232,7 +232,8 @@ class JobLifecycle:
         )
 
     def _launch(self) -> None:
-        """Write launch.json (with what the sinks prepare) and hand the run dir to the launch host."""
+        """Write launch.json (with what the sinks prepare; none for a job followed in memory, a session cell, whose
+        ranks run already) and the empty rank logs, and hand the run dir to the launcher."""
         rd, plan, spec = self._rd, self.plan, self.spec
         launch = self._launch_record()
         prepared: list[JobSink] = []
@@ -241,10 +242,10 @@ class JobLifecycle:
                 extra = sink.prepare(rd.job_id, spec, plan)
                 prepared.append(sink)
                 launch = launch.prepared(extra)
-            if self._on_files:  # a session cell's ranks run already: nothing reads a launch record, they make the logs
+            if self._on_files:  # a session cell's ranks run already: nothing reads a launch record for them
                 rd.write_launch(launch)
-                for rank in range(plan.world_size):
-                    rd.log_file(rank).touch(mode=0o600)
+            for rank in range(plan.world_size):
+                rd.log_file(rank).touch(mode=0o600)
             self._feed.open_signal()
             host = self._get_host()
             try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -271,7 +272,15 @@ class SessionCore:
 
     # -- requests
 
-    def _new_request(self, ranks: tuple[int, ...], run_dir: RunDir | None = None) -> Request:
+    def _new_request(
+        self,
+        ranks: tuple[int, ...],
+        run_dir: RunDir | None = None,
+        writer: StatusWriter | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> Request:
+        """The session's next request (a cell's with its ``run_dir``, status ``writer`` and follower's ``wake``, made
+        whole before the reader thread can see it); :class:`SessionError` while another one runs."""
         with self._lock:
             if self._request is not None:
                 raise SessionError(
@@ -279,7 +288,7 @@ class SessionCore:
                     f"(%distributed_session status shows it)"
                 )
             self._seq += 1
-            self._request = Request(self._seq, ranks, run_dir=run_dir)
+            self._request = Request(self._seq, ranks, run_dir=run_dir, writer=writer, wake=wake)
             return self._request
 
     def _wait(self, request: Request) -> None:
@@ -430,13 +439,13 @@ class SessionCore:
         """Hand a cell to its ranks (called by the cell's Job through its :class:`CellExecution`); its request.
         Its status is kept in memory, in the execution's feed, until it ends."""
         self.check_usable()
-        request = self._new_request(execution.ranks, run_dir)
+        feed = execution.feed
+        writer = StatusWriter(run_dir, on_error=_record_unwritten, final_only=True, on_change=feed.changed)
+        request = self._new_request(execution.ranks, run_dir, writer, feed.wake)
         timeout_s = execution.timeout_s
         request.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.state = SessionState.BUSY
-        request.writer = StatusWriter(run_dir, final_only=True, on_change=execution.feed.changed)
-        request.wake = execution.feed.wake
-        request.writer.update(
+        writer.update(
             state=RunState.RUNNING, started_s=request.started_s, pids={str(r): self.pids[r] for r in execution.ranks}
         )
         with held_interrupt() as interrupted:
@@ -712,6 +721,12 @@ class SessionCore:
 def _where(stuck: Stuck, ranks: list[int]) -> str:
     """``rank 0: time.sleep at Cell In[4] line 3`` for the ``ranks`` of ``stuck`` whose stacks were taken."""
     return "; ".join(f"rank {r}: {stuck.stacks[r].where}" for r in ranks if r in stuck.stacks)
+
+
+def _record_unwritten(exc: OSError) -> None:
+    """A cell's final ``status.json`` could not be written (a full disk past the session's reserve): the cell ends as
+    its ranks replied (its status is in memory); only its record for post-mortems is missing, which the log says."""
+    logging.getLogger("sgpu_magic").warning(f"sgpu_magic: a session cell's status.json could not be written: {exc}")
 
 
 def _no_warning(text: str) -> None:

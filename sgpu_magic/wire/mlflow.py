@@ -9,11 +9,9 @@ the run over) and the detached-run listing.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from sgpu_magic.errors import RecordError
 from sgpu_magic.wire.errors import _reading
 
 MLFLOW_ENV = {
@@ -34,8 +32,9 @@ class MlflowRunRecord:
         run_id: the run's id; ``None`` when tracking could not start (then ``error`` says so).
         tracking_uri: the store or server the run is in (absolute).
         experiment_id, experiment_name: its experiment.
-        registry_uri: the kernel's model registry URI, when the kernel resolved one for the ranks (else ``None``:
-            MLflow's default).
+        registry_uri: the kernel's model registry URI, when the kernel resolved one for the ranks; ``None`` when the
+            ranks have it otherwise (``MLFLOW_REGISTRY_URI`` in the kernel's environment reaches them) or resolve
+            MLflow's default themselves.
         error: why the job is not tracked, else ``None``.
     """
 
@@ -66,7 +65,8 @@ class MlflowRunRecord:
         """Read ``mlflow.json`` (a key this version does not know is passed over: a later version's addition).
 
         Raises:
-            RecordError: it is not an object with a ``run_id``, or a field holds a value that is not a string.
+            RecordError: it is not an object with a ``run_id`` (and, with a run id, a ``tracking_uri``), or a field
+                holds a value that is not a string.
         """
         with _reading("mlflow.json", "; the job's MLflow run cannot be named from it"):
             if not isinstance(raw, dict):
@@ -77,13 +77,6 @@ class MlflowRunRecord:
             bad = [name for name, value in values.items() if value is not None and not isinstance(value, str)]
             if bad:
                 raise ValueError(f"{bad[0]!r}: {values[bad[0]]!r} is not a string")
+            if values["run_id"] and not values["tracking_uri"]:  # a run is named by its id in its store
+                raise KeyError("tracking_uri")
             return cls(**values)
-
-    @classmethod
-    def loads(cls, text: str | bytes) -> MlflowRunRecord:
-        """:meth:`decode` of the file's text (``RecordError`` for text that is not JSON)."""
-        try:
-            raw = json.loads(text)
-        except ValueError as exc:
-            raise RecordError(f"mlflow.json is not JSON ({exc})") from None
-        return cls.decode(raw)

@@ -72,26 +72,29 @@ def test_status_writer_makes_the_final_status_the_last_write(tmp_path):
     assert read_json(rd.status_file) == final
 
 
-def test_a_final_only_status_writer_tells_each_change_to_its_memory_feed_and_writes_the_file_once(tmp_path):
+def test_a_final_only_status_writer_tells_each_change_to_its_memory_feed_and_writes_the_file_once(
+    tmp_path, monkeypatch
+):
     """A session cell's writer: each change reaches the follower's MemoryFeed (a new stamp, a woken wait) and no
     file is written until the final status, which is written once (as any writer's) and told too."""
     import threading
 
+    from sgpu_magic.job import follow
     from sgpu_magic.job.follow import MemoryFeed
     from sgpu_magic.status import StatusWriter
     from sgpu_magic.wire import RunState
 
+    monkeypatch.setattr(follow, "PUMP_INTERVAL_S", 600.0)  # a wait ends on the change, not on its timeout
     rd = RunDir.create(tmp_path)
     feed = MemoryFeed()
     assert feed.read() == {"state": "pending"}
     writer = StatusWriter(rd, final_only=True, on_change=feed.changed)
     stamp = feed.stamp()
-    woken = threading.Event()
-    waiter = threading.Thread(target=lambda: (feed.wait(), woken.set()))
+    waiter = threading.Thread(target=feed.wait, daemon=True)
     waiter.start()
     assert writer.update(state=RunState.RUNNING, pids={"0": 123})
-    waiter.join(5)
-    assert woken.is_set() and feed.stamp() != stamp
+    waiter.join(60)
+    assert not waiter.is_alive() and feed.stamp() != stamp
     assert feed.read() == {"state": "running", "pids": {"0": 123}} and not rd.status_file.exists()
     stamp = feed.stamp()
     feed.wake()  # a frame beside the status (a debugger's): a new stamp, the same status
@@ -101,6 +104,14 @@ def test_a_final_only_status_writer_tells_each_change_to_its_memory_feed_and_wri
     told = feed.read()
     assert final["state"] == "succeeded" and final["pids"] == {"0": 123} and told | {"schema": final["schema"]} == final
     assert not writer.update(state=RunState.RUNNING) and feed.read() is told
+    # a final write that fails still reaches the reader in memory (the cell ends; its record is what is missing)
+    failed: list[OSError] = []
+    feed = MemoryFeed()
+    (tmp_path / "gone").mkdir()
+    gone = RunDir(tmp_path / "gone")
+    writer = StatusWriter(gone, on_error=failed.append, final_only=True, on_change=feed.changed)
+    (tmp_path / "gone").rmdir()
+    assert writer.finish(RunState.FAILED) and feed.read()["state"] == "failed" and len(failed) == 1
 
 
 def test_status_writer_refuses_a_state_that_is_not_final(tmp_path):

@@ -129,8 +129,12 @@ STATUS_NAMES = {"status", "final"}
 STATUS_OWNERS = {"status.py", "launch/machine.py"}
 
 
-_BY_HAND = {"read_json", "atomic_write_json", "read_private", "open", "loads", "read_text", "read_bytes"}
-"""Calls that read or write a file's record by hand (``str(rd.mlflow_file)``, a path for the ranks, is not one)."""
+_BY_HAND = {
+    *("read_json", "atomic_write_json", "atomic_write_bytes", "read_private", "open"),
+    *("read_text", "read_bytes", "write_text", "write_bytes"),
+}
+"""Calls that read or write a file's record by hand, given its path or called on it (``str(rd.mlflow_file)``, a path
+for the ranks, is not one)."""
 
 
 def _keyed_reads(path: Path, rel: str) -> list[str]:
@@ -181,6 +185,9 @@ def _keyed_reads(path: Path, rel: str) -> list[str]:
                 if isinstance(called, ast.Attribute) and called.attr in ("error_file", "exit_file"):
                     what = called.attr.split("_")[0]
                     found.append(f"{rel}:{node.lineno}: {called.attr} (read it with RunDir.read_{what})")
+            owner = node.func.value if isinstance(node.func, ast.Attribute) else None
+            if isinstance(owner, ast.Attribute) and owner.attr == "mlflow_file" and called_name in _BY_HAND:
+                found.append(f"{rel}:{node.lineno}: mlflow_file (read it with RunDir.read_mlflow_run)")
     return found
 
 
@@ -205,6 +212,7 @@ def test_the_keyed_read_check_finds_each_kind(tmp_path):
         "    f = reply['ok'], msg.get('op'), item[0], read_json(rd.exit_file(0))\n"
         "    status['usage'] = {}; g = status['usage'], self.status.get('stuck'), status.pop('waiting', None)\n"
         "    h = read_json(rd.mlflow_file, private=True), str(rd.mlflow_file)\n"
+        "    i = json.loads(rd.mlflow_file.read_text()), rd.mlflow_file.exists(), atomic_write_bytes(rd.mlflow_file, b'')\n"
     )
     assert sorted(_keyed_reads(module, "m.py")) == sorted(
         [
@@ -221,10 +229,12 @@ def test_the_keyed_read_check_finds_each_kind(tmp_path):
             "m.py:9: .get(...)",
             "m.py:9: .pop(...)",
             "m.py:10: mlflow_file (read it with RunDir.read_mlflow_run)",
+            "m.py:11: mlflow_file (read it with RunDir.read_mlflow_run)",
+            "m.py:11: mlflow_file (read it with RunDir.read_mlflow_run)",
         ]
     )
     owner = _keyed_reads(module, "launch/machine.py")  # the status's owner changes it by key; nothing else may
-    assert len(owner) == 9 and not [line for line in owner if line.startswith("launch/machine.py:9")]
+    assert len(owner) == 11 and not [line for line in owner if line.startswith("launch/machine.py:9")]
 
 
 # -- mlflow.json
@@ -271,6 +281,7 @@ def test_an_mlflow_json_of_the_previous_version_reads_and_a_mangled_one_is_refus
     for raw, what in [
         ({"tracking_uri": "file:///m"}, "'run_id'"),
         ({"run_id": 5}, "'run_id': 5 is not a string"),
+        ({"run_id": "r1", "tracking_uri": None}, "'tracking_uri'"),
         (["r1"], "a JSON list, not an object"),
     ]:
         atomic_write_json(rd.mlflow_file, raw)
