@@ -62,7 +62,6 @@ class JobLifecycle:
         self.spec = spec
         self.plan = plan
         self._feed: Feed = StatusFeed(run_dir) if feed is None else feed
-        self._on_files = feed is None  # a job followed in memory (a session cell) runs on ranks started already
         self._get_host = get_host
         self._host: Launcher | None = None
         self._registry = registry
@@ -242,7 +241,7 @@ class JobLifecycle:
                 extra = sink.prepare(rd.job_id, spec, plan)
                 prepared.append(sink)
                 launch = launch.prepared(extra)
-            if self._on_files:  # a session cell's ranks run already: nothing reads a launch record for them
+            if isinstance(self._feed, StatusFeed):  # one followed in memory (a session cell) runs on started ranks
                 rd.write_launch(launch)
             for rank in range(plan.world_size):
                 rd.log_file(rank).touch(mode=0o600)

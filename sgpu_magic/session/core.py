@@ -409,9 +409,8 @@ class SessionCore:
             payload.profile_steps = profile_steps
         assert self._channel is not None  # usable: started
         relay = DebugRelay(self._channel, *self.debug_io)  # serves runtime.breakpoint() while the cell runs
-        session_dir = str(self.job.run_dir)
         execution = CellExecution(
-            self.send_cell, self.interrupt, lambda: not self.stopped, lambda: session_dir, ranks, timeout_s, relay
+            self.send_cell, self.interrupt, lambda: not self.stopped, str(self.job.run_dir), ranks, timeout_s, relay
         )
         sinks.insert(0, relay)
         plan = replace(self.job.plan, candidates=())  # the session holds the GPUs: a cell leases none

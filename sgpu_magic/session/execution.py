@@ -45,7 +45,7 @@ class CellExecution:
         send: Send,
         interrupt: Callable[[StopReason], bool],
         alive: Callable[[], bool],
-        where: Callable[[], str],
+        where: str,
         ranks: tuple[int, ...],
         timeout_s: float | None,
         relay: DebugRelay | None = None,
@@ -53,13 +53,12 @@ class CellExecution:
         self._send, self._interrupt, self._alive, self._where = send, interrupt, alive, where
         self.ranks, self.timeout_s, self.relay = ranks, timeout_s, relay
         self.feed = MemoryFeed()
-        self.request: Request | None = None
         self.pid = os.getpid()  # a cell holds no lease of its own (the session's job does)
 
     def launch(self, run_dir: RunDir) -> None:
-        self.request = self._send(self, run_dir)
+        request = self._send(self, run_dir)
         if self.relay is not None:
-            self.relay.request = self.request
+            self.relay.request = request
 
     def cancel(self, run_dir: RunDir, reason: StopReason) -> None:
         self._interrupt(reason)
@@ -68,7 +67,7 @@ class CellExecution:
         return self._alive()
 
     def where(self) -> str:
-        return self._where()
+        return self._where
 
     def preparing(self) -> str | None:
         return None  # the session's ranks are running

@@ -121,9 +121,9 @@ def end_mlflow_run(run_dir: RunDir, state: RunState, env: dict[str, str] | None 
     except (OSError, RecordError) as exc:
         log.warning(f"sgpu_magic host: the MLflow run of {run_dir.job_id} cannot be read, so not ended: {exc}")
         return
-    run_id = record.run_id if record is not None else None
-    if record is None or not run_id:
+    if record is None or not record.run_id:
         return
+    run_id = record.run_id
     status = _RUN_STATUS.get(state, "KILLED")
     try:
         with _environ(env):
