@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +21,16 @@ def sgpu_home(tmp_path_factory):
     os.environ["SGPU_MAGIC_HOME"] = str(home)
     # the MLflow runs of the session's jobs (tracking is on by default) go to a store in the same place
     old_uri = os.environ.get("MLFLOW_TRACKING_URI")
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{home}/mlflow.db"
+    os.environ["MLFLOW_TRACKING_URI"] = uri = f"sqlite:///{home}/mlflow.db"
+    # The store is made before any test's kernel opens it: MLflow makes a fresh store's tables in several
+    # transactions (seconds of CPU), so a kernel a test SIGKILLs meanwhile would leave it half made, and every later
+    # opener of it would fail (``duplicate column name``). Made in a child, so this process imports no mlflow.
+    subprocess.run(
+        [sys.executable, "-c", "import mlflow, sys; mlflow.MlflowClient(sys.argv[1]).search_experiments()", uri],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     # kernels started by tests inherit this: plain [rank N] text, which the tests read (the panel has its own tests)
     os.environ.setdefault("SGPU_MAGIC_WIDGETS", "0")
     yield home

@@ -27,12 +27,11 @@ from sgpu_magic.front.cell import (
     show_cell_syntax_errors_alone,
 )
 from sgpu_magic.front.decorator import start
-from sgpu_magic.front.job_table import JobTable, find_job, latest_running
+from sgpu_magic.front.job_table import JobTable, find_job, latest_running, listed_jobs
 from sgpu_magic.front.magic_help import magic_help
 from sgpu_magic.front.options import job_options
 from sgpu_magic.front.session_magics import RANKS_OPTION, SESSION_OPTION, is_session_cell, run_session_cell
 from sgpu_magic.front.spec_options import job_spec
-from sgpu_magic.job.handle import jobs
 from sgpu_magic.launch import held_warm
 from sgpu_magic.launch.ray.warm import set_keep_warm_s
 from sgpu_magic.spec import DEFAULT_STUCK_AFTER_S, DEFAULT_TEARDOWN_GRACE_S, DEFAULT_TIMEOUT_S, LaunchSpec
@@ -317,7 +316,7 @@ class DistributedMagics(Magics):
             return None
         if args.all:
             return DetachedTable(detached_runs())
-        return JobTable(jobs(), held_warm())
+        return JobTable(listed_jobs(), held_warm())
 
     @magic_arguments(name="distributed_attach")
     @argument(
@@ -371,7 +370,7 @@ class DistributedMagics(Magics):
         if args.all == (args.job_id is not None):
             raise UsageError("give one job id (see %distributed_jobs) or --all, e.g. %distributed_stop --all")
         if args.all:
-            chosen = [job for job in jobs() if not job.done()]
+            chosen = [job for job in listed_jobs() if not job.done()]
         else:
             chosen = [find_job(args.job_id)]
         for job in chosen:

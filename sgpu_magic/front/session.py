@@ -178,8 +178,9 @@ class Session:
     @property
     def jobs(self) -> list[Job]:
         """One :class:`~sgpu_magic.job.handle.Job` per cell or ``run``, oldest first: the last 100
-        (:data:`~sgpu_magic.session.core.KEPT_CELLS`). A cell is in the kernel's job list (``%distributed_jobs``,
-        ``%distributed_stop``) while it runs, and only here once it has ended."""
+        (:data:`~sgpu_magic.session.core.KEPT_CELLS`). A cell is not one of the kernel's jobs
+        (:func:`~sgpu_magic.job.registry.jobs`): ``%distributed_jobs`` lists the one that runs under its session, and
+        ``%distributed_stop`` and ``%distributed_stacks`` find it there."""
         return list(self._core.jobs)
 
     @property

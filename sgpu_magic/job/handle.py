@@ -83,13 +83,11 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         sinks: Sequence[JobSink] = (),
         registry: LeaseRegistry | None = None,
         ranks: Sequence[int] | None = None,
-        listed_when_ended: bool = True,
         listed: bool = True,
         feed: MemoryFeed | None = None,
     ) -> None:
         concurrent.futures.Future.__init__(self)
         super().__init__(run_dir, spec, plan, get_host, sinks, registry, feed)
-        self.listed_when_ended = listed_when_ended
         self.ranks: tuple[int, ...] = tuple(range(plan.world_size) if ranks is None else ranks)
         self.title = f"job {run_dir.job_id}"
         self.summary_on_success = True
@@ -100,7 +98,7 @@ class Job(JobLifecycle, concurrent.futures.Future[list[Any]]):
         self._notes: list[str] | None = None
         self.shown_from: Job | None = None
         """The job this one shows again (:meth:`show`): its MLflow run is that job's."""
-        if listed:  # not a second view's follower (show)
+        if listed:  # not a session's cell (its session lists it), nor a second view's follower (show)
             register(self)
 
     job_id = property(lambda self: self._rd.job_id)

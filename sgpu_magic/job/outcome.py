@@ -149,8 +149,8 @@ def load_result(rd: RunDir, rank: int) -> Any:
 
 def _still_running(rd: RunDir, status: HostStatus) -> str:
     """`` Where the ranks still running were: rank 0: dist.broadcast at Cell In[4] line 7; ... (their stacks:
-    <dir>).`` from the summary the launch host took before it stopped them
-    (:func:`sgpu_magic.launch.stacks.save_stacks`), else ``""``."""
+    <dir>).`` from the summary its launcher took before it stopped them
+    (:meth:`sgpu_magic.launch.machine.RunMachine.stop`), else ``""``."""
     where = status.stacks
     if not where:
         return ""

@@ -10,8 +10,9 @@ if TYPE_CHECKING:
 
 MAX_ENDED_JOBS = 100
 """The kernel's job list (:func:`jobs`, ``%distributed_jobs``) keeps every job that has not ended and the last this
-many that have; older ended jobs leave it (a handle the notebook still holds keeps working). A job made with
-``listed_when_ended=False`` (a session cell: its session keeps its own last cells) leaves it when it ends."""
+many that have; older ended jobs leave it (a handle the notebook still holds keeps working). A session's cells are
+not the kernel's jobs: their session keeps its last cells (``sess.jobs``), and ``%distributed_jobs`` lists the one
+that runs under its session."""
 
 _JOBS: list[Job] = []
 _JOBS_LOCK = threading.Lock()
@@ -25,12 +26,11 @@ def jobs() -> list[Job]:
 
 
 def register(job: Job | None = None) -> None:
-    """Add ``job`` (if given) to the kernel's list, and drop the ended jobs not listed when ended and the oldest
-    ended jobs beyond :data:`MAX_ENDED_JOBS` (called again whenever a job ends)."""
+    """Add ``job`` (if given) to the kernel's list, and drop the oldest ended jobs beyond :data:`MAX_ENDED_JOBS`
+    (called again whenever a job ends)."""
     with _JOBS_LOCK:
         if job is not None:
             _JOBS.append(job)
-        _JOBS[:] = [j for j in _JOBS if j.listed_when_ended or not j.ended]
         ended = [j for j in _JOBS if j.ended]
         for old in ended[: max(0, len(ended) - MAX_ENDED_JOBS)]:
             _JOBS.remove(old)

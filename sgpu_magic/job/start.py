@@ -88,7 +88,7 @@ def submit(
     before_launch: Callable[[RunDir], None] | None = None,
     ranks: Sequence[int] | None = None,
     lean: bool = False,
-    listed_when_ended: bool = True,
+    listed: bool = True,
     reserve_of: Path | None = None,
     feed: MemoryFeed | None = None,
 ) -> Job:
@@ -103,8 +103,9 @@ def submit(
     ``get_host`` returns the kernel's launch host; if the host turns out to be gone, a fresh
     one is asked once more, so a dead host never fails a launch. ``before_launch``: see :func:`start`;
     ``ranks``: the ranks that run it (a session cell on some of the session's ranks), default all; ``lean``: a
-    session cell's run directory, ``reserve_of`` the session's (see :meth:`RunDir.create`); ``listed_when_ended``:
-    whether the job stays in the kernel's job list once it ended (see :data:`~sgpu_magic.job.registry.MAX_ENDED_JOBS`);
+    session cell's run directory, ``reserve_of`` the session's (see :meth:`RunDir.create`); ``listed``:
+    whether the job is one of the kernel's jobs (:func:`~sgpu_magic.job.registry.jobs`; a session's cell is not: its
+    session lists it);
     ``feed``: where the job's status comes from when its launcher keeps it in this process (a session cell), else
     its ``status.json`` (no ``launch.json`` is written for such a job: its ranks run already).
     """
@@ -115,6 +116,6 @@ def submit(
         before_launch(rd)
     if plan.needs_lease and registry is None:
         registry = LeaseRegistry()
-    job = Job(rd, spec, plan, get_host, sinks, registry, ranks, listed_when_ended, feed=feed)
+    job = Job(rd, spec, plan, get_host, sinks, registry, ranks, listed, feed=feed)
     job.start(background)
     return job

@@ -1,17 +1,20 @@
 """One job's run as its launcher drives it: :class:`RunMachine`, the only writer of a launcher's ``status.json``.
 
 Both launchers (the launch host's :class:`~sgpu_magic.launch.host.job.HostJob`, over torch elastic, and the Ray
-supervisor, :class:`~sgpu_magic.launch.ray.launcher.RayLauncher`'s, over its rank actors) start, poll and stop their
-ranks their own way and tell the machine what they saw; the machine owns what the status says of it: the transitions
+supervisor, :class:`~sgpu_magic.launch.ray.launcher.RayLauncher`'s, over its rank actors) are a
+:class:`~sgpu_magic.launch.group.RankGroup`: each starts, polls and stops its ranks its own way, and its loop calls
+:meth:`RunMachine.drive` on every turn. The machine decides and owns what the status says: the transitions
 (``STARTING`` → ``RUNNING`` → a final state, through :class:`~sgpu_magic.status.StatusWriter`), one monotonic
-deadline, the failures of an attempt root cause first, torchrun's restart policy (``max_restarts``: the failed
-attempt's record, its error files kept, the next attempt's line in every log), the ranks the teardown grace ended,
-the stacks taken before a stop, the sampled usage and the hang report, and the job's end (:func:`finish_job`). So the
-two launchers' status files say the same things the same way.
+deadline, a stop asked for, the failures of an attempt root cause first, torchrun's restart policy (``max_restarts``:
+the failed attempt's record, its error files kept, the next attempt's line in every log), the ranks the teardown grace
+ended, the stacks taken before a stop, the sampled usage and the hang report (:class:`~sgpu_magic.launch.progress.
+ProgressWatch`), and the job's end (:func:`finish_job`). So the two launchers' jobs run, and their status files say
+what happened, the same way.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -20,6 +23,10 @@ from typing import Any
 
 from sgpu_magic._util.fs import count_lines
 from sgpu_magic.errors import describe_exit
+from sgpu_magic.launch.group import RankGroup
+from sgpu_magic.launch.progress import ProgressWatch
+from sgpu_magic.launch.stacks import write_stacks
+from sgpu_magic.launch.usage import SAMPLE_INTERVAL_S
 from sgpu_magic.rundir import RunDir, attempt_marker
 from sgpu_magic.status import RankUsage, StatusWriter, StuckReport
 from sgpu_magic.wire import LaunchRecord, RunState, StopReason, read_state
@@ -43,13 +50,16 @@ started, where); anything else is refused, so a status key is never spelt by a l
 
 _SAME: Any = object()
 
+log = logging.getLogger(__name__)
+
 
 class RunMachine:
     """The status of one job's run, owned for its launcher.
 
     Args:
         run_dir: the job's run directory.
-        launch: its launch record (world size, ``max_restarts``, ``timeout_s``).
+        launch: its launch record (world size, ``max_restarts``, ``timeout_s``, ``stuck_after_s``).
+        group: the job's ranks, which :meth:`drive` drives (``None``: the launcher tells the machine each step).
         on_error: called with the ``OSError`` of the first failed status write in a row (the launcher writes again
             later: :meth:`write`); default: raise it.
         **notes: the first of :data:`NOTES`.
@@ -62,10 +72,11 @@ class RunMachine:
         self,
         run_dir: RunDir,
         launch: LaunchRecord,
+        group: RankGroup | None = None,
         on_error: Callable[[OSError], None] | None = None,
         **notes: Any,
     ) -> None:
-        self.rd = run_dir
+        self.rd, self.group = run_dir, group
         self.world_size, self.max_restarts = launch.world_size, launch.max_restarts
         self.attempt = 1
         """The attempt that runs (from 1; its ranks see ``TORCHELASTIC_RESTART_COUNT = attempt - 1``)."""
@@ -76,6 +87,13 @@ class RunMachine:
         machine moves it not."""
         self.failures: list[ObservedFailure] = []
         self.attempts: list[FailedAttempt] = []
+        self.pids: dict[int, int] | None = None
+        """The running attempt's ranks (``{rank: pid}``); ``None`` until the first has started."""
+        self._stop_reason: StopReason | None = None
+        self.progress = ProgressWatch(
+            run_dir, self.world_size, launch.stuck_after_s, take=None if group is None else group.take_stacks
+        )
+        self._progress_at = 0.0
         _check_notes(notes)
         self._writer = StatusWriter(run_dir, on_error, state=RunState.STARTING, started_s=self.started_s, **notes)
 
@@ -93,8 +111,88 @@ class RunMachine:
         """The last write of the status failed; the launcher writes it again (:meth:`write`)."""
         return self._writer.unwritten
 
-    def timed_out(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
+    def request_stop(self, reason: StopReason) -> None:
+        """Stop the job for ``reason`` on the launcher's next :meth:`drive` (from any thread)."""
+        self._stop_reason = reason
+
+    def stop_due(self) -> StopReason | None:
+        """Why the job must stop now: a stop asked for (:meth:`request_stop`), or the deadline passed."""
+        if self._stop_reason is not None:
+            return self._stop_reason
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return StopReason.TIMED_OUT
+        return None
+
+    def start_attempt(self) -> None:
+        """Start the ranks of :attr:`attempt` (:meth:`RankGroup.start_ranks`); the status says they run."""
+        assert self.group is not None  # a machine that drives its ranks
+        started = self.group.start_ranks(self.attempt)
+        self.pids = dict(started.pids)
+        self.progress.restart()
+        self.running(started.pids, started.port, **started.notes)
+
+    def drive(self) -> bool:
+        """One look at the job, on every turn of its launcher's loop: an attempt whose ranks all succeeded ends the
+        job, one whose ranks failed fails it when no restart is left (``max_restarts``); then, past the deadline or
+        asked to stop, the job is stopped (:meth:`stop`); else a failed attempt is restarted, and while the ranks run
+        their usage and the hang report are sampled. So ranks that ended in the turn a stop came end the job as they
+        ended. Whether the job has ended."""
+        assert self.group is not None and self.pids is not None  # its first attempt has started
+        seen = self.group.poll_ranks()
+        if seen is not None and not (seen and self.failed(seen)):
+            self.finish(RunState.FAILED if seen else RunState.SUCCEEDED)
+            return True
+        reason = self.stop_due()
+        if reason is not None:
+            self.stop(reason)
+            return True
+        if seen:
+            for rank, exc in self.restart(self.group.stop_ranks()):
+                log.warning(f"sgpu_magic: could not mark attempt {self.attempt} in rank {rank}'s log ({exc})")
+            self.start_attempt()
+            return False
+        self._sample()
+        return False
+
+    def stop(self, reason: StopReason, stacks: bool = True, launch_error: str | None = None) -> None:
+        """Stop the job for ``reason``: when it timed out or was cancelled (and ``stacks``), the stacks of the ranks
+        still running are taken first (into ``stacks/`` and the status), then its ranks are stopped and the job ends
+        (:meth:`finish`); ``launch_error``: why the launcher could not go on with it (its status says it)."""
+        if self.group is not None and not self.finished:
+            if stacks and reason.takes_stacks and self.pids is not None:
+                self._save_stacks()
+            self.group.stop_ranks()  # also ranks of an attempt that failed to start all of them
+        if launch_error is None:
+            self.finish(reason)
+        else:
+            self.finish(reason, launch_error=launch_error)
+
+    def _save_stacks(self) -> None:
+        """Before a timed-out or cancelled job's ranks are stopped: the stacks of those still running into ``stacks/``
+        and their summary into the status (``{rank: where}``); a failure is logged, never raised (the ranks are stopped
+        all the same)."""
+        assert self.group is not None
+        try:
+            running = self.group.running_pids()
+            summary = write_stacks(self.rd, self.group.take_stacks(running)) if running else {}
+        except Exception as exc:  # noqa: BLE001 - the stop goes on without them; the launcher's log says why
+            log.warning(f"sgpu_magic: could not take the stacks of job {self.rd.job_id}: {exc!r}")
+            return
+        if summary:
+            self._writer.status["stacks"] = summary
+
+    def _sample(self) -> None:
+        """The ranks' usage when the group has new figures, and about once a second whether the job is possibly
+        stuck, written together."""
+        assert self.group is not None and self.pids is not None
+        usage, stuck = self.group.sample_usage(), _SAME
+        now = time.monotonic()
+        if now - self._progress_at >= SAMPLE_INTERVAL_S:
+            self._progress_at = now
+            if self.progress.check(self.pids):
+                stuck = self.progress.report()
+        if usage is not None or stuck is not _SAME:
+            self.sampled(usage, stuck)
 
     def write(self) -> bool:
         """Write the status as it is now (again, after a failed write); ``False`` once finished."""
@@ -138,10 +236,6 @@ class RunMachine:
             status["stuck"] = stuck.to_json()
         self._writer.write()
 
-    def stacks_taken(self, summary: Mapping[Any, str]) -> None:
-        """The stacks of the ranks still running, taken just before they are stopped (``{rank: where}``)."""
-        self._writer.status["stacks"] = {str(rank): where for rank, where in summary.items()}
-
     def grace_ended(self, entries: Iterable[TeardownEnd]) -> None:
         """Ranks the teardown grace ended (written with the final status)."""
         written = [e.to_json() for e in entries]
@@ -172,8 +266,13 @@ class RunMachine:
         self, end: RunState | StopReason, exitcodes: Mapping[int, int | None] | None = None, **change: Any
     ) -> bool:
         """End the job (:func:`finish_job`): its final state or the reason it was stopped for, the ranks'
-        ``exitcodes`` and the failures seen; ``change``: ``launch_error`` (why the launcher could not run it).
-        ``False`` when it had ended already."""
+        ``exitcodes`` (given by its group's :meth:`~RankGroup.end_ranks`, which is done first, when the machine has
+        one) and the failures seen; ``change``: ``launch_error`` (why the launcher could not run it). ``False`` when
+        it had ended already."""
+        if self.finished:
+            return False
+        if self.group is not None:
+            exitcodes = self.group.end_ranks()
         status = self._writer.status
         status.pop("stuck", None)
         status.pop("waiting", None)

@@ -2,8 +2,9 @@
 
 `py-spy <https://github.com/benfred/py-spy>`_ (a dependency; its wheel ships the binary) reads a process's Python
 stack from its memory, with no cooperation from the process: ``py-spy dump --json --pid <pid>``. The launch host
-takes every running rank's stack this way just before it stops a job that timed out or was cancelled
-(:func:`save_stacks`), and the kernel does for ``job.stacks()`` (:func:`live_stacks`). Each rank gets its own
+takes every running rank's stack this way just before its run machine stops a job that timed out or was cancelled
+(:func:`take_stacks`, then :func:`write_stacks`; on Ray each rank's agent takes it on its node), and the kernel does
+for ``job.stacks()`` (:func:`live_stacks`). Each rank gets its own
 py-spy, all at once, each bounded by :data:`DUMP_TIMEOUT_S`; a rank whose stack cannot be taken gets one line that
 says why.
 
@@ -287,20 +288,9 @@ def take_stacks(
         return {r: future.result() for r, future in futures.items()}
 
 
-def save_stacks(rd: RunDir, pids: dict[int, int]) -> dict[str, str]:
-    """Take the stacks of the ranks ``pids`` (the ones still running) and write them to ``stacks/rank_<r>.txt``.
-
-    Called by the launch host just before it stops a job that timed out or was cancelled.
-
-    Returns:
-        ``{rank: where}`` (string keys, for ``status.json``'s ``stacks``).
-    """
-    return write_stacks(rd, take_stacks(pids, CodeMap.read(rd.code_map_file)))
-
-
 def write_stacks(rd: RunDir, stacks: dict[int, RankStack]) -> dict[str, str]:
     """Write ``stacks`` (taken here or by the ranks' Ray agents on their nodes) to ``stacks/rank_<r>.txt`` (0600 in
-    a 0700 folder); ``{rank: where}`` as :func:`save_stacks` returns it."""
+    a 0700 folder); ``{rank: where}``, string keys, for ``status.json``'s ``stacks``."""
     if stacks:
         rd.stacks_dir.mkdir(mode=0o700, exist_ok=True)
     for rank, stack in stacks.items():

@@ -422,7 +422,7 @@ class SessionCore:
             sinks,
             ranks=ranks,
             lean=True,
-            listed_when_ended=False,
+            listed=False,
             reserve_of=self.job.run_dir,
             feed=execution.feed,
         )

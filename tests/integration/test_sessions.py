@@ -351,9 +351,13 @@ def test_recover_of_a_session_with_nothing_to_recover_says_so(sess):
         sess.recover(timeout_s=-1)
 
 
-def test_distributed_jobs_lists_the_session_and_a_cell_while_it_runs_only(sess, run_cell, tmp_path):
-    """A running cell is one of the kernel's jobs (``%distributed_jobs``, ``%distributed_stop``); an ended one is in
-    ``sess.jobs`` only, so the kernel's list (and memory) does not grow with a session's cells."""
+def test_distributed_jobs_lists_a_running_cell_under_its_session_and_stop_finds_it_there(sess, run_cell, tmp_path):
+    """A cell is its session's, not one of the kernel's jobs (``job.registry.jobs()``): ``%distributed_jobs`` lists the
+    one that runs on the row under its session (its id indented), ``%distributed_stop`` and ``%distributed_stacks``
+    find it by its id; an ended one is in ``sess.jobs`` only, so the kernel's list (and memory) does not grow with a
+    session's cells."""
+    from sgpu_magic.job.registry import jobs
+
     go, started = tmp_path / "go", tmp_path / "started"
     code = (
         f"import pathlib, time\npathlib.Path({str(started)!r} + str(rank)).touch()\n"
@@ -363,19 +367,25 @@ def test_distributed_jobs_lists_the_session_and_a_cell_while_it_runs_only(sess, 
     job = sess.submit_cell(code, {})
     try:
         wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in (0, 1)), 60, "both ranks in the cell")
+        assert job not in jobs() and sess.job in jobs()
         result, _, _ = run_cell("%distributed_jobs")
         rows = repr(result.result).splitlines()[1:]
-        session_rows = [r for r in rows if r.startswith(sess.job.job_id)]
-        assert len(session_rows) == 1 and session_rows[0].split()[1] == "running"
-        assert session_rows[0].endswith("session shared")
-        cell_row = next(r for r in rows if r.startswith(job.job_id))
-        assert cell_row.split()[1] == "running" and cell_row.endswith(f"session shared cell {cells_before + 1}")
+        at = next(i for i, r in enumerate(rows) if r.startswith(sess.job.job_id))
+        assert rows[at].split()[1] == "running" and rows[at].endswith("session shared")
+        cell_row = rows[at + 1]  # under its session, its id indented
+        assert cell_row.startswith(f"  {job.job_id}") and cell_row.split()[1] == "running"
+        assert cell_row.endswith(f"session shared cell {cells_before + 1}")
+        assert f'<td style="padding-left: 1.5em">{job.job_id}</td>' in result.result._repr_html_()  # Jupyter's table
+        result, out, _ = run_cell(f"%distributed_stacks {job.job_id[-6:]}")
+        assert result.success and "rank 0" in out and "rank 1" in out
     finally:
         go.touch()
     assert job.result() == [0, 1]
     result, _, _ = run_cell("%distributed_jobs")
     assert job.job_id not in repr(result.result)
     assert sess.jobs[-1] is job and f"cells={cells_before + 1}" in repr(sess)
+    result, _, _ = run_cell(f"%distributed_stop {job.job_id}")  # ended: not listed any more
+    assert not result.success and f"'{job.job_id}' matches no job of this kernel" in str(result.error_in_exec)
 
 
 def test_a_running_cells_state_is_in_memory_and_its_status_file_is_written_once_when_it_ends(sess, tmp_path):

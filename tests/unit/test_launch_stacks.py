@@ -18,10 +18,10 @@ from sgpu_magic.launch.stacks import (
     answer,
     call_name,
     live_stacks,
-    save_stacks,
     summary,
     take_stacks,
     where,
+    write_stacks,
 )
 from sgpu_magic.rundir import RunDir
 from sgpu_magic.status import HostStatus
@@ -125,7 +125,7 @@ def test_a_stack_that_cannot_be_taken_is_one_line_saying_why(sleeper):
 def test_saved_stacks_are_private_files_and_summed_up(sleeper, tmp_path):
     pid, _ = sleeper
     rd = RunDir.create(tmp_path)
-    where_by_rank = save_stacks(rd, {0: pid})
+    where_by_rank = write_stacks(rd, take_stacks({0: pid}, CodeMap()))
     assert list(where_by_rank) == ["0"] and where_by_rank["0"].split(" at ")[0] in {"time.sleep", "nap", "print"}
     assert stat.S_IMODE(rd.stacks_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE(rd.stack_file(0).stat().st_mode) == 0o600

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from sgpu_magic.errors import RecordError
+from sgpu_magic.launch.group import RankGroup, Started
 from sgpu_magic.launch.machine import RunMachine
+from sgpu_magic.launch.stacks import RankStack
 from sgpu_magic.rundir import RunDir, read_json
 from sgpu_magic.status import HostStatus, RankUsage, StuckReport
 from sgpu_magic.wire import LaunchRecord, RankError, RunState, StopReason
@@ -82,11 +84,125 @@ def test_a_failed_attempt_is_restarted_while_restarts_are_left_and_its_record_is
 
 
 def test_the_deadline_is_monotonic_from_when_the_launcher_took_the_job(tmp_path):
-    assert not _machine(tmp_path / "a").timed_out()
+    assert _machine(tmp_path / "a").stop_due() is None
     machine = _machine(tmp_path / "c", timeout_s=3600.0)
-    assert not machine.timed_out()
+    assert machine.stop_due() is None
     machine.deadline = 0.0  # a monotonic clock is past 0 since boot
-    assert machine.timed_out()
+    assert machine.stop_due() is StopReason.TIMED_OUT
+    machine.request_stop(StopReason.CANCELLED)  # a stop asked for is said before the deadline
+    assert machine.stop_due() is StopReason.CANCELLED
+
+
+class _Ranks(RankGroup):
+    """Ranks that do what the test scripts (each poll's answer in turn) and remember what the machine asked of them,
+    in order: the machine's policy over any launcher's ranks, without starting a process."""
+
+    def __init__(self, polls):
+        self.polls, self.calls = list(polls), []
+
+    def start_ranks(self, attempt):
+        self.calls.append(("start", attempt))
+        return Started({0: 100 * attempt, 1: 100 * attempt + 1}, 29500 + attempt, {"start_method": "subprocess"})
+
+    def poll_ranks(self):
+        self.calls.append("poll")
+        return self.polls.pop(0)
+
+    def sample_usage(self):
+        return None
+
+    def running_pids(self):
+        return {1: 101}
+
+    def take_stacks(self, ranks):
+        self.calls.append(("stacks", dict(ranks)))
+        if ranks == {1: 101}:
+            return {1: RankStack(1, 101, "f at x.py:1", "Thread 1\n  f (x.py:1)")}
+        raise OSError("py-spy is gone")
+
+    def stop_ranks(self):
+        self.calls.append("stop")
+        return {0: -15, 1: -15}
+
+    def end_ranks(self):
+        self.calls.append("end")
+        return {0: 0, 1: 0}
+
+
+def _driven(tmp_path, polls, **launch) -> tuple[RunMachine, _Ranks]:
+    rd = RunDir.create(tmp_path)
+    for rank in range(2):
+        rd.log_file(rank).write_text("line\n")
+    ranks = _Ranks(polls)
+    record = LaunchRecord(job_id=rd.job_id, world_size=2, backend="gloo", cwd=str(tmp_path), sys_path=(), **launch)
+    machine = RunMachine(rd, record, ranks)
+    machine.start_attempt()
+    return machine, ranks
+
+
+def test_the_machine_drives_a_group_through_a_restart_to_its_end(tmp_path):
+    machine, ranks = _driven(tmp_path, [None, [ObservedFailure(1, 1, 5.0)], None, []], max_restarts=1)
+    status = HostStatus.read(machine.rd)
+    assert (status.state, status.pids) == (RunState.RUNNING, {0: 100, 1: 101})
+    assert (
+        read_json(machine.rd.status_file)["port"] == 29501
+        and read_json(machine.rd.status_file)["start_method"] == "subprocess"
+    )
+    ended = [machine.drive() for _ in range(4)]
+    assert ended == [False, False, False, True]
+    assert ranks.calls == [("start", 1), "poll", "poll", "stop", ("start", 2), "poll", "poll", "end"]
+    status = HostStatus.read(machine.rd)
+    assert status.state is RunState.SUCCEEDED and status.attempt == 2 and status.exitcodes == {0: 0, 1: 0}
+    assert [a.exitcodes for a in status.attempts] == [{0: -15, 1: -15}]  # what stopping the failed attempt gave
+    assert "attempt 2 of 2" in machine.rd.log_file(0).read_text()
+
+
+def test_a_failure_with_no_restart_left_ends_the_job_without_stopping_its_ranks_twice(tmp_path):
+    machine, ranks = _driven(tmp_path, [[ObservedFailure(0, 3, 5.0)]])
+    assert machine.drive()
+    assert ranks.calls == [("start", 1), "poll", "end"]  # ending the ranks is the group's own (leftovers killed)
+    status = HostStatus.read(machine.rd)
+    assert status.state is RunState.FAILED and status.failures == (ObservedFailure(0, 3, 5.0),)
+    assert not machine.finish(RunState.SUCCEEDED) and ranks.calls.count("end") == 1  # a job ends once
+
+
+def test_ranks_that_ended_in_the_turn_a_stop_came_end_the_job_as_they_ended(tmp_path):
+    machine, ranks = _driven(tmp_path, [[]], timeout_s=3600.0)
+    machine.deadline = 0.0  # due, but the ranks had all succeeded when the machine looked
+    assert machine.drive()
+    assert ranks.calls == [("start", 1), "poll", "end"] and HostStatus.read(machine.rd).state is RunState.SUCCEEDED
+
+
+def test_a_failed_attempt_is_not_restarted_once_a_stop_is_due(tmp_path):
+    machine, ranks = _driven(tmp_path, [[ObservedFailure(0, 1, 5.0)]], max_restarts=3)
+    machine.request_stop(StopReason.CANCELLED)
+    assert machine.drive()
+    assert ranks.calls == [("start", 1), "poll", ("stacks", {1: 101}), "stop", "end"]  # the peer still ran
+    status = HostStatus.read(machine.rd)
+    assert status.stop_reason is StopReason.CANCELLED and status.failures == (ObservedFailure(0, 1, 5.0),)
+
+
+def test_a_job_past_its_deadline_has_its_running_ranks_stacks_taken_then_is_stopped(tmp_path):
+    machine, ranks = _driven(tmp_path, [None], timeout_s=3600.0)
+    machine.deadline = 0.0
+    assert machine.drive()
+    assert ranks.calls == [("start", 1), "poll", ("stacks", {1: 101}), "stop", "end"]
+    status = read_json(machine.rd.status_file)
+    assert status["stacks"] == {"1": "f at x.py:1"} and machine.rd.stack_file(1).read_text().startswith("Thread 1")
+    assert HostStatus.read(machine.rd).stop_reason is StopReason.TIMED_OUT
+
+
+def test_a_stop_goes_on_when_the_stacks_cannot_be_taken_and_a_kernel_gone_takes_none(tmp_path, caplog):
+    machine, ranks = _driven(tmp_path / "a", [None])
+    ranks.running_pids = lambda: {0: 100}  # take_stacks refuses these
+    machine.request_stop(StopReason.CANCELLED)
+    assert machine.drive()
+    assert ranks.calls[-2:] == ["stop", "end"] and "stacks" not in read_json(machine.rd.status_file)
+    assert f"could not take the stacks of job {machine.rd.job_id}: OSError('py-spy is gone')" in caplog.text
+    machine, ranks = _driven(tmp_path / "b", [])
+    machine.stop(StopReason.CANCELLED, stacks=False, launch_error="the kernel is gone")
+    assert ranks.calls == [("start", 1), "stop", "end"]
+    assert HostStatus.read(machine.rd).launch_error == "the kernel is gone"
 
 
 def test_a_launcher_notes_only_the_facts_the_machine_does_not_own(tmp_path):

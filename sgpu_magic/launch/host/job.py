@@ -1,5 +1,6 @@
-"""One job in the launch host: its ranks on torch elastic (warm forkserver or cold), polled, restarted up to
-``max_restarts`` times, ended with the teardown grace, its status written until the final one."""
+"""One job in the launch host: its ranks on torch elastic (warm forkserver or cold), a
+:class:`~sgpu_magic.launch.group.RankGroup` that its :class:`~sgpu_magic.launch.machine.RunMachine` polls, restarts up
+to ``max_restarts`` times, stops and ends with the teardown grace, writing its status until the final one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,16 +17,17 @@ from sgpu_magic._compat import elastic
 from sgpu_magic.launch.env import rank_env
 from sgpu_magic.launch.flight_recorder import flight_recorder_env
 from sgpu_magic.launch.forensics import OomWatch
+from sgpu_magic.launch.group import RankGroup, Started
 from sgpu_magic.launch.host.cleanup import kill_leftovers, release_lease
 from sgpu_magic.launch.host.warm_pool import WarmPool
 from sgpu_magic.launch.machine import RunMachine
-from sgpu_magic.launch.progress import ProgressWatch
-from sgpu_magic.launch.stacks import save_stacks
+from sgpu_magic.launch.stacks import CodeMap, RankStack, take_stacks
 from sgpu_magic.launch.teardown import TeardownGuard
 from sgpu_magic.launch.usage import UsageSampler
 from sgpu_magic.rundir import RunDir
 from sgpu_magic.spec import DEFAULT_TEARDOWN_GRACE_S
-from sgpu_magic.wire import LaunchRecord, RunState, StopReason
+from sgpu_magic.status import RankUsage
+from sgpu_magic.wire import LaunchRecord, StopReason
 from sgpu_magic.wire.errors import ObservedFailure
 
 if TYPE_CHECKING:
@@ -115,9 +118,10 @@ def _make_tree_private(top: Path) -> None:
             pass
 
 
-class HostJob:
-    """One job's ranks inside the host over torch elastic: start, poll, stop; what it sees goes to its
-    :class:`~sgpu_magic.launch.machine.RunMachine`, which writes the status."""
+class HostJob(RankGroup):
+    """One job's ranks inside the host over torch elastic (a ``PContext`` per attempt): start, poll, stop. Its
+    :class:`~sgpu_magic.launch.machine.RunMachine` drives them (:meth:`poll` on every turn of the host's loop) and
+    writes the status."""
 
     def __init__(self, run_dir: RunDir, env: dict, pool: WarmPool | None) -> None:
         self.run_dir = run_dir
@@ -127,6 +131,7 @@ class HostJob:
         self.machine = RunMachine(
             run_dir,
             self.launch,
+            self,
             on_error=lambda exc: log.warning(
                 f"sgpu_magic host: cannot write the status of job {run_dir.job_id} ({exc}); retrying"
             ),
@@ -139,7 +144,6 @@ class HostJob:
         env = {**env, **self.launch.env}
         self.tracked = self.launch.tracked  # the host imports mlflow once its ranks have started
         self.env, self.pool = env, pool
-        self.done = False
         grace_s = self.launch.teardown_grace_s
         self.guard = TeardownGuard(
             run_dir, self.launch.world_size, DEFAULT_TEARDOWN_GRACE_S if grace_s is None else float(grace_s), GRACE_S
@@ -148,9 +152,14 @@ class HostJob:
         self.pids: dict[int, int] = {}
         self.usage = UsageSampler(self.launch.gpus if self.launch.backend == "nccl" else [])
         self.oom = OomWatch()
-        self.progress = ProgressWatch(run_dir, self.launch.world_size, self.launch.stuck_after_s)
+        self._reaped = True  # no rank has run that could leave processes behind
         self.warm_by = 0.0
+        self._warm: bool | None = None  # how the next attempt starts, when chosen (else: warm if the pool is ready)
         self._start_when_warm()
+
+    @property
+    def done(self) -> bool:
+        return self.machine.finished
 
     def _start_when_warm(self) -> None:
         """Start the ranks now, or once the warming forkserver is ready when it is expected to be ready before
@@ -159,22 +168,28 @@ class HostJob:
         if wait:
             self.warm_by = time.monotonic() + wait
             return
-        self._start_attempt(warm=wait == 0.0)
+        self._warm = wait == 0.0
+        self.machine.start_attempt()
 
-    def _start_attempt(self, warm: bool | None = None) -> None:
-        """Start every rank for the machine's attempt (1-based; ranks see TORCHELASTIC_RESTART_COUNT = attempt - 1).
-
-        ``warm``: fork them from the forkserver; default: if it is ready (else cold while it warms up)."""
+    def start_ranks(self, attempt: int) -> Started:
+        """Start every rank of ``attempt`` from the forkserver if it is ready (or as :meth:`_start_when_warm` chose),
+        else cold while it warms up; a fresh rendezvous store for each attempt after the first, as torchrun's agent
+        makes (the stale keys of the last one go)."""
+        warm, self._warm = self._warm, None
         if warm is None:
             warm = self.pool is not None and self.pool.ready(self.launch.sys_path)
-        self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, self.machine.attempt - 1)
+        if attempt > 1:
+            self.store = None
+            self.store, self.port = _rendezvous_store(self.launch.port or 0)
+        self.guard.reset()
+        self.ctx = _make_context(self.run_dir, self.launch, self.port, self.env, warm, attempt - 1)
         self.oom.watch(range(self.launch.world_size))
+        self._reaped = False
         self.ctx.start()
         self.pids = self.ctx.pids()
         self.usage.watch(self.pids)
-        self.progress.restart()
         _make_tree_private(self.run_dir.elastic_dir)  # torch elastic made its per-rank folders with the umask
-        self.machine.running(self.pids, self.port, start_method="forkserver" if warm else "subprocess")
+        return Started(self.pids, self.port, {"start_method": "forkserver" if warm else "subprocess"})
 
     def write(self) -> None:
         """Write status.json; when that fails (a full disk that even the reserve did not cover), keep the
@@ -192,93 +207,78 @@ class HostJob:
         return elastic.wake_fds(self.ctx) if self.ctx is not None else []
 
     def poll(self) -> None:
-        """Check the ranks once; finish the job when they are done, failed, or past the timeout."""
-        if self.machine.timed_out():
-            self.stop(StopReason.TIMED_OUT)
+        """One turn of the host's loop for this job: start its ranks once the warming forkserver is ready (a job
+        past its timeout meanwhile ends), else the machine's look at them (:meth:`RunMachine.drive`)."""
+        if self.ctx is not None:
+            self.machine.drive()
             return
-        if self.ctx is None:  # waiting for the warming forkserver
-            assert self.pool is not None  # only a forkserver that warms is waited for (_start_when_warm)
-            if self.pool.ready(self.launch.sys_path) or time.monotonic() >= self.warm_by:
-                self.machine.note(waited_for_warm_s=round(time.time() - self.machine.started_s, 2))
-                self._start_attempt()
+        # waiting for the warming forkserver
+        reason = self.machine.stop_due()
+        if reason is not None:
+            self.stop(reason)
             return
+        assert self.pool is not None  # only a forkserver that warms is waited for (_start_when_warm)
+        if self.pool.ready(self.launch.sys_path) or time.monotonic() >= self.warm_by:
+            self.machine.note(waited_for_warm_s=round(time.time() - self.machine.started_s, 2))
+            self.machine.start_attempt()
+
+    def poll_ranks(self) -> list[ObservedFailure] | None:
+        assert self.ctx is not None  # an attempt runs
         self.guard.check(self.pids)
         result = self.ctx.wait(0)
         if result is None:
-            self._sample()
-            return
+            return None
         failures = self.guard.spare(getattr(self.ctx, "first_failures", None) or result.failures)
         now = time.time()
-        seen = [
+        return [
             ObservedFailure(r, f.exitcode, now, **self.oom.verdict(r, self.pids.get(r), f.exitcode))
             for r, f in sorted(failures.items())
         ]
-        if seen and self.machine.failed(seen):
-            self._restart()
-            return
-        self._finish(RunState.FAILED if seen else RunState.SUCCEEDED)
 
-    def _sample(self) -> None:
-        """About once a second: the ranks' usage, their memory cgroups, and whether the job is possibly stuck."""
+    def sample_usage(self) -> dict[int, RankUsage] | None:
+        """About once a second: the ranks' usage, and their memory cgroups (for an OOM verdict)."""
         if not self.usage.sample():
-            return
+            return None
         self.oom.sample(self.pids)
-        if self.progress.check(self.pids):
-            self.machine.sampled(self.usage.usage, stuck=self.progress.report())
-        else:
-            self.machine.sampled(self.usage.usage)
+        return self.usage.usage
 
-    def _restart(self) -> None:
-        """torchrun's restart policy: stop every rank, keep this attempt's record, start them all again.
+    def running_pids(self) -> dict[int, int]:
+        codes = elastic.exitcodes(self.ctx) if self.ctx is not None else {}
+        return {r: self.pids[r] for r, code in codes.items() if code is None and r in self.pids}
 
-        The failed attempt's error files move to ``errors/attempt_<k>/`` and its results are dropped, so
-        the next attempt is judged on its own; the rank logs go on, after a line naming the new attempt.
-        """
-        assert self.ctx is not None  # an attempt ran
+    def take_stacks(self, ranks: Mapping[int, int]) -> dict[int, RankStack]:
+        return take_stacks(dict(ranks), CodeMap.read(self.run_dir.code_map_file))
+
+    def stop_ranks(self) -> dict[int, int | None]:
+        """torch elastic's close (SIGTERM, then SIGKILL after ``GRACE_S``), then whatever the ranks left behind."""
+        if self.ctx is None:  # waiting for the warming forkserver: no rank started
+            return {}
         self.ctx.close(timeout=GRACE_S)  # type: ignore[arg-type] # torch says int; its waits take seconds as floats
-        kill_leftovers(set(self.pids.values()), self.launch.job_id)
-        self.guard.reset()
-        for rank, exc in self.machine.restart(elastic.exitcodes(self.ctx)):
-            log.warning(f"sgpu_magic host: could not mark attempt {self.machine.attempt} in rank {rank}'s log ({exc})")
-        self.store = None  # a fresh store per attempt, as torchrun's agent makes (stale keys of the last one go)
-        self.store, self.port = _rendezvous_store(self.launch.port or 0)
-        self._start_attempt()
+        self._reap()
+        return elastic.exitcodes(self.ctx)
+
+    def _reap(self) -> None:
+        if not self._reaped:
+            kill_leftovers(set(self.pids.values()), self.launch.job_id)
+            self._reaped = True
 
     @property
     def started_s(self) -> float:
         return self.machine.started_s
 
     def stop(self, reason: StopReason, stacks: bool = True, launch_error: str | None = None) -> None:
-        """Stop every rank (SIGTERM, then SIGKILL after GRACE_S) and end for ``reason``; when the job timed out or
-        was cancelled (``stacks``), the stacks of the ranks still running are taken first (:meth:`_save_stacks`).
-        ``launch_error``: why the host could not go on with the job (its status says it)."""
-        if self.ctx is not None:
-            if stacks and reason.takes_stacks:
-                self._save_stacks()
-            self.ctx.close(timeout=GRACE_S)  # type: ignore[arg-type] # torch says int; its waits take seconds as floats
-        self._finish(reason, launch_error)
+        """Stop the job for ``reason`` (:meth:`RunMachine.stop`: the stacks first when it timed out or was cancelled
+        and ``stacks``); ``launch_error``: why the host could not go on with the job (its status says it)."""
+        self.machine.stop(reason, stacks, launch_error)
 
-    def _save_stacks(self) -> None:
-        """Take the stacks of the ranks still running into ``stacks/`` and their summary into the status; a
-        failure is logged, never raised (the ranks are stopped all the same)."""
-        running = {
-            r: self.pids[r] for r, code in elastic.exitcodes(self.ctx).items() if code is None and r in self.pids
-        }
-        if not running:
-            return
-        try:
-            self.machine.stacks_taken(save_stacks(self.run_dir, running))
-        except Exception as exc:  # noqa: BLE001 - the stop goes on without them; the host log says why
-            log.warning(f"sgpu_magic host: could not take the stacks of job {self.run_dir.job_id}: {exc!r}")
-
-    def _finish(self, end: RunState | StopReason, launch_error: str | None = None) -> None:
-        kill_leftovers(set(self.pids.values()), self.launch.job_id)
+    def end_ranks(self) -> dict[int, int | None]:
+        """Leftovers killed, the GPU sampler closed, the ranks the teardown grace ended noted, the rendezvous
+        listener closed and the lease given back: the final status, written next, is the last thing the kernel
+        reads, so once it does the run dir and the leases are in their final form (no payload, GPUs free)."""
+        self._reap()
         self.usage.gpu.close()
         self.machine.grace_ended(self.guard.report())
         exitcodes = elastic.exitcodes(self.ctx) if self.ctx else {}
         self.store = None  # closes the rendezvous listener before the kernel hears the job ended
-        # the final status is the last thing written: once the kernel reads it, the run dir and the
-        # leases are in their final form (no payload, GPUs free)
         release_lease(self.launch)
-        self.machine.finish(end, exitcodes, **({} if launch_error is None else {"launch_error": launch_error}))
-        self.done = True
+        return exitcodes

@@ -7,22 +7,21 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sgpu_magic.errors import SgpuError, SpecError
+from sgpu_magic.launch.group import RankGroup, Started
 from sgpu_magic.launch.machine import RunMachine
-from sgpu_magic.launch.progress import ProgressWatch
 from sgpu_magic.launch.ray.agent import agent_class
 from sgpu_magic.launch.ray.cluster import NAMESPACE, PENDING_NOTE_S, ray_module
 from sgpu_magic.launch.ray.nodes import Node, NodeFiles, NodeUsage, rank_env_on
 from sgpu_magic.launch.ray.warm import WARM, WarmSet, driver_id, give_back, keep_warm_s, shape_of
-from sgpu_magic.launch.stacks import REPLY_WAIT_S, CodeMap, RankStack, no_stack, write_stacks
-from sgpu_magic.launch.usage import SAMPLE_INTERVAL_S
+from sgpu_magic.launch.stacks import REPLY_WAIT_S, CodeMap, RankStack, no_stack
 from sgpu_magic.rank.mlflow_guard import RUN_FILE_ENV, run_env
 from sgpu_magic.rundir import RunDir, atomic_write_bytes
-from sgpu_magic.status import HostStatus
+from sgpu_magic.status import HostStatus, RankUsage
 from sgpu_magic.wire import RankError, RunState, StopReason
 from sgpu_magic.wire.errors import ObservedFailure, RankOutcome
 
@@ -35,7 +34,8 @@ LOG_PULL_S = 0.2
 """How often the supervisor copies new log bytes from the ranks' nodes."""
 
 STOP_WAIT_S = 30.0
-"""Seconds a restarting job waits for its agents to stop the ranks still running (SIGKILL, so it is quick)."""
+"""Seconds a job that restarts or is stopped waits for its agents to stop the ranks still running (SIGKILL, so it is
+quick), and again for those ranks' outcomes."""
 
 
 def _bundle(backend: str, gpu_type: str | None) -> dict[str, float]:
@@ -146,7 +146,10 @@ class RayLauncher:
         return sup if sup is not None and sup.running.is_set() and not sup.finished else None
 
 
-class _Supervisor(threading.Thread):
+class _Supervisor(threading.Thread, RankGroup):
+    """One Ray job's ranks, one actor each: a :class:`~sgpu_magic.launch.group.RankGroup` that its thread drives with
+    the job's :class:`~sgpu_magic.launch.machine.RunMachine`, as the launch host drives its jobs' ranks."""
+
     def __init__(self, rd: RunDir, cluster: str, gpu_type: str | None, base_env: dict[str, str] | None = None) -> None:
         super().__init__(name=f"sgpu_magic ray {rd.job_id}", daemon=True)
         self.rd, self.cluster, self.gpu_type = rd, cluster, gpu_type
@@ -156,8 +159,7 @@ class _Supervisor(threading.Thread):
         # the kernel wrote launch.json before it handed the run dir over
         self.launch = rd.read_launch()
         self.world = self.launch.world_size
-        self.machine = RunMachine(rd, self.launch, host_pid=os.getpid(), cluster=cluster, start_method="ray")
-        self._stop_reason: StopReason | None = None
+        self.machine = RunMachine(rd, self.launch, self, host_pid=os.getpid(), cluster=cluster, start_method="ray")
         self._mlflow: dict[str, str] | None = None
         self.finished = False
         self.copier = NodeFiles(rd, self.world)
@@ -172,28 +174,21 @@ class _Supervisor(threading.Thread):
         self.forked_ranks = 0  # ranks forked from their warm agent's zygote
         self.usage = NodeUsage()
         self.pids: dict[int, int] = {}  # the running attempt's ranks, on their nodes
-        self.progress = ProgressWatch(
-            rd, self.world, self.launch.stuck_after_s, take=lambda pids: self.take_stacks(sorted(pids))
-        )
-        """The hang detector, as the launch host's: it reads the sizes of the logs and metrics copied here."""
-        self._progress_at = 0.0
+        self._pending: dict[Any, int] = {}  # {run call: rank} of the attempt's ranks that have not ended
+        self._exitcodes: dict[int, int | None] = {}  # the attempt's ranks that have ended
+        self._pulled_at = 0.0
 
     def stop(self, reason: StopReason) -> None:
-        self._stop_reason = reason  # read by the supervisor's loop within 0.1 s
+        self.machine.request_stop(reason)  # read by the supervisor's loop within 0.1 s
 
     def run(self) -> None:
         try:
             self._run()
         except Exception as exc:  # noqa: BLE001 - reported to the kernel as the job's failure
-            self._finish(RunState.FAILED, launch_error=f"{type(exc).__name__}: {exc}")
+            self.machine.finish(RunState.FAILED, launch_error=f"{type(exc).__name__}: {exc}")
         finally:
             self._release()
             self.finished = True
-
-    def _should_stop(self) -> StopReason | None:
-        if self._stop_reason:
-            return self._stop_reason
-        return StopReason.TIMED_OUT if self.machine.timed_out() else None
 
     def _run(self) -> None:
         if self.base_env is not None:  # in the run keeper: connected by the job's own thread (seconds, the first time)
@@ -205,11 +200,12 @@ class _Supervisor(threading.Thread):
         if warm is None or not self._adopt(warm):
             reason = self._reserve(bundle)
             if reason:
-                return self._finish(reason)
+                return self.machine.stop(reason)
             self._start_agents()
-        refs = self._start_ranks()
+        self.machine.start_attempt()
         self.running.set()
-        self._follow(refs)
+        while not self.machine.drive():
+            pass
 
     def _reserve(self, bundle: dict[str, float]) -> StopReason | None:
         """The job's placement group, waited for (saying so every ``PENDING_NOTE_S``); why it stopped waiting, if."""
@@ -230,7 +226,7 @@ class _Supervisor(threading.Thread):
         ray = ray_module()
         noted = 0.0
         while not ray.wait([ready], timeout=0.1)[0]:
-            reason = self._should_stop()
+            reason = self.machine.stop_due()
             if reason:
                 return reason
             if time.time() - noted > PENDING_NOTE_S:
@@ -282,8 +278,8 @@ class _Supervisor(threading.Thread):
         ]
         self.nodes = ray_module().get([a.node.remote() for a in self.actors])
 
-    def _start_ranks(self) -> list:
-        """Each agent runs its rank with torchrun's env; the status says they run."""
+    def start_ranks(self, attempt: int) -> Started:
+        """Each agent runs its rank of ``attempt`` with torchrun's env."""
         ray = ray_module()
         nodes = self.nodes
         port = None
@@ -293,91 +289,67 @@ class _Supervisor(threading.Thread):
         port = port or self.launch.port or ray.get(self.actors[0].free_port.remote())
         payload = self.rd.payload_file.read_bytes()
         refs = [
-            a.run.remote(r, payload, self._rank_launch(), self._rank_env(r, nodes, port, agent_store))
+            a.run.remote(r, payload, self._rank_launch(), self._rank_env(r, nodes, port, agent_store, attempt))
             for r, a in enumerate(self.actors)
         ]
+        self._pending, self._exitcodes = dict(zip(refs, range(self.world))), {}
         pids = ray.get([a.pid.remote(wait_s=10.0) for a in self.actors])
         self.pids = {r: p for r, p in enumerate(pids) if p is not None}
-        self.progress.restart()
-        self.machine.running(
-            self.pids,
-            port,
-            master_addr=nodes[0][1],
-            nodes={str(r): ip for r, (_, ip, _) in enumerate(nodes)},
-        )
-        return refs
+        notes = {"master_addr": nodes[0][1], "nodes": {str(r): ip for r, (_, ip, _) in enumerate(nodes)}}
+        return Started(self.pids, port, notes)
 
-    def _follow(self, refs: list) -> None:
-        """Copy the ranks' logs and record each rank's outcome as it ends; on a failure (every rank that has failed
-        by then, as the launch host sees them) restart every rank (up to ``max_restarts`` times, as torchrun) or
-        finish; on a stop or the timeout take the running ranks' stacks and finish; else finish once every rank has
-        succeeded."""
+    def poll_ranks(self) -> list[ObservedFailure] | None:
+        """Wait up to 50 ms for a rank to end, copying the ranks' logs here every ``LOG_PULL_S``; each rank that has
+        ended by then has its outcome recorded. The ranks seen fail (every one by then, as the launch host sees
+        them), ``[]`` once every rank has succeeded, else ``None``."""
         ray = ray_module()
-        pending = dict(zip(refs, range(self.world)))
-        exitcodes: dict[int, int | None] = {}
-        last_pull = 0.0
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=0.05)
-            if time.monotonic() - last_pull > LOG_PULL_S:
-                last_pull = time.monotonic()
-                self._pull_logs()
-            self._sample()
-            if done:  # and every other rank that has ended by now
-                done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
-            seen = [f for f in (self._record_outcome(pending.pop(ref), ref, exitcodes) for ref in done) if f]
-            if seen and not self.machine.failed(sorted(seen, key=lambda f: f.rank)):
-                return self._finish(RunState.FAILED, exitcodes=exitcodes)
-            if seen:
-                pending, exitcodes = self._restart(pending, exitcodes), {}
-                continue
-            reason = self._should_stop()
-            if reason:
-                if reason.takes_stacks:
-                    self._save_stacks(sorted(pending.values()))
-                return self._finish(reason, exitcodes=exitcodes)
-        self._finish(RunState.SUCCEEDED, exitcodes=exitcodes)
+        pending = self._pending
+        done = ray.wait(list(pending), num_returns=1, timeout=0.05)[0] if pending else []
+        if time.monotonic() - self._pulled_at > LOG_PULL_S:
+            self._pulled_at = time.monotonic()
+            self._pull_logs()
+        if done:  # and every other rank that has ended by now
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        seen = [f for f in (self._record_outcome(pending.pop(ref), ref) for ref in done) if f]
+        if seen:
+            return sorted(seen, key=lambda f: f.rank)
+        return None if pending else []
 
-    def _sample(self) -> None:
-        """About once a second, as the launch host samples its ranks: each rank's CPU, memory and GPU figures, taken by
-        its agent on its node (:class:`~sgpu_magic.launch.ray.nodes.NodeUsage`), and whether the job is possibly stuck
-        (no rank has written a log byte or a metric point for ``stuck_after_s``; the report, with the ranks' stacks
-        taken by their agents), into the status."""
-        usage = self.usage.poll(self.actors)
-        if usage is not None:
-            self.machine.sampled(usage)
-        now = time.monotonic()
-        if now - self._progress_at < SAMPLE_INTERVAL_S:
-            return
-        self._progress_at = now
-        if self.progress.check(self.pids):
-            self.machine.sampled(stuck=self.progress.report())
+    def sample_usage(self) -> dict[int, RankUsage] | None:
+        """Each rank's CPU, memory and GPU figures, taken by its agent on its node about once a second
+        (:class:`~sgpu_magic.launch.ray.nodes.NodeUsage`); the hang detector reads the logs and metrics copied here."""
+        return self.usage.poll(self.actors)
 
-    def _restart(self, pending: dict[Any, int], exitcodes: dict[int, int | None]) -> dict[Any, int]:
-        """torchrun's restart policy, as the launch host's (:meth:`sgpu_magic.launch.host.job.HostJob._restart`):
-        stop every rank still running; the machine keeps the failed attempt's record and marks the next attempt in
-        every rank's log (:meth:`~sgpu_magic.launch.machine.RunMachine.restart`); every rank starts again on the same
-        agents, with a fresh rendezvous store. The new attempt's ``{ref: rank}``."""
+    def running_pids(self) -> dict[int, int]:
+        return {rank: self.pids.get(rank, 0) for rank in sorted(self._pending.values())}
+
+    def stop_ranks(self) -> dict[int, int | None]:
+        """Each agent stops its rank if it still runs (SIGKILL); each stopped rank's outcome is taken (its error, a
+        peer's broken connection, is the attempt's) and what the ranks wrote up to now is copied here."""
         ray = ray_module()
-        try:
+        try:  # every agent, also one whose rank has ended: stop_rank readies it for the next attempt's run
             ray.get([a.stop_rank.remote() for a in self.actors], timeout=STOP_WAIT_S)
         except Exception:  # noqa: BLE001 - a dead agent: its rank's outcome below says so
             pass
-        for ref, rank in pending.items():  # stopped: their errors (a peer's broken connection) are the attempt's
-            try:
-                out: RankOutcome = ray.get(ref, timeout=STOP_WAIT_S)
-            except Exception:  # noqa: BLE001 - its actor died
-                exitcodes[rank] = -9
+        pending = self._pending
+        ended = set(ray.wait(list(pending), num_returns=len(pending), timeout=STOP_WAIT_S)[0]) if pending else set()
+        for ref, rank in pending.items():
+            if ref not in ended:  # its agent did not stop it in time
+                self._exitcodes[rank] = None
                 continue
-            exitcodes[rank] = out.exitcode
+            try:
+                out: RankOutcome = ray.get(ref)
+            except Exception:  # noqa: BLE001 - its actor died
+                self._exitcodes[rank] = -9
+                continue
+            self._exitcodes[rank] = out.exitcode
             if out.error is not None:  # kept with the attempt's, by the machine's restart
                 self.rd.write_error(out.error)
-        self._pull_logs()  # the attempt's last lines, before the marker
-        # the marker goes into the kernel's copy of each log: the node's log goes on from the offset copied so far
-        for rank, exc in self.machine.restart(exitcodes):
-            log.warning(f"sgpu_magic: could not mark attempt {self.machine.attempt} in rank {rank}'s log ({exc})")
-        return dict(zip(self._start_ranks(), range(self.world)))
+        self._pending = {}
+        self._pull_logs()  # the attempt's last lines, before a restart's marker
+        return dict(self._exitcodes)
 
-    def take_stacks(self, ranks: Any, native: bool = False) -> dict[int, RankStack]:
+    def take_stacks(self, ranks: Iterable[int], native: bool = False) -> dict[int, RankStack]:
         """The stacks of ``ranks`` that still run, each taken on its node by its agent, all at once."""
         ray = ray_module()
         code = CodeMap.read(self.rd.code_map_file)
@@ -393,17 +365,7 @@ class _Supervisor(threading.Thread):
                 taken[rank] = stack
         return taken
 
-    def _save_stacks(self, ranks: list[int]) -> None:
-        """Before a timed-out or cancelled job's ranks are stopped: their stacks into ``stacks/`` and their summary
-        into the status, as the launch host saves them (:func:`~sgpu_magic.launch.stacks.save_stacks`)."""
-        try:
-            stacks = self.take_stacks(ranks)
-            if stacks:
-                self.machine.stacks_taken(write_stacks(self.rd, stacks))
-        except Exception as exc:  # noqa: BLE001 - logged, never raised: the ranks are stopped all the same
-            log.warning(f"sgpu_magic: could not take the stacks of job {self.rd.job_id}: {exc!r}")
-
-    def _record_outcome(self, rank: int, ref: Any, exitcodes: dict[int, int | None]) -> ObservedFailure | None:
+    def _record_outcome(self, rank: int, ref: Any) -> ObservedFailure | None:
         """Write rank ``rank``'s result or error into the run dir; its failure as the launch host records one (with
         its agent's OOM verdict), ``None`` when it succeeded (an agent that ended a rank after its value, at the
         teardown grace, counts as success)."""
@@ -412,7 +374,7 @@ class _Supervisor(threading.Thread):
         except Exception as exc:  # noqa: BLE001 - the actor died (node lost, killed)
             died = RankError(rank, type(exc).__name__, f"the rank's Ray actor died: {exc}", time_s=time.time())
             out = RankOutcome(-9, error=died)
-        exitcodes[rank] = out.exitcode
+        self._exitcodes[rank] = out.exitcode
         if out.warm:  # forked from its warm agent's zygote
             self.forked_ranks += 1
             self.machine.note(forked_ranks=self.forked_ranks)
@@ -445,7 +407,9 @@ class _Supervisor(threading.Thread):
             self._mlflow = run_env(run_file) if run_file else {}
         return self._mlflow
 
-    def _rank_env(self, rank: int, nodes: list[Node], port: int, agent_store: bool = False) -> dict[str, str]:
+    def _rank_env(
+        self, rank: int, nodes: list[Node], port: int, agent_store: bool = False, attempt: int = 1
+    ) -> dict[str, str]:
         """torchrun's contract for ``rank`` on its node (:func:`~sgpu_magic.launch.ray.nodes.rank_env_on`), over the
         ranks' base environment, the job's own and its MLflow run."""
         from sgpu_magic.launch.client import rank_base_env
@@ -453,19 +417,20 @@ class _Supervisor(threading.Thread):
         base = rank_base_env() if self.base_env is None else self.base_env
         env = {**base, **self.launch.env, **self._mlflow_env()}
         env.pop(RUN_FILE_ENV, None)  # the kernel's run directory is not on the nodes: the run's identity is given
-        return rank_env_on(self.launch, env, rank, nodes, port, self.machine.attempt, agent_store)
+        return rank_env_on(self.launch, env, rank, nodes, port, attempt, agent_store)
 
     def _pull_logs(self) -> None:
         """Copy what the ranks added to their logs and metrics on their nodes into the run directory here."""
         if self.actors:
             self.copier.pull(self.actors)
 
-    def _finish(self, end: RunState | StopReason, **change) -> None:
+    def end_ranks(self) -> dict[int, int | None]:
+        """What the ranks wrote up to now is copied here, then their agents are kept warm for the next job of the
+        shape (:meth:`_park`) or each cleans its node and is ended; the attempt's exit codes."""
         ray = ray_module()
         self._pull_logs()  # what the ranks wrote up to now, before their actors go
         if self._park():
-            self.machine.finish(end, **change)
-            return
+            return dict(self._exitcodes)
         cleanups = []
         for actor in self.actors:
             try:
@@ -481,7 +446,7 @@ class _Supervisor(threading.Thread):
                 ray.kill(actor)
             except Exception:  # noqa: BLE001
                 pass
-        self.machine.finish(end, **change)
+        return dict(self._exitcodes)
 
     def _park(self) -> bool:
         """Keep the job's placement group and agents warm for the next job of its shape (:mod:`~sgpu_magic.launch.
