@@ -25,12 +25,14 @@ def sgpu_home(tmp_path_factory):
     # The store is made before any test's kernel opens it: MLflow makes a fresh store's tables in several
     # transactions (seconds of CPU), so a kernel a test SIGKILLs meanwhile would leave it half made, and every later
     # opener of it would fail (``duplicate column name``). Made in a child, so this process imports no mlflow.
-    subprocess.run(
+    made = subprocess.run(
         [sys.executable, "-c", "import mlflow, sys; mlflow.MlflowClient(sys.argv[1]).search_experiments()", uri],
-        check=True,
         capture_output=True,
+        text=True,
         timeout=300,
+        check=False,
     )
+    assert made.returncode == 0, f"the session's MLflow store could not be made:\n{made.stderr}"
     # kernels started by tests inherit this: plain [rank N] text, which the tests read (the panel has its own tests)
     os.environ.setdefault("SGPU_MAGIC_WIDGETS", "0")
     yield home

@@ -43,12 +43,13 @@ class JobTable:
     def __init__(self, listed: list[Job], held: Sequence[str] = ()) -> None:
         self.held = list(held)
         self.rows, self.urls = [], []
-        kernels = {id(job) for job in jobs()}  # a row that is not one of them is a session's cell
+        kernels = {id(job) for job in jobs()}
+        self.nested = [id(job) not in kernels for job in listed]  # a session's running cell, under its session
         for job in listed:
             elapsed = job.elapsed_s
             self.rows.append(
                 (
-                    job.job_id if id(job) in kernels else f"  {job.job_id}",
+                    job.job_id,
                     job.state.label,
                     str(job.world_size),
                     ",".join(map(str, job.gpus)) or "cpu" if not job.plan.needs_lease or job.gpus else "-",
@@ -66,7 +67,9 @@ class JobTable:
         if not self.rows:
             return "no sgpu_magic jobs in this kernel yet"
         columns: tuple[str, ...] = self.COLUMNS
-        rows: Sequence[tuple[Any, ...]] = self.rows
+        rows: Sequence[tuple[Any, ...]] = [
+            (f"  {job_id}" if nested else job_id, *rest) for (job_id, *rest), nested in zip(self.rows, self.nested)
+        ]
         if any(self.urls):
             columns += ("run page",)
             rows = [(*row, url or "-") for row, url in zip(rows, self.urls)]
@@ -81,15 +84,15 @@ class JobTable:
             return "<i>no sgpu_magic jobs in this kernel yet</i>"
         head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)
         body = ""
-        for (job_id, *cells, run_id, what), url in zip(self.rows, self.urls):
-            nested = ' style="padding-left: 1.5em"' if job_id.startswith(" ") else ""  # a session's running cell
+        for (job_id, *cells, run_id, what), url, nested in zip(self.rows, self.urls, self.nested):
+            indent = ' style="padding-left: 1.5em"' if nested else ""
             run = (
                 f'<a href="{html.escape(url)}" target="_blank">{html.escape(run_id)}</a>'
                 if url
                 else html.escape(run_id)
             )
             body += (
-                f"<tr><td{nested}>{html.escape(job_id.strip())}</td>"
+                f"<tr><td{indent}>{html.escape(job_id)}</td>"
                 + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
                 + f"<td>{run}</td><td>{html.escape(what)}</td></tr>"
             )

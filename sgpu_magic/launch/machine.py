@@ -162,10 +162,7 @@ class RunMachine:
             if stacks and reason.takes_stacks and self.pids is not None:
                 self._save_stacks()
             self.group.stop_ranks()  # also ranks of an attempt that failed to start all of them
-        if launch_error is None:
-            self.finish(reason)
-        else:
-            self.finish(reason, launch_error=launch_error)
+        self.finish(reason, None, **({} if launch_error is None else {"launch_error": launch_error}))
 
     def _save_stacks(self) -> None:
         """Before a timed-out or cancelled job's ranks are stopped: the stacks of those still running into ``stacks/``
